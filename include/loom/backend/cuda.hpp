@@ -1,0 +1,50 @@
+#pragma once
+
+//! @file
+//! loom::cuda: a CUDA stream. Host-compilable; the kernels (backend/detail/parallel_cuda.cuh) are
+//! pulled in only when nvcc compiles the translation unit. Link loom::cuda.
+
+#include <loom/backend/traits.hpp>
+#include <loom/core/error.hpp>
+
+#include <cuda_runtime_api.h>
+
+namespace loom {
+
+//! Work is enqueued on `stream` (0: the legacy default stream). Data must be device-accessible.
+struct cuda {
+  cudaStream_t stream = nullptr;
+};
+
+namespace detail {
+inline void cuda_check(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess)
+    fail(errc::internal, concat(what, " failed: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
+         file, line);
+}
+}  // namespace detail
+
+template <>
+struct backend_traits<cuda> {
+  using memory_space = cuda_memory;
+  static constexpr std::string_view name() noexcept { return "cuda"; }
+  static void fence(const cuda& b) {
+    detail::cuda_check(cudaStreamSynchronize(b.stream), "cudaStreamSynchronize", __FILE__, __LINE__);
+  }
+  static int concurrency(const cuda&) {
+    int device = 0, sms = 0;
+    detail::cuda_check(cudaGetDevice(&device), "cudaGetDevice", __FILE__, __LINE__);
+    detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+                       "cudaDeviceGetAttribute", __FILE__, __LINE__);
+    return sms;
+  }
+};
+
+}  // namespace loom
+
+//! Throws loom::error(internal) naming the call when a CUDA runtime call fails.
+#define LOOM_CUDA_TRY(call) ::loom::detail::cuda_check((call), #call, __FILE__, __LINE__)
+
+#if defined(__CUDACC__)
+#include <loom/backend/detail/parallel_cuda.cuh>
+#endif

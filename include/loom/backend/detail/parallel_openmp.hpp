@@ -1,0 +1,46 @@
+#pragma once
+
+//! @file
+//! The generic loops on OpenMP threads (static schedule; reduce uses the fixed blocking).
+
+#include <loom/backend/detail/blocking.hpp>
+#include <loom/backend/traits.hpp>
+
+#include <type_traits>
+
+namespace loom {
+struct openmp;
+
+namespace detail {
+template <>
+struct parallel_impl<openmp> {
+  template <class B>
+  static int team(const B& b) noexcept {
+    return backend_traits<B>::concurrency(b);
+  }
+
+  template <class B, class F>
+  static void for_each(const B& b, index_t n, const F& f) {
+    static_assert(LOOM_HAS_OPENMP || always_false<B>,
+                  "loom::openmp needs OpenMP: link the loom::openmp CMake target (or pass -fopenmp)");
+    [[maybe_unused]] const int t = team(b);
+#pragma omp parallel for schedule(static) num_threads(t) if (n > 1 && t > 1)
+    for (index_t i = 0; i < n; ++i) f(i);
+  }
+
+  template <class B, class T, class Op, class F>
+  static T reduce(const B& b, index_t n, T init, const Op& op, const F& f) {
+    static_assert(LOOM_HAS_OPENMP || always_false<B>,
+                  "loom::openmp needs OpenMP: link the loom::openmp CMake target (or pass -fopenmp)");
+    const reduce_blocking blk(n);
+    using P = std::remove_cvref_t<decltype(fold_block(blk, 0, op, f))>;
+    P partial[reduce_blocking::max_blocks];
+    [[maybe_unused]] const int t = team(b);
+#pragma omp parallel for schedule(static) num_threads(t) if (blk.blocks > 1 && t > 1)
+    for (index_t k = 0; k < blk.blocks; ++k) partial[k] = fold_block(blk, k, op, f);
+    for (index_t k = 0; k < blk.blocks; ++k) init = op(init, partial[k]);
+    return init;
+  }
+};
+}  // namespace detail
+}  // namespace loom

@@ -1,0 +1,81 @@
+#pragma once
+
+//! @file
+//! The generic execution building blocks every primitive is written with. Each takes a callable
+//! that is LOOM_HD (host and device) so one body serves every backend:
+//!   loom::for_each_index(b, n, f)                      f(i) for i in [0, n)
+//!   loom::reduce(b, n, init, op, f)                    init op f(0) op ... op f(n-1)
+//!   loom::for_each_tile(b, rows, cols, tile, f)         f(tile2d) for each tile of a 2-D space
+//! Include the header of the backend you use (loom/backend/openmp.hpp, ...) before calling.
+
+#include <loom/backend/serial.hpp>
+#include <loom/backend/traits.hpp>
+#include <loom/core/error.hpp>
+#include <loom/core/tensor_view.hpp>
+
+namespace loom {
+
+//! Calls f(i) for every i in [0, n), in parallel on `b`; the order of calls is unspecified.
+//! Stream-ordered on cuda (returns before the kernel finishes); complete on return elsewhere.
+//! @throws loom::error(invalid_argument) if n < 0.
+template <backend B, class F>
+void for_each_index(const B& b, index_t n, const F& f) {
+  LOOM_EXPECTS(n >= 0, errc::invalid_argument, "for_each_index: n must be >= 0, got ", n);
+  detail::parallel_impl<B>::for_each(b, n, f);
+}
+
+//! Reduces f(0..n-1) with the associative `op` (commutativity not assumed): the result is
+//! init op B_0 op B_1 op ..., where B_k is the left fold of a fixed block of indices that depends
+//! only on n. So the bits of the result are the same for serial, openmp (any thread count) and
+//! kokkos host spaces. Returns init when n == 0. Synchronous on every backend.
+//! @throws loom::error(invalid_argument) if n < 0.
+template <backend B, class T, class Op, class F>
+T reduce(const B& b, index_t n, T init, const Op& op, const F& f) {
+  LOOM_EXPECTS(n >= 0, errc::invalid_argument, "reduce: n must be >= 0, got ", n);
+  return detail::parallel_impl<B>::reduce(b, n, init, op, f);
+}
+
+//! One tile of a 2-D index space: rows [row_begin, row_end) x cols [col_begin, col_end).
+struct tile2d {
+  index_t row_begin, row_end, col_begin, col_end;
+  index_t tile_row, tile_col;  //!< the tile's coordinates in the tile grid
+};
+
+//! Tile sizes for for_each_tile.
+struct tile_shape {
+  index_t rows = 64;
+  index_t cols = 64;
+};
+
+namespace detail {
+template <class F>
+struct tile_body {
+  index_t rows, cols, tile_rows, tile_cols, grid_cols;
+  F f;
+  LOOM_HD void operator()(index_t t) const {
+    const index_t tr = t / grid_cols, tc = t % grid_cols;
+    const index_t r0 = tr * tile_rows, c0 = tc * tile_cols;
+    const index_t r1 = r0 + tile_rows < rows ? r0 + tile_rows : rows;
+    const index_t c1 = c0 + tile_cols < cols ? c0 + tile_cols : cols;
+    f(tile2d{r0, r1, c0, c1, tr, tc});
+  }
+};
+}  // namespace detail
+
+//! Calls f(tile2d) once for every tile of [0, rows) x [0, cols), tiles in parallel. Edge tiles
+//! are clipped (never padded). Same completion semantics as for_each_index.
+//! @throws loom::error(invalid_argument) for negative extents or non-positive tile sizes.
+template <backend B, class F>
+void for_each_tile(const B& b, index_t rows, index_t cols, tile_shape tile, const F& f) {
+  LOOM_EXPECTS(rows >= 0 && cols >= 0, errc::invalid_argument, "for_each_tile: rows and cols must be >= 0, got ",
+               rows, " x ", cols);
+  LOOM_EXPECTS(tile.rows > 0 && tile.cols > 0, errc::invalid_argument,
+               "for_each_tile: tile sizes must be > 0, got ", tile.rows, " x ", tile.cols);
+  const index_t grid_rows = (rows + tile.rows - 1) / tile.rows;
+  const index_t grid_cols = (cols + tile.cols - 1) / tile.cols;
+  if (grid_rows == 0 || grid_cols == 0) return;
+  detail::parallel_impl<B>::for_each(b, grid_rows * grid_cols,
+                                     detail::tile_body<F>{rows, cols, tile.rows, tile.cols, grid_cols, f});
+}
+
+}  // namespace loom

@@ -1,0 +1,89 @@
+#pragma once
+
+// The backend under test, chosen by the LOOM_TEST_BACKEND_<B> macro a generated translation unit
+// defines (see loom_add_backend_test in cmake/LoomTesting.cmake). A body uses:
+//   loom::test::backend_under_test        the policy type
+//   loom::test::make_backend()            an instance (openmp: 2 threads, the CI machine's cores)
+//   loom::test::buffer<T>                 storage in the backend's memory space, with to_host()
+//   LOOM_BACKEND_TAG                      "[serial]", "[openmp]", ...
+
+#include <loom/backend/parallel.hpp>
+#include <loom/backend/serial.hpp>
+
+#include <vector>
+
+#if defined(LOOM_TEST_BACKEND_SERIAL)
+namespace loom::test {
+using backend_under_test = loom::serial;
+inline backend_under_test make_backend() { return {}; }
+}  // namespace loom::test
+#define LOOM_BACKEND_TAG "[serial]"
+#elif defined(LOOM_TEST_BACKEND_OPENMP)
+#include <loom/backend/openmp.hpp>
+namespace loom::test {
+using backend_under_test = loom::openmp;
+inline backend_under_test make_backend() { return {.threads = 2}; }
+}  // namespace loom::test
+#define LOOM_BACKEND_TAG "[openmp]"
+#elif defined(LOOM_TEST_BACKEND_KOKKOS)
+#include <loom/backend/kokkos.hpp>
+namespace loom::test {
+using backend_under_test = loom::kokkos<>;
+inline backend_under_test make_backend() { return {}; }
+}  // namespace loom::test
+#define LOOM_BACKEND_TAG "[kokkos]"
+#elif defined(LOOM_TEST_BACKEND_CUDA)
+#include <loom/backend/cuda.hpp>
+namespace loom::test {
+using backend_under_test = loom::cuda;
+inline backend_under_test make_backend() { return {}; }
+}  // namespace loom::test
+#define LOOM_BACKEND_TAG "[cuda]"
+#else
+#error "define one LOOM_TEST_BACKEND_<B> before including support/backends.hpp"
+#endif
+
+namespace loom::test {
+
+//! n elements in the memory space of the backend under test, initialised from `init`.
+template <class T>
+class buffer {
+ public:
+  explicit buffer(const std::vector<T>& init) : n_(init.size()) {
+#if defined(LOOM_TEST_BACKEND_CUDA)
+    LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&ptr_), sizeof(T) * n_ + 1));
+    LOOM_CUDA_TRY(cudaMemcpy(ptr_, init.data(), sizeof(T) * n_, cudaMemcpyHostToDevice));
+#else
+    host_ = init;
+    ptr_ = host_.data();
+#endif
+  }
+  explicit buffer(std::size_t n) : buffer(std::vector<T>(n)) {}
+  buffer(const buffer&) = delete;
+  buffer& operator=(const buffer&) = delete;
+  ~buffer() {
+#if defined(LOOM_TEST_BACKEND_CUDA)
+    cudaFree(ptr_);
+#endif
+  }
+  T* data() const { return ptr_; }
+  std::size_t size() const { return n_; }
+  //! A host copy, after the backend has finished.
+  std::vector<T> to_host() const {
+    fence(make_backend());
+#if defined(LOOM_TEST_BACKEND_CUDA)
+    std::vector<T> h(n_);
+    LOOM_CUDA_TRY(cudaMemcpy(h.data(), ptr_, sizeof(T) * n_, cudaMemcpyDeviceToHost));
+    return h;
+#else
+    return host_;
+#endif
+  }
+
+ private:
+  std::size_t n_;
+  T* ptr_ = nullptr;
+  std::vector<T> host_;
+};
+
+}  // namespace loom::test
