@@ -1,0 +1,353 @@
+// comm::local: the conformance suite for P = 1..8, through comm::any too, and every error path.
+
+#include <loom/comm/any.hpp>
+#include <loom/comm/local.hpp>
+
+#include <catch2/catch.hpp>
+#include <comm/conformance.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+using loom::comm::local;
+using loom::comm::run_local;
+using loom::test::rank_report;
+
+static_assert(loom::comm::communicator<loom::comm::local>);
+static_assert(loom::comm::communicator<loom::comm::any>);
+
+namespace {
+
+// Runs `body(comm, report)` on P ranks and checks every rank's report on this thread.
+template <class Body>
+void on_ranks(int p, Body body) {
+  auto reports = run_local(p, [&](local& c) {
+    rank_report r;
+    body(c, r);
+    return r;
+  });
+  REQUIRE(reports.size() == static_cast<std::size_t>(p));
+  for (int q = 0; q < p; ++q) {
+    INFO("P = " << p << ", rank " << q);
+    const auto& r = reports[static_cast<std::size_t>(q)];
+    for (const auto& f : r.failures) FAIL_CHECK(f);
+    CHECK(r.failures.empty());
+    CHECK(r.checks > 0);
+  }
+}
+
+using ms = std::chrono::milliseconds;
+
+// Runs fn on P ranks and collects, per rank, the loom::error it threw (or nothing).
+template <class Fn>
+std::vector<std::string> errors_on_ranks(int p, Fn fn, ms timeout = ms(20000)) {
+  return run_local(
+      p,
+      [&](local& c) -> std::string {
+        try {
+          fn(c);
+        } catch (const loom::error& e) {
+          return std::string(loom::to_string(e.code())) + "|" + e.what();
+        }
+        return "";
+      },
+      {.timeout = timeout});
+}
+
+}  // namespace
+
+#define LOOM_CONFORMANCE_CASE(name, fn)                                                   \
+  TEST_CASE("comm::local " name " conforms for P = 1..8", "[comm][local][" name "]") {    \
+    const int p = GENERATE(range(1, 9));                                                  \
+    on_ranks(p, [](local& c, rank_report& r) { loom::test::fn(c, r); });                  \
+  }
+
+LOOM_CONFORMANCE_CASE("rank_size", conf_rank_size)
+LOOM_CONFORMANCE_CASE("sendrecv", conf_sendrecv_ring)
+LOOM_CONFORMANCE_CASE("zero_size", conf_zero_size)
+LOOM_CONFORMANCE_CASE("many_outstanding", conf_many_outstanding)
+LOOM_CONFORMANCE_CASE("all_gather", conf_all_gather)
+LOOM_CONFORMANCE_CASE("all_to_all", conf_all_to_all)
+LOOM_CONFORMANCE_CASE("all_to_allv", conf_all_to_allv)
+LOOM_CONFORMANCE_CASE("all_reduce", conf_all_reduce)
+LOOM_CONFORMANCE_CASE("reduce_scatter", conf_reduce_scatter)
+LOOM_CONFORMANCE_CASE("broadcast", conf_broadcast)
+LOOM_CONFORMANCE_CASE("barrier", conf_barrier)
+LOOM_CONFORMANCE_CASE("split", conf_split)
+
+TEST_CASE("comm::local moves 64 MiB messages", "[comm][local][large]") {
+  const int p = GENERATE(1, 2, 3, 8);
+  on_ranks(p, [](local& c, rank_report& r) { loom::test::conf_large(c, r); });
+}
+
+TEST_CASE("comm::any over comm::local conforms", "[comm][any]") {
+  const int p = GENERATE(1, 3, 4);
+  on_ranks(p, [](local& c, rank_report& r) {
+    loom::comm::any a(c);
+    loom::test::conformance_suite(a, r, /*include_large=*/false);
+  });
+}
+
+TEST_CASE("comm::local barrier really separates phases", "[comm][local][barrier]") {
+  const int p = GENERATE(2, 5, 8);
+  std::atomic<int> before{0};
+  auto seen = run_local(p, [&](local& c) {
+    before.fetch_add(1);
+    c.barrier();
+    return before.load();
+  });
+  for (int v : seen) CHECK(v == p);
+}
+
+TEST_CASE("comm::local reductions are bitwise reproducible", "[comm][local][determinism]") {
+  auto once = [] {
+    return run_local(5, [](local& c) {
+      std::vector<double> x(257);
+      for (std::size_t i = 0; i < x.size(); ++i) x[i] = 1.0 / static_cast<double>(3 + i + 7 * c.rank());
+      c.all_reduce(std::span<const double>(x), std::span<double>(x), loom::comm::reduce_op::sum);
+      return x;
+    });
+  };
+  const auto a = once(), b = once();
+  for (std::size_t r = 0; r < a.size(); ++r) CHECK(a[r] == b[r]);  // exact: rank-ordered combination
+  for (std::size_t r = 1; r < a.size(); ++r) CHECK(a[r] == a[0]);  // every rank holds the same bits
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error paths: each is a loom::error on every rank involved, never a hang.
+
+TEST_CASE("comm::local collective with mismatched sizes fails on every rank", "[comm][local][errors]") {
+  const auto errs = errors_on_ranks(3, [](local& c) {
+    std::vector<double> x(c.rank() == 2 ? 4 : 5);
+    c.all_reduce(std::span<const double>(x), std::span<double>(x), loom::comm::reduce_op::sum);
+  });
+  for (const auto& e : errs) {
+    CHECK_THAT(e, Catch::Contains("comm_failure|") && Catch::Contains("all_reduce") && Catch::Contains("contributes"));
+  }
+}
+
+TEST_CASE("comm::local collective with mismatched element types fails on every rank", "[comm][local][errors]") {
+  const auto errs = errors_on_ranks(4, [](local& c) {
+    if (c.rank() == 1) {
+      std::vector<float> x(3), y(12);
+      c.all_gather(std::span<const float>(x), std::span<float>(y));
+    } else {
+      std::vector<double> x(3), y(12);
+      c.all_gather(std::span<const double>(x), std::span<double>(y));
+    }
+  });
+  for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("all_gather") && Catch::Contains("f32"));
+}
+
+TEST_CASE("comm::local different collectives in the same slot fail on every rank", "[comm][local][errors]") {
+  const auto errs = errors_on_ranks(3, [](local& c) {
+    if (c.rank() == 0) {
+      c.barrier();
+    } else {
+      int v = 0;
+      c.broadcast(std::span<int>(&v, 1), 0);
+    }
+  });
+  for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("mismatch") && Catch::Contains("barrier"));
+}
+
+TEST_CASE("comm::local rejects bad collective arguments on every rank", "[comm][local][errors]") {
+  SECTION("all_gather recv of the wrong size") {
+    const auto errs = errors_on_ranks(2, [](local& c) {
+      std::vector<int> s(3), r(c.rank() == 0 ? 6 : 5);
+      c.all_gather(std::span<const int>(s), std::span<int>(r));
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("recv holds 5 elements"));
+  }
+  SECTION("all_to_all not divisible by P") {
+    const auto errs = errors_on_ranks(3, [](local& c) {
+      std::vector<int> s(4), r(4);
+      c.all_to_all(std::span<const int>(s), std::span<int>(r));
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("not a multiple"));
+  }
+  SECTION("all_to_allv counts that disagree between ranks") {
+    const auto errs = errors_on_ranks(2, [](local& c) {
+      std::vector<std::size_t> sc{1, 1}, sd{0, 1}, rc{1, c.rank() == 0 ? 2u : 1u}, rd{0, 1};
+      std::vector<int> s(2), r(3);
+      c.all_to_allv(std::span<const int>(s), std::span<const std::size_t>(sc), std::span<const std::size_t>(sd),
+                    std::span<int>(r), std::span<const std::size_t>(rc), std::span<const std::size_t>(rd));
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("which expects 2"));
+  }
+  SECTION("all_to_allv block outside the buffer") {
+    const auto errs = errors_on_ranks(2, [](local& c) {
+      std::vector<std::size_t> sc{1, 1}, sd{0, 5}, rc{1, 1}, rd{0, 1};
+      std::vector<int> s(2), r(2);
+      c.all_to_allv(std::span<const int>(s), std::span<const std::size_t>(sc), std::span<const std::size_t>(sd),
+                    std::span<int>(r), std::span<const std::size_t>(rc), std::span<const std::size_t>(rd));
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("outside the buffer"));
+  }
+  SECTION("reduce_scatter sizes") {
+    const auto errs = errors_on_ranks(2, [](local& c) {
+      std::vector<int> s(5), r(2);
+      c.reduce_scatter(std::span<const int>(s), std::span<int>(r), loom::comm::reduce_op::sum);
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("reduce_scatter") && Catch::Contains("2 x 2"));
+  }
+  SECTION("broadcast roots that differ or are out of range") {
+    auto errs = errors_on_ranks(3, [](local& c) {
+      int v = 0;
+      c.broadcast(std::span<int>(&v, 1), c.rank() == 2 ? 1 : 0);
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("root"));
+    errs = errors_on_ranks(2, [](local& c) {
+      int v = 0;
+      c.broadcast(std::span<int>(&v, 1), 7);
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("root must be in [0, 2)"));
+  }
+  SECTION("reduce ops that differ") {
+    const auto errs = errors_on_ranks(2, [](local& c) {
+      int v = 1;
+      c.all_reduce(std::span<const int>(&v, 1), std::span<int>(&v, 1),
+                   c.rank() ? loom::comm::reduce_op::max : loom::comm::reduce_op::sum);
+    });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("reduces with sum"));
+  }
+  SECTION("split with a negative color") {
+    const auto errs = errors_on_ranks(2, [](local& c) { c.split(c.rank() - 1, 0); });
+    for (const auto& e : errs) CHECK_THAT(e, Catch::Contains("color must be >= 0"));
+  }
+}
+
+TEST_CASE("comm::local point-to-point size mismatch fails on both sides", "[comm][local][errors]") {
+  const auto errs = errors_on_ranks(2, [](local& c) {
+    std::vector<float> buf(c.rank() == 0 ? 10 : 9);
+    if (c.rank() == 0) {
+      auto q = c.isend(std::span<const float>(buf), 1, 3);
+      c.wait(q);
+    } else {
+      auto q = c.irecv(std::span<float>(buf), 0, 3);
+      c.wait(q);
+    }
+  });
+  for (const auto& e : errs)
+    CHECK_THAT(e, Catch::Contains("comm_failure|") && Catch::Contains("expects 9 x f32") && Catch::Contains("sent 10"));
+}
+
+TEST_CASE("comm::local point-to-point argument errors", "[comm][local][errors]") {
+  run_local(2, [](local& c) {
+    float x = 0;
+    CHECK_THROWS_AS(c.isend(std::span<const float>(&x, 1), 2, 0), loom::error);
+    CHECK_THROWS_AS(c.irecv(std::span<float>(&x, 1), -1, 0), loom::error);
+    CHECK_THROWS_WITH(c.isend(std::span<const float>(&x, 1), 0, -4), Catch::Contains("tag must be >= 0"));
+  });
+  CHECK_THROWS_WITH(run_local(0, [](local&) {}), Catch::Contains("ranks must be >= 1"));
+}
+
+TEST_CASE("comm::local missing rank: the others time out naming the call", "[comm][local][errors][timeout]") {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::string> seen(3);
+  try {
+    run_local(
+        3,
+        [&](local& c) {
+          try {
+            if (c.rank() == 1) std::this_thread::sleep_for(ms(1500));  // stuck, long past the timeout
+            c.barrier();
+          } catch (const loom::error& e) {
+            seen[static_cast<std::size_t>(c.rank())] = std::string(loom::to_string(e.code())) + "|" + e.what();
+            throw;
+          }
+        },
+        {.timeout = ms(200)});
+    FAIL("run_local should have thrown");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == loom::errc::timeout);
+    CHECK_THAT(e.what(), Catch::Contains("barrier") && Catch::Contains("timed out after 200 ms") &&
+                             Catch::Contains("rank(s) 1 did not arrive"));
+  }
+  CHECK_THAT(seen[0], Catch::Contains("barrier"));
+  CHECK_THAT(seen[2], Catch::Contains("barrier"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+}
+
+TEST_CASE("comm::local point-to-point timeout names the wait", "[comm][local][errors][timeout]") {
+  try {
+    run_local(
+        2,
+        [](local& c) {
+          if (c.rank() == 0) {
+            float x = 0;
+            auto q = c.irecv(std::span<float>(&x, 1), 1, 4);
+            c.wait(q);
+          } else {
+            std::this_thread::sleep_for(ms(800));
+          }
+        },
+        {.timeout = ms(150)});
+    FAIL("run_local should have thrown");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == loom::errc::timeout);
+    CHECK_THAT(e.what(), Catch::Contains("irecv(src=1, tag=4") && Catch::Contains("timed out"));
+  }
+}
+
+TEST_CASE("comm::local rank that returned is reported at once", "[comm][local][errors]") {
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(run_local(
+                        3,
+                        [](local& c) {
+                          if (c.rank() != 2) c.all_reduce(std::span<const int>(), std::span<int>(), loom::comm::reduce_op::sum);
+                        },
+                        {.timeout = ms(60000)}),
+                    Catch::Contains("all_reduce") && Catch::Contains("rank 2 returned without calling it"));
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
+
+TEST_CASE("comm::local exception in one rank is rethrown and releases the others", "[comm][local][errors]") {
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<int> released{0};
+  try {
+    run_local(
+        4,
+        [&](local& c) {
+          if (c.rank() == 2) throw std::runtime_error("boom on rank 2");
+          try {
+            c.barrier();
+          } catch (const loom::error& e) {
+            if (e.code() == loom::errc::comm_failure) released.fetch_add(1);
+            throw;
+          }
+        },
+        {.timeout = ms(60000)});
+    FAIL("run_local should have thrown");
+  } catch (const loom::error&) {
+    FAIL("the original exception should win over the released ranks' errors");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()) == "boom on rank 2");
+  }
+  CHECK(released.load() == 3);
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+}
+
+TEST_CASE("comm::local request never waited on is an error", "[comm][local][errors]") {
+  CHECK_THROWS_WITH(run_local(2,
+                              [](local& c) {
+                                static float x[2];
+                                if (c.rank() == 0) {
+                                  auto q = c.isend(std::span<const float>(&x[0], 1), 1, 0);
+                                  (void)q;
+                                } else {
+                                  auto q = c.irecv(std::span<float>(&x[1], 1), 0, 0);
+                                  c.wait(q);
+                                }
+                              }),
+                    Catch::Contains("never waited on"));
+}
+
+TEST_CASE("comm::local returns per-rank results in rank order", "[comm][local]") {
+  const auto v = run_local(7, [](local& c) { return c.rank() * 10 + c.size(); });
+  REQUIRE(v.size() == 7);
+  for (int q = 0; q < 7; ++q) CHECK(v[static_cast<std::size_t>(q)] == q * 10 + 7);
+}
