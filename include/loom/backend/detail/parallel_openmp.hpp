@@ -8,6 +8,14 @@
 
 #include <type_traits>
 
+// The pragmas vanish without OpenMP (no unknown-pragma warnings); the static_asserts below then
+// tell the user to link loom::openmp.
+#if LOOM_HAS_OPENMP
+#define LOOM_OMP(...) _Pragma(LOOM_STRINGIFY(omp __VA_ARGS__))
+#else
+#define LOOM_OMP(...)
+#endif
+
 namespace loom {
 struct openmp;
 
@@ -24,7 +32,7 @@ struct parallel_impl<openmp> {
     static_assert(LOOM_HAS_OPENMP || always_false<B>,
                   "loom::openmp needs OpenMP: link the loom::openmp CMake target (or pass -fopenmp)");
     [[maybe_unused]] const int t = team(b);
-#pragma omp parallel for schedule(static) num_threads(t) if (n > 1 && t > 1)
+    LOOM_OMP(parallel for schedule(static) num_threads(t) if (n > 1 && t > 1))
     for (index_t i = 0; i < n; ++i) f(i);
   }
 
@@ -36,7 +44,7 @@ struct parallel_impl<openmp> {
     using P = std::remove_cvref_t<decltype(fold_block(blk, 0, op, f))>;
     P partial[reduce_blocking::max_blocks];
     [[maybe_unused]] const int t = team(b);
-#pragma omp parallel for schedule(static) num_threads(t) if (blk.blocks > 1 && t > 1)
+    LOOM_OMP(parallel for schedule(static) num_threads(t) if (blk.blocks > 1 && t > 1))
     for (index_t k = 0; k < blk.blocks; ++k) partial[k] = fold_block(blk, k, op, f);
     for (index_t k = 0; k < blk.blocks; ++k) init = op(init, partial[k]);
     return init;
