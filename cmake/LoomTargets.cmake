@@ -7,6 +7,8 @@ target_include_directories(loom INTERFACE
   $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}/include>
   $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
 target_compile_features(loom INTERFACE cxx_std_20)
+# CMake 3.25 cannot request C++20 from nvcc through compile features: ask for it directly.
+target_compile_options(loom INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
 find_package(Threads REQUIRED)  # comm::local runs ranks as std::threads
 target_link_libraries(loom INTERFACE Threads::Threads)
 set_target_properties(loom PROPERTIES EXPORT_NAME loom)

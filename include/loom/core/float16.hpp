@@ -8,6 +8,7 @@
 
 #include <loom/config.hpp>
 
+#include <concepts>
 #include <cstdint>
 
 namespace loom {
@@ -80,6 +81,8 @@ struct bfloat16 {
   LOOM_HD constexpr bfloat16(float f) noexcept : bits(detail::float_to_bf16_bits(f)) {}
   //! Via float (double rounding can differ from a direct rounding in rare ties).
   LOOM_HD constexpr explicit bfloat16(double d) noexcept : bfloat16(static_cast<float>(d)) {}
+  template <std::integral I>
+  LOOM_HD constexpr explicit bfloat16(I v) noexcept : bfloat16(static_cast<float>(v)) {}
   LOOM_HD constexpr operator float() const noexcept { return detail::bf16_bits_to_float(bits); }
   LOOM_HD static constexpr bfloat16 from_bits(std::uint16_t b) noexcept {
     bfloat16 r{};
@@ -97,6 +100,8 @@ struct half {
   LOOM_HD constexpr half(float f) noexcept : bits(detail::float_to_half_bits(f)) {}
   //! Via float (double rounding can differ from a direct rounding in rare ties).
   LOOM_HD constexpr explicit half(double d) noexcept : half(static_cast<float>(d)) {}
+  template <std::integral I>
+  LOOM_HD constexpr explicit half(I v) noexcept : half(static_cast<float>(v)) {}
   LOOM_HD constexpr operator float() const noexcept { return detail::half_bits_to_float(bits); }
   LOOM_HD static constexpr half from_bits(std::uint16_t b) noexcept {
     half r{};
