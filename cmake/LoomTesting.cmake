@@ -14,8 +14,10 @@ function(loom_add_test name)
   endif()
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE loom_test_main_${T_MAIN} ${T_LINK})
-  catch_discover_tests(${name} TEST_PREFIX "${name}:" PROPERTIES LABELS "${T_LABELS}"
-                       DISCOVERY_TIMEOUT 60)
+  # catch_discover_tests flattens a list-valued property, so the labels travel as one joined label
+  # ("comm-local", "backend-kokkos"); ctest -L takes a regex, so -L kokkos still selects it.
+  string(JOIN "-" _label ${T_LABELS})
+  catch_discover_tests(${name} TEST_PREFIX "${name}:" PROPERTIES LABELS "${_label}" DISCOVERY_TIMEOUT 60)
 endfunction()
 
 function(loom_add_backend_test name)
