@@ -81,8 +81,8 @@ int main(int argc, char** argv) {
   const bool ok = err <= 1e-9;
   std::printf("loom quick start: distributed inclusive scan over %d in-process ranks (comm::local)\n", ranks);
   std::printf("  length %lld (shards of %lld..%lld elements)\n", n, n / ranks, (n + ranks - 1) / ranks);
-  std::printf("  checked every element against a serial fp64 scan: max relative error %.3g (tolerance 1e-9) %s\n",
-              err, ok ? "OK" : "FAILED");
+  std::printf("  checked every element against a serial fp64 scan: max relative error %.3g (tolerance 1e-9) %s\n", err,
+              ok ? "OK" : "FAILED");
   std::printf("  time: distributed %.3f s, serial oracle %.3f s\n", dist_s, serial_s);
   return ok ? 0 : 1;
 }

@@ -5,8 +5,8 @@
 //! dependency beyond the standard library. Backends and communicators with a dependency
 //! (openmp, kokkos, cuda, mpi, nccl) have their own headers: include those explicitly.
 
-#include <loom/backend/parallel.hpp>
 #include <loom/backend/openmp.hpp>
+#include <loom/backend/parallel.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/any.hpp>
 #include <loom/comm/communicator.hpp>

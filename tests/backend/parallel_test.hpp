@@ -4,10 +4,11 @@
 #include <loom/backend/parallel.hpp>
 #include <loom/core/precision.hpp>
 
-#include <catch2/catch.hpp>
 #include <support/backends.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
 
 #include <cstdint>
 #include <tuple>
@@ -99,7 +100,8 @@ TEMPLATE_LIST_TEST_CASE("backend::reduce matches the fp64 oracle", "[backend][re
                             "sum of " + std::to_string(n));
 }
 
-TEST_CASE("backend::reduce of small integers is exact and bitwise equal to serial", "[backend][reduce]" LOOM_BACKEND_TAG) {
+TEST_CASE("backend::reduce of small integers is exact and bitwise equal to serial",
+          "[backend][reduce]" LOOM_BACKEND_TAG) {
   const index_t n = GENERATE(as<index_t>{}, 1, 4095, 4096, 4097, 65537, 1048583);
   const auto host = loom::test::small_integers<float>(n, -8, 8, 12);
   double oracle = 0;

@@ -25,8 +25,7 @@ struct rank_report {
   }
 };
 
-#define LOOM_RANK_CHECK(report, cond, ...) \
-  (report).check((cond), ::loom::detail::concat(#cond, " [", __VA_ARGS__, "]"))
+#define LOOM_RANK_CHECK(report, cond, ...) (report).check((cond), ::loom::detail::concat(#cond, " [", __VA_ARGS__, "]"))
 
 // A value that depends on who sent it and where, exact in every type used below.
 inline double pattern(int src, int dst, std::size_t i) {
@@ -152,9 +151,11 @@ void conf_all_gather(C& c, rank_report& r) {
       LOOM_RANK_CHECK(r, recv[q * n + i] == pattern(static_cast<int>(q), 0, i), "q=", q, " i=", i);
   // In place: this rank's block of recv is its send.
   std::vector<bfloat16> all(up * 3);
-  for (std::size_t i = 0; i < 3; ++i) all[static_cast<std::size_t>(me) * 3 + i] = bfloat16(static_cast<float>(me * 3 + i));
+  for (std::size_t i = 0; i < 3; ++i)
+    all[static_cast<std::size_t>(me) * 3 + i] = bfloat16(static_cast<float>(me * 3 + i));
   c.all_gather(std::span<const bfloat16>(all.data() + me * 3, 3), mspan(all));
-  for (std::size_t j = 0; j < up * 3; ++j) LOOM_RANK_CHECK(r, static_cast<float>(all[j]) == static_cast<float>(j), "j=", j);
+  for (std::size_t j = 0; j < up * 3; ++j)
+    LOOM_RANK_CHECK(r, static_cast<float>(all[j]) == static_cast<float>(j), "j=", j);
   // A struct travels as bytes.
   struct item {
     std::int32_t a;
@@ -240,9 +241,11 @@ void conf_all_reduce(C& c, rank_report& r) {
   c.all_reduce(cspan(x), mspan(y), comm::reduce_op::sum);
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, y[i] == sum_expect[i], "sum i=", i);
   c.all_reduce(cspan(xi), mspan(yi), comm::reduce_op::min);
-  for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, yi[i] == static_cast<std::int32_t>(min_expect[i]), "min i=", i);
+  for (std::size_t i = 0; i < n; ++i)
+    LOOM_RANK_CHECK(r, yi[i] == static_cast<std::int32_t>(min_expect[i]), "min i=", i);
   c.all_reduce(cspan(xi), mspan(xi), comm::reduce_op::max);  // in place
-  for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, xi[i] == static_cast<std::int32_t>(max_expect[i]), "max i=", i);
+  for (std::size_t i = 0; i < n; ++i)
+    LOOM_RANK_CHECK(r, xi[i] == static_cast<std::int32_t>(max_expect[i]), "max i=", i);
   std::vector<float> f(5, me % 2 ? -1.f : 1.f);
   c.all_reduce(cspan(f), mspan(f), comm::reduce_op::prod);
   const float prod_expect = (p / 2) % 2 ? -1.f : 1.f;
@@ -272,8 +275,7 @@ void conf_broadcast(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   for (int root = 0; root < p; ++root) {
     std::vector<std::uint8_t> v(13);
-    for (std::size_t i = 0; i < v.size(); ++i)
-      v[i] = static_cast<std::uint8_t>(me == root ? pattern(root, 1, i) : 255);
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::uint8_t>(me == root ? pattern(root, 1, i) : 255);
     c.broadcast(mspan(v), root);
     for (std::size_t i = 0; i < v.size(); ++i)
       LOOM_RANK_CHECK(r, v[i] == static_cast<std::uint8_t>(pattern(root, 1, i)), "root ", root, " i=", i);

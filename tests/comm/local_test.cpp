@@ -4,10 +4,10 @@
 #include <loom/comm/local.hpp>
 
 #include <catch2/catch.hpp>
-#include <comm/conformance.hpp>
 
 #include <atomic>
 #include <chrono>
+#include <comm/conformance.hpp>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -44,25 +44,24 @@ using ms = std::chrono::milliseconds;
 // Runs fn on P ranks and collects, per rank, the loom::error it threw (or nothing).
 template <class Fn>
 std::vector<std::string> errors_on_ranks(int p, Fn fn, ms timeout = ms(20000)) {
-  return run_local(
-      p,
-      [&](local& c) -> std::string {
-        try {
-          fn(c);
-        } catch (const loom::error& e) {
-          return std::string(loom::to_string(e.code())) + "|" + e.what();
-        }
-        return "";
-      },
-      {.timeout = timeout});
+  return run_local(p,
+                   [&](local& c) -> std::string {
+                     try {
+                       fn(c);
+                     } catch (const loom::error& e) {
+                       return std::string(loom::to_string(e.code())) + "|" + e.what();
+                     }
+                     return "";
+                   },
+                   {.timeout = timeout});
 }
 
 }  // namespace
 
-#define LOOM_CONFORMANCE_CASE(name, fn)                                                   \
-  TEST_CASE("comm::local " name " conforms for P = 1..8", "[comm][local][" name "]") {    \
-    const int p = GENERATE(range(1, 9));                                                  \
-    on_ranks(p, [](local& c, rank_report& r) { loom::test::fn(c, r); });                  \
+#define LOOM_CONFORMANCE_CASE(name, fn)                                                \
+  TEST_CASE("comm::local " name " conforms for P = 1..8", "[comm][local][" name "]") { \
+    const int p = GENERATE(range(1, 9));                                               \
+    on_ranks(p, [](local& c, rank_report& r) { loom::test::fn(c, r); });               \
   }
 
 LOOM_CONFORMANCE_CASE("rank_size", conf_rank_size)
@@ -249,18 +248,17 @@ TEST_CASE("comm::local missing rank: the others time out naming the call", "[com
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::string> seen(3);
   try {
-    run_local(
-        3,
-        [&](local& c) {
-          try {
-            if (c.rank() == 1) std::this_thread::sleep_for(ms(1500));  // stuck, long past the timeout
-            c.barrier();
-          } catch (const loom::error& e) {
-            seen[static_cast<std::size_t>(c.rank())] = std::string(loom::to_string(e.code())) + "|" + e.what();
-            throw;
-          }
-        },
-        {.timeout = ms(200)});
+    run_local(3,
+              [&](local& c) {
+                try {
+                  if (c.rank() == 1) std::this_thread::sleep_for(ms(1500));  // stuck, long past the timeout
+                  c.barrier();
+                } catch (const loom::error& e) {
+                  seen[static_cast<std::size_t>(c.rank())] = std::string(loom::to_string(e.code())) + "|" + e.what();
+                  throw;
+                }
+              },
+              {.timeout = ms(200)});
     FAIL("run_local should have thrown");
   } catch (const loom::error& e) {
     CHECK(e.code() == loom::errc::timeout);
@@ -274,18 +272,17 @@ TEST_CASE("comm::local missing rank: the others time out naming the call", "[com
 
 TEST_CASE("comm::local point-to-point timeout names the wait", "[comm][local][errors][timeout]") {
   try {
-    run_local(
-        2,
-        [](local& c) {
-          if (c.rank() == 0) {
-            float x = 0;
-            auto q = c.irecv(std::span<float>(&x, 1), 1, 4);
-            c.wait(q);
-          } else {
-            std::this_thread::sleep_for(ms(800));
-          }
-        },
-        {.timeout = ms(150)});
+    run_local(2,
+              [](local& c) {
+                if (c.rank() == 0) {
+                  float x = 0;
+                  auto q = c.irecv(std::span<float>(&x, 1), 1, 4);
+                  c.wait(q);
+                } else {
+                  std::this_thread::sleep_for(ms(800));
+                }
+              },
+              {.timeout = ms(150)});
     FAIL("run_local should have thrown");
   } catch (const loom::error& e) {
     CHECK(e.code() == loom::errc::timeout);
@@ -295,12 +292,12 @@ TEST_CASE("comm::local point-to-point timeout names the wait", "[comm][local][er
 
 TEST_CASE("comm::local rank that returned is reported at once", "[comm][local][errors]") {
   const auto start = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH(run_local(
-                        3,
-                        [](local& c) {
-                          if (c.rank() != 2) c.all_reduce(std::span<const int>(), std::span<int>(), loom::comm::reduce_op::sum);
-                        },
-                        {.timeout = ms(60000)}),
+  CHECK_THROWS_WITH(run_local(3,
+                              [](local& c) {
+                                if (c.rank() != 2)
+                                  c.all_reduce(std::span<const int>(), std::span<int>(), loom::comm::reduce_op::sum);
+                              },
+                              {.timeout = ms(60000)}),
                     Catch::Contains("all_reduce") && Catch::Contains("rank 2 returned without calling it"));
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
 }
@@ -309,18 +306,17 @@ TEST_CASE("comm::local exception in one rank is rethrown and releases the others
   const auto start = std::chrono::steady_clock::now();
   std::atomic<int> released{0};
   try {
-    run_local(
-        4,
-        [&](local& c) {
-          if (c.rank() == 2) throw std::runtime_error("boom on rank 2");
-          try {
-            c.barrier();
-          } catch (const loom::error& e) {
-            if (e.code() == loom::errc::comm_failure) released.fetch_add(1);
-            throw;
-          }
-        },
-        {.timeout = ms(60000)});
+    run_local(4,
+              [&](local& c) {
+                if (c.rank() == 2) throw std::runtime_error("boom on rank 2");
+                try {
+                  c.barrier();
+                } catch (const loom::error& e) {
+                  if (e.code() == loom::errc::comm_failure) released.fetch_add(1);
+                  throw;
+                }
+              },
+              {.timeout = ms(60000)});
     FAIL("run_local should have thrown");
   } catch (const loom::error&) {
     FAIL("the original exception should win over the released ranks' errors");

@@ -6,6 +6,7 @@
 #include <loom/comm/mpi.hpp>
 
 #include <catch2/catch.hpp>
+
 #include <comm/conformance.hpp>
 
 using loom::comm::mpi;

@@ -13,8 +13,9 @@ int main(int argc, char** argv) {
   int status = 0;
   {
     loom::comm::mpi world;
-    const double s = loom::reduce(loom::openmp{.threads = 2}, 1000, 0.0, [](double a, double b) { return a + b; },
-                                  [](loom::index_t i) { return static_cast<double>(i); });
+    const double s = loom::reduce(
+        loom::openmp{.threads = 2}, 1000, 0.0, [](double a, double b) { return a + b; },
+        [](loom::index_t i) { return static_cast<double>(i); });
     const auto sums = loom::comm::run_local(3, [](loom::comm::local& c) {
       int v = c.rank() + 1, total = 0;
       c.all_reduce(std::span<const int>(&v, 1), std::span<int>(&total, 1), loom::comm::reduce_op::sum);

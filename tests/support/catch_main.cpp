@@ -3,8 +3,9 @@
 // Kokkos::initialize / finalize, the mpi flavour with MPI_Init_thread / MPI_Finalize (the exit
 // status is the worst over ranks, so mpiexec reports any rank's failure).
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <support/random.hpp>
+
+#include <catch2/catch.hpp>
 
 #if defined(LOOM_TEST_MAIN_KOKKOS)
 #include <Kokkos_Core.hpp>

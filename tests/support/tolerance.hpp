@@ -24,11 +24,16 @@ template <precision_policy P>
 constexpr tolerance tolerance_for() {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  if constexpr (std::is_same_v<S, double>) return {1e-12, 1e-12};
-  else if constexpr (std::is_same_v<S, float> && std::is_same_v<A, float>) return {2e-5, 2e-6};
-  else if constexpr (std::is_same_v<S, half>) return {4e-3, 1e-3};    // 2^-10 unit roundoff
-  else if constexpr (std::is_same_v<S, bfloat16>) return {3e-2, 8e-3};  // 2^-7 unit roundoff
-  else return {2e-5, 2e-6};
+  if constexpr (std::is_same_v<S, double>)
+    return {1e-12, 1e-12};
+  else if constexpr (std::is_same_v<S, float> && std::is_same_v<A, float>)
+    return {2e-5, 2e-6};
+  else if constexpr (std::is_same_v<S, half>)
+    return {4e-3, 1e-3};  // 2^-10 unit roundoff
+  else if constexpr (std::is_same_v<S, bfloat16>)
+    return {3e-2, 8e-3};  // 2^-7 unit roundoff
+  else
+    return {2e-5, 2e-6};
 }
 
 //! Compares element-wise; on failure reports the worst element, its index and the tolerance.

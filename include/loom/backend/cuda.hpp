@@ -19,8 +19,8 @@ struct cuda {
 namespace detail {
 inline void cuda_check(cudaError_t status, const char* what, const char* file, int line) {
   if (status != cudaSuccess)
-    fail(errc::internal, concat(what, " failed: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status)),
-         file, line);
+    fail(errc::internal, concat(what, " failed: ", cudaGetErrorName(status), ": ", cudaGetErrorString(status)), file,
+         line);
 }
 }  // namespace detail
 
@@ -34,8 +34,8 @@ struct backend_traits<cuda> {
   static int concurrency(const cuda&) {
     int device = 0, sms = 0;
     detail::cuda_check(cudaGetDevice(&device), "cudaGetDevice", __FILE__, __LINE__);
-    detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-                       "cudaDeviceGetAttribute", __FILE__, __LINE__);
+    detail::cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute",
+                       __FILE__, __LINE__);
     return sms;
   }
 };

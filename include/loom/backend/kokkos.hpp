@@ -4,8 +4,8 @@
 //! loom::kokkos<ExecSpace>: any Kokkos execution space. Link loom::kokkos. The caller owns
 //! Kokkos::initialize / finalize.
 
-#include <loom/backend/traits.hpp>
 #include <loom/backend/detail/parallel_kokkos.hpp>
+#include <loom/backend/traits.hpp>
 
 #include <Kokkos_Core.hpp>
 

@@ -3,8 +3,8 @@
 //! @file
 //! loom::openmp: host threads through OpenMP. Link loom::openmp (it adds the compiler flag).
 
-#include <loom/backend/traits.hpp>
 #include <loom/backend/detail/parallel_openmp.hpp>
+#include <loom/backend/traits.hpp>
 
 #if LOOM_HAS_OPENMP
 #include <omp.h>

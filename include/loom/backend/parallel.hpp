@@ -67,10 +67,10 @@ struct tile_body {
 //! @throws loom::error(invalid_argument) for negative extents or non-positive tile sizes.
 template <backend B, class F>
 void for_each_tile(const B& b, index_t rows, index_t cols, tile_shape tile, const F& f) {
-  LOOM_EXPECTS(rows >= 0 && cols >= 0, errc::invalid_argument, "for_each_tile: rows and cols must be >= 0, got ",
-               rows, " x ", cols);
-  LOOM_EXPECTS(tile.rows > 0 && tile.cols > 0, errc::invalid_argument,
-               "for_each_tile: tile sizes must be > 0, got ", tile.rows, " x ", tile.cols);
+  LOOM_EXPECTS(rows >= 0 && cols >= 0, errc::invalid_argument, "for_each_tile: rows and cols must be >= 0, got ", rows,
+               " x ", cols);
+  LOOM_EXPECTS(tile.rows > 0 && tile.cols > 0, errc::invalid_argument, "for_each_tile: tile sizes must be > 0, got ",
+               tile.rows, " x ", tile.cols);
   const index_t grid_rows = (rows + tile.rows - 1) / tile.rows;
   const index_t grid_cols = (cols + tile.cols - 1) / tile.cols;
   if (grid_rows == 0 || grid_cols == 0) return;

@@ -3,8 +3,8 @@
 //! @file
 //! loom::serial: one host thread, in order. The reference every other backend is tested against.
 
-#include <loom/backend/traits.hpp>
 #include <loom/backend/detail/parallel_serial.hpp>
+#include <loom/backend/traits.hpp>
 
 namespace loom {
 

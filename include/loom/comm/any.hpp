@@ -38,17 +38,28 @@ erased_span erase(std::span<T> s) {
 template <class F>
 decltype(auto) with_type(const erased_span& s, F&& f) {
   switch (s.type) {
-    case dtype::i8: return f(std::span<std::int8_t>(static_cast<std::int8_t*>(s.data), s.count));
-    case dtype::u8: return f(std::span<std::uint8_t>(static_cast<std::uint8_t*>(s.data), s.count));
-    case dtype::i32: return f(std::span<std::int32_t>(static_cast<std::int32_t*>(s.data), s.count));
-    case dtype::u32: return f(std::span<std::uint32_t>(static_cast<std::uint32_t*>(s.data), s.count));
-    case dtype::i64: return f(std::span<std::int64_t>(static_cast<std::int64_t*>(s.data), s.count));
-    case dtype::u64: return f(std::span<std::uint64_t>(static_cast<std::uint64_t*>(s.data), s.count));
-    case dtype::f16: return f(std::span<half>(static_cast<half*>(s.data), s.count));
-    case dtype::bf16: return f(std::span<bfloat16>(static_cast<bfloat16*>(s.data), s.count));
-    case dtype::f32: return f(std::span<float>(static_cast<float*>(s.data), s.count));
-    case dtype::f64: return f(std::span<double>(static_cast<double*>(s.data), s.count));
-    case dtype::bytes: break;
+    case dtype::i8:
+      return f(std::span<std::int8_t>(static_cast<std::int8_t*>(s.data), s.count));
+    case dtype::u8:
+      return f(std::span<std::uint8_t>(static_cast<std::uint8_t*>(s.data), s.count));
+    case dtype::i32:
+      return f(std::span<std::int32_t>(static_cast<std::int32_t*>(s.data), s.count));
+    case dtype::u32:
+      return f(std::span<std::uint32_t>(static_cast<std::uint32_t*>(s.data), s.count));
+    case dtype::i64:
+      return f(std::span<std::int64_t>(static_cast<std::int64_t*>(s.data), s.count));
+    case dtype::u64:
+      return f(std::span<std::uint64_t>(static_cast<std::uint64_t*>(s.data), s.count));
+    case dtype::f16:
+      return f(std::span<half>(static_cast<half*>(s.data), s.count));
+    case dtype::bf16:
+      return f(std::span<bfloat16>(static_cast<bfloat16*>(s.data), s.count));
+    case dtype::f32:
+      return f(std::span<float>(static_cast<float*>(s.data), s.count));
+    case dtype::f64:
+      return f(std::span<double>(static_cast<double*>(s.data), s.count));
+    case dtype::bytes:
+      break;
   }
   return f(std::span<std::byte>(static_cast<std::byte*>(s.data), s.count * s.elem_size));
 }
@@ -96,7 +107,8 @@ struct any_model final : any_base {
   int size() const override { return comm.size(); }
   std::shared_ptr<any_request_base> isend(erased_span s, int dest, int tag) override {
     return with_type(s, [&](auto sp) -> std::shared_ptr<any_request_base> {
-      return std::make_shared<request_model>(&comm, comm.isend(std::span<const typename decltype(sp)::value_type>(sp), dest, tag));
+      return std::make_shared<request_model>(
+          &comm, comm.isend(std::span<const typename decltype(sp)::value_type>(sp), dest, tag));
     });
   }
   std::shared_ptr<any_request_base> irecv(erased_span s, int src, int tag) override {
@@ -115,13 +127,19 @@ struct any_model final : any_base {
       using T = typename decltype(rp)::value_type;
       const std::span<const T> sp(retype<T>(s));
       switch (call) {
-        case any_call::all_gather: comm.all_gather(sp, rp); break;
-        case any_call::all_to_all: comm.all_to_all(sp, rp); break;
+        case any_call::all_gather:
+          comm.all_gather(sp, rp);
+          break;
+        case any_call::all_to_all:
+          comm.all_to_all(sp, rp);
+          break;
         case any_call::all_reduce:
         case any_call::reduce_scatter:
           if constexpr (reducible<T>) {
-            if (call == any_call::all_reduce) comm.all_reduce(sp, rp, op);
-            else comm.reduce_scatter(sp, rp, op);
+            if (call == any_call::all_reduce)
+              comm.all_reduce(sp, rp, op);
+            else
+              comm.reduce_scatter(sp, rp, op);
           }
           break;
       }
@@ -178,15 +196,14 @@ class any {
 
   //! Wraps a copy of `comm`.
   template <communicator C>
-    requires(!std::is_same_v<std::remove_cvref_t<C>, any>)
-  explicit any(C comm) : impl_(std::make_shared<detail::any_model<C>>(std::move(comm))) {}
+  requires(!std::is_same_v<std::remove_cvref_t<C>, any>) explicit any(C comm)
+      : impl_(std::make_shared<detail::any_model<C>>(std::move(comm))) {}
 
   [[nodiscard]] int rank() const { return impl_->rank(); }
   [[nodiscard]] int size() const { return impl_->size(); }
 
   template <class T>
-    requires transferable<std::remove_const_t<T>>
-  request isend(std::span<T> data, int dest, int tag) {
+  requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     request r;
     r.impl_ = impl_->isend(detail::erase(data), dest, tag);
     return r;
@@ -203,34 +220,34 @@ class any {
     impl->wait();
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R>
+  requires std::same_as<std::remove_const_t<S>, R>
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     impl_->sendrecv(detail::erase(send), dest, detail::erase(recv), src, tag);
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_gather(std::span<S> send, std::span<R> recv) {
     impl_->collective(detail::any_call::all_gather, detail::erase(send), detail::erase(recv), reduce_op::sum);
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
     impl_->collective(detail::any_call::all_to_all, detail::erase(send), detail::erase(recv), reduce_op::sum);
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     impl_->all_to_allv(detail::erase(send), send_counts, send_displs, detail::erase(recv), recv_counts, recv_displs);
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
     impl_->collective(detail::any_call::all_reduce, detail::erase(send), detail::erase(recv), op);
   }
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
     impl_->collective(detail::any_call::reduce_scatter, detail::erase(send), detail::erase(recv), op);
   }

@@ -38,17 +38,28 @@ enum class dtype : std::uint8_t { bytes, i8, u8, i32, u32, i64, u64, f16, bf16, 
 template <class T>
 constexpr dtype dtype_of() noexcept {
   using U = std::remove_cv_t<T>;
-  if constexpr (std::is_same_v<U, std::int8_t>) return dtype::i8;
-  else if constexpr (std::is_same_v<U, std::uint8_t>) return dtype::u8;
-  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 4) return dtype::i32;
-  else if constexpr (std::is_integral_v<U> && std::is_unsigned_v<U> && sizeof(U) == 4) return dtype::u32;
-  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 8) return dtype::i64;
-  else if constexpr (std::is_integral_v<U> && std::is_unsigned_v<U> && sizeof(U) == 8) return dtype::u64;
-  else if constexpr (std::is_same_v<U, half>) return dtype::f16;
-  else if constexpr (std::is_same_v<U, bfloat16>) return dtype::bf16;
-  else if constexpr (std::is_same_v<U, float>) return dtype::f32;
-  else if constexpr (std::is_same_v<U, double>) return dtype::f64;
-  else return dtype::bytes;
+  if constexpr (std::is_same_v<U, std::int8_t>)
+    return dtype::i8;
+  else if constexpr (std::is_same_v<U, std::uint8_t>)
+    return dtype::u8;
+  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 4)
+    return dtype::i32;
+  else if constexpr (std::is_integral_v<U> && std::is_unsigned_v<U> && sizeof(U) == 4)
+    return dtype::u32;
+  else if constexpr (std::is_integral_v<U> && std::is_signed_v<U> && sizeof(U) == 8)
+    return dtype::i64;
+  else if constexpr (std::is_integral_v<U> && std::is_unsigned_v<U> && sizeof(U) == 8)
+    return dtype::u64;
+  else if constexpr (std::is_same_v<U, half>)
+    return dtype::f16;
+  else if constexpr (std::is_same_v<U, bfloat16>)
+    return dtype::bf16;
+  else if constexpr (std::is_same_v<U, float>)
+    return dtype::f32;
+  else if constexpr (std::is_same_v<U, double>)
+    return dtype::f64;
+  else
+    return dtype::bytes;
 }
 
 constexpr std::string_view to_string(dtype t) noexcept {
@@ -62,7 +73,7 @@ concept transferable = std::is_trivially_copyable_v<T>;
 
 //! Element types a communicator can reduce: the arithmetic types of dtype.
 template <class T>
-concept reducible = transferable<T> && (dtype_of<T>() != dtype::bytes);
+concept reducible = transferable<T> &&(dtype_of<T>() != dtype::bytes);
 
 //! Element-wise reduction operators.
 enum class reduce_op : std::uint8_t { sum, prod, min, max };
@@ -79,10 +90,14 @@ constexpr T apply(reduce_op op, T a, T b) noexcept {
     return T(apply(op, static_cast<float>(a), static_cast<float>(b)));
   } else {
     switch (op) {
-      case reduce_op::sum: return static_cast<T>(a + b);
-      case reduce_op::prod: return static_cast<T>(a * b);
-      case reduce_op::min: return b < a ? b : a;
-      case reduce_op::max: return a < b ? b : a;
+      case reduce_op::sum:
+        return static_cast<T>(a + b);
+      case reduce_op::prod:
+        return static_cast<T>(a * b);
+      case reduce_op::min:
+        return b < a ? b : a;
+      case reduce_op::max:
+        return a < b ? b : a;
     }
     return a;
   }
@@ -93,22 +108,22 @@ template <class C>
 concept communicator = std::copy_constructible<C> &&
     requires(C& c, const C& cc, std::span<const float> s, std::span<float> r, std::span<const std::size_t> counts,
              typename C::request& req) {
-      typename C::request;
-      { cc.rank() } -> std::same_as<int>;
-      { cc.size() } -> std::same_as<int>;
-      { c.isend(s, 0, 0) } -> std::same_as<typename C::request>;
-      { c.irecv(r, 0, 0) } -> std::same_as<typename C::request>;
-      c.wait(req);
-      c.sendrecv(s, 0, r, 0, 0);
-      c.all_gather(s, r);
-      c.all_to_all(s, r);
-      c.all_to_allv(s, counts, counts, r, counts, counts);
-      c.all_reduce(s, r, reduce_op::sum);
-      c.reduce_scatter(s, r, reduce_op::sum);
-      c.broadcast(r, 0);
-      c.barrier();
-      { c.split(0, 0) } -> std::same_as<C>;
-    };
+  typename C::request;
+  { cc.rank() } -> std::same_as<int>;
+  { cc.size() } -> std::same_as<int>;
+  { c.isend(s, 0, 0) } -> std::same_as<typename C::request>;
+  { c.irecv(r, 0, 0) } -> std::same_as<typename C::request>;
+  c.wait(req);
+  c.sendrecv(s, 0, r, 0, 0);
+  c.all_gather(s, r);
+  c.all_to_all(s, r);
+  c.all_to_allv(s, counts, counts, r, counts, counts);
+  c.all_reduce(s, r, reduce_op::sum);
+  c.reduce_scatter(s, r, reduce_op::sum);
+  c.broadcast(r, 0);
+  c.barrier();
+  { c.split(0, 0) } -> std::same_as<C>;
+};
 
 //! Waits for every request in `reqs` (in order; the first failure is thrown after all are waited).
 template <class C>

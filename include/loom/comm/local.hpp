@@ -71,12 +71,11 @@ class local {
   [[nodiscard]] int size() const noexcept { return g_->size; }
 
   template <class T>
-    requires transferable<std::remove_const_t<T>>
-  request isend(std::span<T> data, int dest, int tag) {
+  requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     using U = std::remove_const_t<T>;
     check_peer("isend", "dest", dest, tag);
     auto op = std::make_shared<detail::p2p_op>(true, rank_, dest, tag, dtype_of<U>(), sizeof(U), data.size(),
-                                                 as_bytes_ptr(data.data()), nullptr);
+                                               as_bytes_ptr(data.data()), nullptr);
     post(op);
     return request(std::move(op));
   }
@@ -85,7 +84,7 @@ class local {
   request irecv(std::span<T> data, int src, int tag) {
     check_peer("irecv", "src", src, tag);
     auto op = std::make_shared<detail::p2p_op>(false, rank_, src, tag, dtype_of<T>(), sizeof(T), data.size(), nullptr,
-                                                reinterpret_cast<std::byte*>(data.data()));
+                                               reinterpret_cast<std::byte*>(data.data()));
     post(op);
     return request(std::move(op));
   }
@@ -120,7 +119,7 @@ class local {
 
   //! Sends to dest and receives from src at once; the step of a ring.
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R>
+  requires std::same_as<std::remove_const_t<S>, R>
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     request r = irecv(recv, src, tag);
     request s = isend(send, dest, tag);
@@ -129,7 +128,7 @@ class local {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_gather(std::span<S> send, std::span<R> recv) {
     auto d = desc<R>(detail::coll_kind::all_gather, send, recv);
     collective(d, [&](const std::vector<detail::coll_desc>& slots, std::byte* out) {
@@ -140,7 +139,7 @@ class local {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
     auto d = desc<R>(detail::coll_kind::all_to_all, send, recv);
     if (send.size() % static_cast<std::size_t>(size()) != 0)
@@ -160,7 +159,7 @@ class local {
 
   //! Counts and displacements are in elements, one per rank.
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
@@ -178,13 +177,15 @@ class local {
       for (int q = 0; q < size(); ++q) {
         const auto& s = slot(slots, q);
         const std::size_t n = recv_counts[static_cast<std::size_t>(q)] * sizeof(R);
-        if (n) std::memcpy(out + recv_displs[static_cast<std::size_t>(q)] * sizeof(R), s.send + s.send_displs[me] * sizeof(R), n);
+        if (n)
+          std::memcpy(out + recv_displs[static_cast<std::size_t>(q)] * sizeof(R),
+                      s.send + s.send_displs[me] * sizeof(R), n);
       }
     });
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
     auto d = desc<R>(detail::coll_kind::all_reduce, send, recv);
     d.op = op;
@@ -198,7 +199,7 @@ class local {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
     auto d = desc<R>(detail::coll_kind::reduce_scatter, send, recv);
     d.op = op;
@@ -291,8 +292,8 @@ class local {
     const auto p = static_cast<std::size_t>(size());
     const std::string call = std::string("all_to_allv: ") + which;
     if (counts.size() != p || displs.size() != p)
-      return call + "_counts and " + which + "_displs must hold one entry per rank (" + std::to_string(p) +
-             "), got " + std::to_string(counts.size()) + " and " + std::to_string(displs.size());
+      return call + "_counts and " + which + "_displs must hold one entry per rank (" + std::to_string(p) + "), got " +
+             std::to_string(counts.size()) + " and " + std::to_string(displs.size());
     for (std::size_t q = 0; q < p; ++q)
       if (displs[q] > n || counts[q] > n - displs[q])
         return call + " block for rank " + std::to_string(q) + " [" + std::to_string(displs[q]) + ", " +

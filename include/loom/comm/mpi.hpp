@@ -41,22 +41,33 @@ inline void mpi_check(int rc, const char* call) {
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  throw error(errc::comm_failure, std::string("comm::mpi ") + call + " failed: " + std::string(text, static_cast<std::size_t>(len)));
+  throw error(errc::comm_failure,
+              std::string("comm::mpi ") + call + " failed: " + std::string(text, static_cast<std::size_t>(len)));
 }
 
 template <class T>
 MPI_Datatype mpi_datatype() {
   constexpr dtype t = dtype_of<T>();
-  if constexpr (t == dtype::i8) return MPI_INT8_T;
-  else if constexpr (t == dtype::u8) return MPI_UINT8_T;
-  else if constexpr (t == dtype::i32) return MPI_INT32_T;
-  else if constexpr (t == dtype::u32) return MPI_UINT32_T;
-  else if constexpr (t == dtype::i64) return MPI_INT64_T;
-  else if constexpr (t == dtype::u64) return MPI_UINT64_T;
-  else if constexpr (t == dtype::f16 || t == dtype::bf16) return MPI_UINT16_T;
-  else if constexpr (t == dtype::f32) return MPI_FLOAT;
-  else if constexpr (t == dtype::f64) return MPI_DOUBLE;
-  else return MPI_BYTE;
+  if constexpr (t == dtype::i8)
+    return MPI_INT8_T;
+  else if constexpr (t == dtype::u8)
+    return MPI_UINT8_T;
+  else if constexpr (t == dtype::i32)
+    return MPI_INT32_T;
+  else if constexpr (t == dtype::u32)
+    return MPI_UINT32_T;
+  else if constexpr (t == dtype::i64)
+    return MPI_INT64_T;
+  else if constexpr (t == dtype::u64)
+    return MPI_UINT64_T;
+  else if constexpr (t == dtype::f16 || t == dtype::bf16)
+    return MPI_UINT16_T;
+  else if constexpr (t == dtype::f32)
+    return MPI_FLOAT;
+  else if constexpr (t == dtype::f64)
+    return MPI_DOUBLE;
+  else
+    return MPI_BYTE;
 }
 
 //! Elements as MPI sees them: T's own datatype, or sizeof(T) bytes for other trivially copyable T.
@@ -102,10 +113,14 @@ MPI_Op mpi_op(reduce_op op) {
     return ops[static_cast<int>(op)];
   } else {
     switch (op) {
-      case reduce_op::sum: return MPI_SUM;
-      case reduce_op::prod: return MPI_PROD;
-      case reduce_op::min: return MPI_MIN;
-      case reduce_op::max: return MPI_MAX;
+      case reduce_op::sum:
+        return MPI_SUM;
+      case reduce_op::prod:
+        return MPI_PROD;
+      case reduce_op::min:
+        return MPI_MIN;
+      case reduce_op::max:
+        return MPI_MAX;
     }
     return MPI_SUM;
   }
@@ -157,13 +172,12 @@ class mpi {
   [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
 
   template <class T>
-    requires transferable<std::remove_const_t<T>>
-  request isend(std::span<T> data, int dest, int tag) {
+  requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     using U = std::remove_const_t<T>;
     request r;
     r.type_ = detail::mpi_datatype<U>();
-    detail::mpi_check(MPI_Isend(const_cast<U*>(data.data()), detail::mpi_count<U>(data.size(), "isend"), r.type_,
-                                dest, tag, comm_, &r.req_),
+    detail::mpi_check(MPI_Isend(const_cast<U*>(data.data()), detail::mpi_count<U>(data.size(), "isend"), r.type_, dest,
+                                tag, comm_, &r.req_),
                       "MPI_Isend");
     return r;
   }
@@ -186,13 +200,13 @@ class mpi {
     if (r.expected_ >= 0) {
       int got = 0;
       MPI_Get_count(&status, r.type_, &got);
-      LOOM_EXPECTS(got == r.expected_, errc::comm_failure, "comm::mpi: irecv on rank ", rank_, " from rank ",
-                   r.peer_, " (tag ", r.tag_, ") expects ", r.expected_, " elements, but the message held ", got);
+      LOOM_EXPECTS(got == r.expected_, errc::comm_failure, "comm::mpi: irecv on rank ", rank_, " from rank ", r.peer_,
+                   " (tag ", r.tag_, ") expects ", r.expected_, " elements, but the message held ", got);
     }
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R>
+  requires std::same_as<std::remove_const_t<S>, R>
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     request rr = irecv(recv, src, tag);
     request sr = isend(send, dest, tag);
@@ -201,44 +215,43 @@ class mpi {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_gather(std::span<S> send, std::span<R> recv) {
     agree(1, detail_type<R>(), send.size(), 0, 0);
     LOOM_EXPECTS(recv.size() == send.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
                  "comm::mpi all_gather: recv holds ", recv.size(), " elements, expected ", size_, " x ", send.size());
     const void* s = stage(send);
-    detail::mpi_check(MPI_Allgather(s, detail::mpi_count<R>(send.size(), "all_gather"), detail::mpi_datatype<R>(),
-                                    recv.data(), detail::mpi_count<R>(send.size(), "all_gather"),
-                                    detail::mpi_datatype<R>(), comm_),
-                      "MPI_Allgather");
+    detail::mpi_check(
+        MPI_Allgather(s, detail::mpi_count<R>(send.size(), "all_gather"), detail::mpi_datatype<R>(), recv.data(),
+                      detail::mpi_count<R>(send.size(), "all_gather"), detail::mpi_datatype<R>(), comm_),
+        "MPI_Allgather");
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
     agree(2, detail_type<R>(), send.size(), 0, 0);
-    LOOM_EXPECTS(send.size() % static_cast<std::size_t>(size_) == 0 && recv.size() == send.size(),
-                 errc::shape_mismatch, "comm::mpi all_to_all: send (", send.size(), ") and recv (", recv.size(),
+    LOOM_EXPECTS(send.size() % static_cast<std::size_t>(size_) == 0 && recv.size() == send.size(), errc::shape_mismatch,
+                 "comm::mpi all_to_all: send (", send.size(), ") and recv (", recv.size(),
                  ") must be equal multiples of ", size_, " ranks");
     const std::size_t block = send.size() / static_cast<std::size_t>(size_);
     const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                       : send.data();
+                                                                                                     : send.data();
     detail::mpi_check(MPI_Alltoall(s, detail::mpi_count<R>(block, "all_to_all"), detail::mpi_datatype<R>(), recv.data(),
                                    detail::mpi_count<R>(block, "all_to_all"), detail::mpi_datatype<R>(), comm_),
                       "MPI_Alltoall");
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     agree(3, detail_type<R>(), 0, 0, 0);
     const auto p = static_cast<std::size_t>(size_);
-    LOOM_EXPECTS(send_counts.size() == p && send_displs.size() == p && recv_counts.size() == p &&
-                     recv_displs.size() == p,
-                 errc::shape_mismatch, "comm::mpi all_to_allv: counts and displacements need one entry per rank (", p,
-                 ")");
+    LOOM_EXPECTS(
+        send_counts.size() == p && send_displs.size() == p && recv_counts.size() == p && recv_displs.size() == p,
+        errc::shape_mismatch, "comm::mpi all_to_allv: counts and displacements need one entry per rank (", p, ")");
     ints_.resize(4 * p);
     for (std::size_t q = 0; q < p; ++q) {
       LOOM_EXPECTS(send_displs[q] + send_counts[q] <= send.size() && recv_displs[q] + recv_counts[q] <= recv.size(),
@@ -249,14 +262,14 @@ class mpi {
       ints_[3 * p + q] = detail::mpi_count<R>(recv_displs[q], "all_to_allv");
     }
     const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                       : send.data();
+                                                                                                     : send.data();
     detail::mpi_check(MPI_Alltoallv(s, ints_.data(), ints_.data() + p, detail::mpi_datatype<R>(), recv.data(),
                                     ints_.data() + 2 * p, ints_.data() + 3 * p, detail::mpi_datatype<R>(), comm_),
                       "MPI_Alltoallv");
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
     agree(4, detail_type<R>(), send.size(), static_cast<long long>(op), 0);
     LOOM_EXPECTS(recv.size() == send.size(), errc::shape_mismatch, "comm::mpi all_reduce: recv holds ", recv.size(),
@@ -271,14 +284,14 @@ class mpi {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
     agree(5, detail_type<R>(), send.size(), static_cast<long long>(op), 0);
     LOOM_EXPECTS(send.size() == recv.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
                  "comm::mpi reduce_scatter: send holds ", send.size(), " elements, expected ", size_, " x ",
                  recv.size());
     const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                       : send.data();
+                                                                                                     : send.data();
     detail::mpi_check(MPI_Reduce_scatter_block(s, recv.data(), detail::mpi_count<R>(recv.size(), "reduce_scatter"),
                                                detail::mpi_datatype<R>(), detail::mpi_op<R>(op), comm_),
                       "MPI_Reduce_scatter_block");
@@ -287,9 +300,9 @@ class mpi {
   template <transferable T>
   void broadcast(std::span<T> data, int root) {
     agree(6, detail_type<T>(), data.size(), 0, root);
-    detail::mpi_check(MPI_Bcast(data.data(), detail::mpi_count<T>(data.size(), "broadcast"), detail::mpi_datatype<T>(),
-                                root, comm_),
-                      "MPI_Bcast");
+    detail::mpi_check(
+        MPI_Bcast(data.data(), detail::mpi_count<T>(data.size(), "broadcast"), detail::mpi_datatype<T>(), root, comm_),
+        "MPI_Bcast");
   }
 
   void barrier() {
@@ -346,8 +359,9 @@ class mpi {
     }
     detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, both, 10, MPI_LONG_LONG, MPI_MAX, comm_), "MPI_Allreduce (check)");
     static constexpr const char* fields[5] = {"call", "element type", "element count", "reduce op", "root"};
-    static constexpr const char* calls[9] = {"?", "all_gather", "all_to_all", "all_to_allv", "all_reduce",
-                                             "reduce_scatter", "broadcast", "barrier", "split"};
+    static constexpr const char* calls[9] = {"?",           "all_gather", "all_to_all",
+                                             "all_to_allv", "all_reduce", "reduce_scatter",
+                                             "broadcast",   "barrier",    "split"};
     for (int i = 0; i < 5; ++i)
       LOOM_EXPECTS(both[i] == -both[5 + i], errc::comm_failure, "comm::mpi ", calls[call], " on rank ", rank_,
                    ": ranks disagree on the ", fields[i], " (this rank: ", mine[i], ", range over ranks: [",

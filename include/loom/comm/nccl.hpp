@@ -39,17 +39,28 @@ inline void nccl_cuda_check(cudaError_t rc, const char* call) {
 template <class T>
 ncclDataType_t nccl_datatype() {
   constexpr dtype t = dtype_of<T>();
-  if constexpr (t == dtype::i8) return ncclInt8;
-  else if constexpr (t == dtype::u8) return ncclUint8;
-  else if constexpr (t == dtype::i32) return ncclInt32;
-  else if constexpr (t == dtype::u32) return ncclUint32;
-  else if constexpr (t == dtype::i64) return ncclInt64;
-  else if constexpr (t == dtype::u64) return ncclUint64;
-  else if constexpr (t == dtype::f16) return ncclFloat16;
-  else if constexpr (t == dtype::bf16) return ncclBfloat16;
-  else if constexpr (t == dtype::f32) return ncclFloat32;
-  else if constexpr (t == dtype::f64) return ncclFloat64;
-  else return ncclUint8;  // other trivially copyable types travel as bytes
+  if constexpr (t == dtype::i8)
+    return ncclInt8;
+  else if constexpr (t == dtype::u8)
+    return ncclUint8;
+  else if constexpr (t == dtype::i32)
+    return ncclInt32;
+  else if constexpr (t == dtype::u32)
+    return ncclUint32;
+  else if constexpr (t == dtype::i64)
+    return ncclInt64;
+  else if constexpr (t == dtype::u64)
+    return ncclUint64;
+  else if constexpr (t == dtype::f16)
+    return ncclFloat16;
+  else if constexpr (t == dtype::bf16)
+    return ncclBfloat16;
+  else if constexpr (t == dtype::f32)
+    return ncclFloat32;
+  else if constexpr (t == dtype::f64)
+    return ncclFloat64;
+  else
+    return ncclUint8;  // other trivially copyable types travel as bytes
 }
 
 template <class T>
@@ -59,10 +70,14 @@ std::size_t nccl_count(std::size_t n) {
 
 inline ncclRedOp_t nccl_op(reduce_op op) {
   switch (op) {
-    case reduce_op::sum: return ncclSum;
-    case reduce_op::prod: return ncclProd;
-    case reduce_op::min: return ncclMin;
-    case reduce_op::max: return ncclMax;
+    case reduce_op::sum:
+      return ncclSum;
+    case reduce_op::prod:
+      return ncclProd;
+    case reduce_op::min:
+      return ncclMin;
+    case reduce_op::max:
+      return ncclMax;
   }
   return ncclSum;
 }
@@ -99,22 +114,21 @@ class nccl {
   static void group_end() { detail::nccl_check(ncclGroupEnd(), "ncclGroupEnd"); }
 
   template <class T>
-    requires transferable<std::remove_const_t<T>>
-  request isend(std::span<T> data, int dest, int tag) {
+  requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     using U = std::remove_const_t<T>;
     check_peer("isend", dest, tag);
-    detail::nccl_check(ncclSend(data.data(), detail::nccl_count<U>(data.size()), detail::nccl_datatype<U>(), dest,
-                                comm_, stream_),
-                       "ncclSend");
+    detail::nccl_check(
+        ncclSend(data.data(), detail::nccl_count<U>(data.size()), detail::nccl_datatype<U>(), dest, comm_, stream_),
+        "ncclSend");
     return record();
   }
 
   template <transferable T>
   request irecv(std::span<T> data, int src, int tag) {
     check_peer("irecv", src, tag);
-    detail::nccl_check(ncclRecv(data.data(), detail::nccl_count<T>(data.size()), detail::nccl_datatype<T>(), src,
-                                comm_, stream_),
-                       "ncclRecv");
+    detail::nccl_check(
+        ncclRecv(data.data(), detail::nccl_count<T>(data.size()), detail::nccl_datatype<T>(), src, comm_, stream_),
+        "ncclRecv");
     return record();
   }
 
@@ -125,22 +139,22 @@ class nccl {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R>
+  requires std::same_as<std::remove_const_t<S>, R>
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     check_peer("sendrecv", dest, tag);
     check_peer("sendrecv", src, tag);
     group_start();
-    detail::nccl_check(ncclSend(send.data(), detail::nccl_count<R>(send.size()), detail::nccl_datatype<R>(), dest,
-                                comm_, stream_),
-                       "ncclSend");
-    detail::nccl_check(ncclRecv(recv.data(), detail::nccl_count<R>(recv.size()), detail::nccl_datatype<R>(), src,
-                                comm_, stream_),
-                       "ncclRecv");
+    detail::nccl_check(
+        ncclSend(send.data(), detail::nccl_count<R>(send.size()), detail::nccl_datatype<R>(), dest, comm_, stream_),
+        "ncclSend");
+    detail::nccl_check(
+        ncclRecv(recv.data(), detail::nccl_count<R>(recv.size()), detail::nccl_datatype<R>(), src, comm_, stream_),
+        "ncclRecv");
     group_end();
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_gather(std::span<S> send, std::span<R> recv) {
     LOOM_EXPECTS(recv.size() == send.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
                  "comm::nccl all_gather: recv holds ", recv.size(), " elements, expected ", size_, " x ", send.size());
@@ -150,11 +164,12 @@ class nccl {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
     const auto p = static_cast<std::size_t>(size_);
-    LOOM_EXPECTS(send.size() % p == 0 && recv.size() == send.size(), errc::shape_mismatch, "comm::nccl all_to_all: send (",
-                 send.size(), ") and recv (", recv.size(), ") must be equal multiples of ", size_, " ranks");
+    LOOM_EXPECTS(send.size() % p == 0 && recv.size() == send.size(), errc::shape_mismatch,
+                 "comm::nccl all_to_all: send (", send.size(), ") and recv (", recv.size(),
+                 ") must be equal multiples of ", size_, " ranks");
     const std::size_t b = send.size() / p;
     group_start();
     for (std::size_t q = 0; q < p; ++q) {
@@ -169,15 +184,14 @@ class nccl {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
+  requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
     const auto p = static_cast<std::size_t>(size_);
-    LOOM_EXPECTS(send_counts.size() == p && send_displs.size() == p && recv_counts.size() == p &&
-                     recv_displs.size() == p,
-                 errc::shape_mismatch, "comm::nccl all_to_allv: counts and displacements need one entry per rank (", p,
-                 ")");
+    LOOM_EXPECTS(
+        send_counts.size() == p && send_displs.size() == p && recv_counts.size() == p && recv_displs.size() == p,
+        errc::shape_mismatch, "comm::nccl all_to_allv: counts and displacements need one entry per rank (", p, ")");
     for (std::size_t q = 0; q < p; ++q)
       LOOM_EXPECTS(send_displs[q] + send_counts[q] <= send.size() && recv_displs[q] + recv_counts[q] <= recv.size(),
                    errc::shape_mismatch, "comm::nccl all_to_allv: the block for rank ", q, " lies outside its buffer");
@@ -196,7 +210,7 @@ class nccl {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
     LOOM_EXPECTS(recv.size() == send.size(), errc::shape_mismatch, "comm::nccl all_reduce: recv holds ", recv.size(),
                  " elements, expected ", send.size());
@@ -206,7 +220,7 @@ class nccl {
   }
 
   template <class S, class R>
-    requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
     LOOM_EXPECTS(send.size() == recv.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
                  "comm::nccl reduce_scatter: send holds ", send.size(), " elements, expected ", size_, " x ",
@@ -218,8 +232,8 @@ class nccl {
 
   template <transferable T>
   void broadcast(std::span<T> data, int root) {
-    LOOM_EXPECTS(root >= 0 && root < size_, errc::invalid_argument, "comm::nccl broadcast: root must be in [0, ",
-                 size_, "), got ", root);
+    LOOM_EXPECTS(root >= 0 && root < size_, errc::invalid_argument, "comm::nccl broadcast: root must be in [0, ", size_,
+                 "), got ", root);
     detail::nccl_check(ncclBroadcast(data.data(), data.data(), detail::nccl_count<T>(data.size()),
                                      detail::nccl_datatype<T>(), root, comm_, stream_),
                        "ncclBroadcast");

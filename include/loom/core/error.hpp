@@ -26,13 +26,20 @@ enum class errc {
 //! The name of an error code, e.g. "shape_mismatch".
 constexpr std::string_view to_string(errc code) noexcept {
   switch (code) {
-    case errc::invalid_argument: return "invalid_argument";
-    case errc::shape_mismatch: return "shape_mismatch";
-    case errc::unsupported: return "unsupported";
-    case errc::comm_failure: return "comm_failure";
-    case errc::timeout: return "timeout";
-    case errc::not_converged: return "not_converged";
-    case errc::internal: return "internal";
+    case errc::invalid_argument:
+      return "invalid_argument";
+    case errc::shape_mismatch:
+      return "shape_mismatch";
+    case errc::unsupported:
+      return "unsupported";
+    case errc::comm_failure:
+      return "comm_failure";
+    case errc::timeout:
+      return "timeout";
+    case errc::not_converged:
+      return "not_converged";
+    case errc::internal:
+      return "internal";
   }
   return "unknown";
 }
@@ -68,10 +75,10 @@ std::string concat(const Parts&... parts) {
 //! Host-side precondition: if `cond` is false, throws loom::error(code, message) where the
 //! message is built from the remaining streamable arguments, e.g.
 //! `LOOM_EXPECTS(n >= 0, errc::invalid_argument, "n must be >= 0, got ", n);`
-#define LOOM_EXPECTS(cond, code, ...)                                                          \
-  do {                                                                                         \
-    if (!(cond)) [[unlikely]]                                                                  \
-      ::loom::detail::fail((code), ::loom::detail::concat(__VA_ARGS__), __FILE__, __LINE__);   \
+#define LOOM_EXPECTS(cond, code, ...)                                                        \
+  do {                                                                                       \
+    if (!(cond)) [[unlikely]]                                                                \
+      ::loom::detail::fail((code), ::loom::detail::concat(__VA_ARGS__), __FILE__, __LINE__); \
   } while (0)
 
 //! Unconditional failure with the same message convention as LOOM_EXPECTS.

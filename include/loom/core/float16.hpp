@@ -34,9 +34,9 @@ LOOM_HD constexpr std::uint16_t float_to_half_bits(float f) noexcept {
   const std::uint32_t u = float_bits(f);
   const std::uint32_t sign = (u >> 16) & 0x8000u;
   const std::uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return 0x7fffu;                                  // NaN
+  if (a > 0x7f800000u) return 0x7fffu;                                      // NaN
   if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 -> Inf
-  if (a >= 0x38800000u) {                                               // normal half: >= 2^-14
+  if (a >= 0x38800000u) {                                                   // normal half: >= 2^-14
     const std::uint32_t r = a + 0x0fffu + ((a >> 13) & 1u) - (112u << 23);
     return static_cast<std::uint16_t>(sign | (r >> 13));
   }
@@ -68,7 +68,6 @@ LOOM_HD constexpr float half_bits_to_float(std::uint16_t h) noexcept {
   }
   return bits_float(sign | ((e + 112u) << 23) | (m << 13));
 }
-
 
 }  // namespace detail
 

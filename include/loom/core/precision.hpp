@@ -13,13 +13,13 @@ namespace loom {
 
 //! Floating-point types loom computes with: float, double, bfloat16, half.
 template <class T>
-concept floating_storage = std::same_as<T, float> || std::same_as<T, double> ||
-                           std::same_as<T, bfloat16> || std::same_as<T, half>;
+concept floating_storage =
+    std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, bfloat16> || std::same_as<T, half>;
 
 //! A precision policy. Accum must be float or double and at least as wide as Storage.
 template <floating_storage Storage, floating_storage Accum>
-  requires(std::same_as<Accum, float> || std::same_as<Accum, double>) && (sizeof(Accum) >= sizeof(Storage))
-struct precision {
+requires(std::same_as<Accum, float> || std::same_as<Accum, double>) &&
+    (sizeof(Accum) >= sizeof(Storage)) struct precision {
   using storage_type = Storage;  //!< element type of inputs and outputs in memory
   using accum_type = Accum;      //!< type of sums, softmax statistics and states
 };
@@ -34,16 +34,22 @@ template <class P>
 concept precision_policy = requires {
   typename P::storage_type;
   typename P::accum_type;
-} && floating_storage<typename P::storage_type> && std::floating_point<typename P::accum_type>;
+}
+&&floating_storage<typename P::storage_type>&& std::floating_point<typename P::accum_type>;
 
 //! A short name for reports: "fp64", "fp32", "bf16", "fp16" or "mixed".
 template <precision_policy P>
 constexpr std::string_view precision_name() noexcept {
-  if constexpr (std::is_same_v<P, fp64>) return "fp64";
-  else if constexpr (std::is_same_v<P, fp32>) return "fp32";
-  else if constexpr (std::is_same_v<P, bf16>) return "bf16";
-  else if constexpr (std::is_same_v<P, fp16>) return "fp16";
-  else return "mixed";
+  if constexpr (std::is_same_v<P, fp64>)
+    return "fp64";
+  else if constexpr (std::is_same_v<P, fp32>)
+    return "fp32";
+  else if constexpr (std::is_same_v<P, bf16>)
+    return "bf16";
+  else if constexpr (std::is_same_v<P, fp16>)
+    return "fp16";
+  else
+    return "mixed";
 }
 
 }  // namespace loom

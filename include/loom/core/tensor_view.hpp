@@ -23,8 +23,7 @@ using index_t = std::int64_t;  //!< signed index and extent type of every loom v
 //! Element (i0, ..., iR-1) lives at data()[sum_d i_d * stride(d)]. Copying a view is cheap and
 //! never copies elements. Element access is LOOM_HD; host-only checks live in the free functions.
 template <class T, std::size_t Rank, memory_space Space = host_memory>
-  requires(Rank >= 1)
-class tensor_view {
+requires(Rank >= 1) class tensor_view {
  public:
   using element_type = T;
   using value_type = std::remove_cv_t<T>;
@@ -56,8 +55,9 @@ class tensor_view {
 
   //! A view of non-const T converts to a view of const T.
   template <class U>
-    requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
-  LOOM_HD constexpr tensor_view(const tensor_view<U, Rank, Space>& other) noexcept : data_(other.data()) {
+  requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>) LOOM_HD
+      constexpr tensor_view(const tensor_view<U, Rank, Space>& other) noexcept
+      : data_(other.data()) {
     for (std::size_t d = 0; d < Rank; ++d) {
       ext_[d] = other.extent(d);
       str_[d] = other.stride(d);
@@ -85,8 +85,8 @@ class tensor_view {
   }
 
   template <class... I>
-    requires(sizeof...(I) == Rank && (std::is_integral_v<I> && ...))
-  LOOM_HD constexpr T& operator()(I... idx) const noexcept {
+  requires(sizeof...(I) == Rank && (std::is_integral_v<I> && ...)) LOOM_HD constexpr T& operator()(
+      I... idx) const noexcept {
     const index_t i[Rank] = {static_cast<index_t>(idx)...};
     index_t off = 0;
     for (std::size_t d = 0; d < Rank; ++d) off += i[d] * str_[d];
@@ -124,8 +124,8 @@ tensor_view<T, Rank, Space> make_view(T* data, const std::array<index_t, Rank>& 
   for (std::size_t d = 0; d < Rank; ++d)
     LOOM_EXPECTS(extents[d] >= 0, errc::invalid_argument, name, ": extent ", d, " must be >= 0, got ", extents[d]);
   tensor_view<T, Rank, Space> v(data, extents);
-  LOOM_EXPECTS(data != nullptr || v.size() == 0, errc::invalid_argument, name, ": null data with ",
-               v.size(), " elements");
+  LOOM_EXPECTS(data != nullptr || v.size() == 0, errc::invalid_argument, name, ": null data with ", v.size(),
+               " elements");
   return v;
 }
 

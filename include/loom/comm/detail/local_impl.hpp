@@ -10,8 +10,8 @@ namespace loom::comm {
 inline void local::throw_if_aborted(const char* call) const {
   const auto& w = *g_->w;
   if (w.aborted)
-    throw error(errc::comm_failure,
-                std::string("comm::local ") + call + " on rank " + std::to_string(rank_) + ": aborted: " + w.abort_reason);
+    throw error(errc::comm_failure, std::string("comm::local ") + call + " on rank " + std::to_string(rank_) +
+                                        ": aborted: " + w.abort_reason);
 }
 
 inline void local::post(const std::shared_ptr<detail::p2p_op>& op) {
@@ -21,7 +21,8 @@ inline void local::post(const std::shared_ptr<detail::p2p_op>& op) {
   throw_if_aborted(op->is_send ? "isend" : "irecv");
   ++w.outstanding[global_rank()];
   // Receives wait at the receiver for a send from (src, tag); sends wait at the destination.
-  auto& queue = op->is_send ? g.recvs_at[static_cast<std::size_t>(op->peer)] : g.sends_to[static_cast<std::size_t>(rank_)];
+  auto& queue =
+      op->is_send ? g.recvs_at[static_cast<std::size_t>(op->peer)] : g.sends_to[static_cast<std::size_t>(rank_)];
   auto it = std::find_if(queue.begin(), queue.end(), [&](const auto& other) {
     return (op->is_send ? other->peer == rank_ : other->self == op->peer) && other->tag == op->tag;
   });
@@ -35,12 +36,11 @@ inline void local::post(const std::shared_ptr<detail::p2p_op>& op) {
   detail::p2p_op& s = op->is_send ? *op : *other;
   detail::p2p_op& r = op->is_send ? *other : *op;
   if (s.type != r.type || s.elem_size != r.elem_size || s.count != r.count) {
-    const std::string msg = "comm::local: irecv on rank " + std::to_string(r.self) + " from rank " +
-                            std::to_string(s.self) + " (tag " + std::to_string(s.tag) + ") expects " +
-                            std::to_string(r.count) + " x " + std::string(to_string(r.type)) + " (" +
-                            std::to_string(r.elem_size) + " B each), but the matching isend sent " +
-                            std::to_string(s.count) + " x " + std::string(to_string(s.type)) + " (" +
-                            std::to_string(s.elem_size) + " B each)";
+    const std::string msg =
+        "comm::local: irecv on rank " + std::to_string(r.self) + " from rank " + std::to_string(s.self) + " (tag " +
+        std::to_string(s.tag) + ") expects " + std::to_string(r.count) + " x " + std::string(to_string(r.type)) + " (" +
+        std::to_string(r.elem_size) + " B each), but the matching isend sent " + std::to_string(s.count) + " x " +
+        std::string(to_string(s.type)) + " (" + std::to_string(s.elem_size) + " B each)";
     s.error = r.error = msg;
   } else if (s.count) {
     // Both buffers stay put until the ops are done; copy without holding the world lock.
@@ -90,8 +90,8 @@ inline void local::barrier_wait(std::unique_lock<std::mutex>& lk, const detail::
 
 inline std::string local::validate(const std::vector<detail::coll_desc>& slots) const {
   const auto& s0 = slots[0];
-  const std::string call = std::string("comm::local ") + detail::to_string(s0.kind) + " (collective #" +
-                           std::to_string(s0.seq) + ")";
+  const std::string call =
+      std::string("comm::local ") + detail::to_string(s0.kind) + " (collective #" + std::to_string(s0.seq) + ")";
   const auto n = [](std::size_t v) { return std::to_string(v); };
   const int p = size();
   for (int q = 1; q < p; ++q)
@@ -99,7 +99,8 @@ inline std::string local::validate(const std::vector<detail::coll_desc>& slots) 
       return "comm::local collective #" + n(s0.seq) + " mismatch: rank 0 called " + detail::to_string(s0.kind) +
              " but rank " + std::to_string(q) + " called " + detail::to_string(slot(slots, q).kind);
   for (int q = 0; q < p; ++q)
-    if (!slot(slots, q).local_error.empty()) return call + ": rank " + std::to_string(q) + ": " + slot(slots, q).local_error;
+    if (!slot(slots, q).local_error.empty())
+      return call + ": rank " + std::to_string(q) + ": " + slot(slots, q).local_error;
   if (s0.kind == detail::coll_kind::barrier || s0.kind == detail::coll_kind::split) return {};
   for (int q = 1; q < p; ++q) {
     const auto& s = slot(slots, q);
@@ -124,8 +125,8 @@ inline std::string local::validate(const std::vector<detail::coll_desc>& slots) 
       return call + ": rank " + std::to_string(q) + "'s recv holds " + n(s.recv_count) + " elements, expected " +
              std::to_string(p) + " x " + n(s0.send_count) + " = " + n(up * s0.send_count);
     if (s0.kind == detail::coll_kind::broadcast && s.recv_count != s0.recv_count)
-      return call + ": rank 0 broadcasts " + n(s0.recv_count) + " elements but rank " + std::to_string(q) +
-             " passes " + n(s.recv_count);
+      return call + ": rank 0 broadcasts " + n(s0.recv_count) + " elements but rank " + std::to_string(q) + " passes " +
+             n(s.recv_count);
     if (s0.kind == detail::coll_kind::all_to_allv)
       for (int r = 0; r < p; ++r) {
         const auto ur = static_cast<std::size_t>(r), uq = static_cast<std::size_t>(q);

@@ -46,12 +46,20 @@ struct world {
   }
 };
 
-enum class coll_kind : std::uint8_t { barrier, all_gather, all_to_all, all_to_allv, all_reduce, reduce_scatter,
-                                      broadcast, split };
+enum class coll_kind : std::uint8_t {
+  barrier,
+  all_gather,
+  all_to_all,
+  all_to_allv,
+  all_reduce,
+  reduce_scatter,
+  broadcast,
+  split
+};
 
 constexpr const char* to_string(coll_kind k) noexcept {
-  constexpr const char* names[] = {"barrier",        "all_gather", "all_to_all", "all_to_allv", "all_reduce",
-                                   "reduce_scatter", "broadcast",  "split"};
+  constexpr const char* names[] = {"barrier",    "all_gather",     "all_to_all", "all_to_allv",
+                                   "all_reduce", "reduce_scatter", "broadcast",  "split"};
   return names[static_cast<int>(k)];
 }
 
