@@ -64,8 +64,7 @@ inline cost_model fit_cost_model(std::span<const cost_sample> samples) {
   index_t distinct[3] = {-1, -1, -1};
   int seen = 0;
   for (const auto& s : samples) {
-    LOOM_EXPECTS(s.length >= 1, errc::invalid_argument, "fit_cost_model: sample lengths must be >= 1, got ",
-                 s.length);
+    LOOM_EXPECTS(s.length >= 1, errc::invalid_argument, "fit_cost_model: sample lengths must be >= 1, got ", s.length);
     LOOM_EXPECTS(std::isfinite(s.seconds), errc::invalid_argument, "fit_cost_model: sample time must be finite");
     if (seen < 3 && s.length != distinct[0] && s.length != distinct[1]) distinct[seen++] = s.length;
     const long double f[3] = {static_cast<long double>(causal_pairs(s.length)), static_cast<long double>(s.length),

@@ -24,15 +24,15 @@ namespace loom::packing {
 
 struct exact_options {
   index_t capacity = std::numeric_limits<index_t>::max();  //!< tokens per micro-batch
-  std::int64_t node_limit = 50'000'000;                     //!< search nodes before giving up
+  std::int64_t node_limit = 50'000'000;                    //!< search nodes before giving up
 };
 
 struct exact_solution {
-  bool feasible = false;                         //!< some assignment respects the capacity
-  bool proven_optimal = false;                   //!< the search finished within node_limit
+  bool feasible = false;        //!< some assignment respects the capacity
+  bool proven_optimal = false;  //!< the search finished within node_limit
   double max_cost = std::numeric_limits<double>::infinity();
-  std::vector<int> bin_of;                       //!< per document (input order)
-  std::int64_t nodes = 0;                        //!< search nodes visited
+  std::vector<int> bin_of;  //!< per document (input order)
+  std::int64_t nodes = 0;   //!< search nodes visited
 };
 
 namespace detail {
@@ -87,17 +87,18 @@ struct exact_search {
   }
 };
 
-inline exact_solution exact_run(std::span<const index_t> lengths, int bins, const cost_model& m,
-                                const exact_options& o, bool first_feasible_only, const char* who) {
+inline exact_solution exact_run(std::span<const index_t> lengths, int bins, const cost_model& m, const exact_options& o,
+                                bool first_feasible_only, const char* who) {
   check_lengths(lengths, who);
   LOOM_EXPECTS(bins >= 1, errc::invalid_argument, who, ": bins must be >= 1, got ", bins);
   LOOM_EXPECTS(o.capacity > 0, errc::invalid_argument, who, ": capacity must be > 0, got ", o.capacity);
-  LOOM_EXPECTS(lengths.size() <= 24, errc::unsupported, who, ": the exact solver is for tiny inputs (<= 24 documents), got ",
-               lengths.size());
+  LOOM_EXPECTS(lengths.size() <= 24, errc::unsupported, who,
+               ": the exact solver is for tiny inputs (<= 24 documents), got ", lengths.size());
   exact_search s;
   s.order.resize(lengths.size());
   std::iota(s.order.begin(), s.order.end(), std::size_t{0});
-  std::stable_sort(s.order.begin(), s.order.end(), [&](std::size_t a, std::size_t b) { return m(lengths[a]) > m(lengths[b]); });
+  std::stable_sort(s.order.begin(), s.order.end(),
+                   [&](std::size_t a, std::size_t b) { return m(lengths[a]) > m(lengths[b]); });
   for (auto i : s.order) {
     s.len.push_back(lengths[i]);
     s.cost.push_back(m(lengths[i]));

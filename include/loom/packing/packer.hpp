@@ -96,7 +96,9 @@ inline std::uint64_t mix(std::uint64_t x) {  // splitmix64 finaliser
 inline std::vector<index_t> decreasing_order(std::span<const index_t> lengths, std::uint64_t seed) {
   std::vector<index_t> order(lengths.size());
   std::iota(order.begin(), order.end(), index_t{0});
-  auto key = [&](index_t i) { return seed ? mix(seed ^ static_cast<std::uint64_t>(i)) : static_cast<std::uint64_t>(i); };
+  auto key = [&](index_t i) {
+    return seed ? mix(seed ^ static_cast<std::uint64_t>(i)) : static_cast<std::uint64_t>(i);
+  };
   std::sort(order.begin(), order.end(), [&](index_t a, index_t b) {
     const auto la = lengths[static_cast<std::size_t>(a)], lb = lengths[static_cast<std::size_t>(b)];
     if (la != lb) return la > lb;

@@ -38,17 +38,17 @@ struct document {
 };
 
 struct wlb_options {
-  int micro_batches = 8;                     //!< N: micro-batches per step (> 0)
-  index_t token_cap = 0;                     //!< tokens per micro-batch, the memory limit (> 0)
-  std::vector<index_t> outlier_thresholds;   //!< strictly increasing; empty: no delay queues
-  int max_delay_steps = 2;                   //!< the longest a document may wait (>= 0)
-  cost_model cost{};                         //!< what is balanced
-  std::uint64_t seed = 0;                    //!< 0: equal lengths in id order; else seeded order
+  int micro_batches = 8;                    //!< N: micro-batches per step (> 0)
+  index_t token_cap = 0;                    //!< tokens per micro-batch, the memory limit (> 0)
+  std::vector<index_t> outlier_thresholds;  //!< strictly increasing; empty: no delay queues
+  int max_delay_steps = 2;                  //!< the longest a document may wait (>= 0)
+  cost_model cost{};                        //!< what is balanced
+  std::uint64_t seed = 0;                   //!< 0: equal lengths in id order; else seeded order
 };
 
 //! What one step emits.
 struct wlb_step {
-  std::int64_t step = 0;                  //!< 0-based step number
+  std::int64_t step = 0;                   //!< 0-based step number
   std::vector<micro_batch> micro_batches;  //!< exactly N, some possibly empty
   std::vector<index_t> waiting;            //!< ids held back at the end of this step
 };
@@ -88,8 +88,10 @@ class wlb_packer {
       const auto level = static_cast<std::size_t>(
           std::upper_bound(o_.outlier_thresholds.begin(), o_.outlier_thresholds.end(), d.length) -
           o_.outlier_thresholds.begin());
-      if (level == 0) placing.push_back(it);
-      else queues_[level - 1].push_back(it);
+      if (level == 0)
+        placing.push_back(it);
+      else
+        queues_[level - 1].push_back(it);
     }
     return run_step(std::move(placing), false);
   }
@@ -166,8 +168,9 @@ class wlb_packer {
     };
     for (const auto& it : first)
       LOOM_EXPECTS(place(it), errc::unsupported, "wlb_packer: document ", it.id, " (", it.length,
-                   " tokens) has waited ", step_ - it.arrived, " steps, the bound, but the documents due this step do not fit into ",
-                   n, " micro-batches of ", o_.token_cap, " tokens; more micro-batches or a larger cap are needed");
+                   " tokens) has waited ", step_ - it.arrived,
+                   " steps, the bound, but the documents due this step do not fit into ", n, " micro-batches of ",
+                   o_.token_cap, " tokens; more micro-batches or a larger cap are needed");
     for (const auto& it : second)
       if (!place(it)) carried_.push_back(it);
     for (const auto& it : fresh)
