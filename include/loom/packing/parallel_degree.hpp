@@ -10,10 +10,10 @@
 //! ceil(l / d) of its tokens. A rank's load is the sum over the sequences it serves; its memory is
 //! the sum of its token shares and must stay within memory_tokens.
 //!
-//! assign_parallel_degree (greedy): sequences by decreasing cost; each takes the smallest degree
-//! that fits the memory cap and brings its per-rank share down to the average load (total cost at
-//! degree 1 / ranks), then the d least-loaded ranks with room. exact_parallel_degree solves tiny
-//! cases by enumerating every rank subset per sequence, to measure the greedy's gap.
+//! assign_parallel_degree (greedy): sequences by decreasing cost; each tries every degree d its
+//! memory allows, on the d least-loaded ranks with room, and keeps the d that minimises the larger
+//! of the maximum load it leaves and the average load the batch must reach (ties: the smaller d). exact_parallel_degree
+//! solves tiny cases by enumerating every rank subset per sequence, to measure the greedy's gap.
 
 #include <loom/core/error.hpp>
 #include <loom/packing/cost_model.hpp>
@@ -72,7 +72,7 @@ inline void check_degree_inputs(std::span<const index_t> lengths, const degree_o
 
 }  // namespace detail
 
-//! Greedy degree and group per sequence. O(n log n + n R log R).
+//! Greedy degree and group per sequence. O(n log n + n R^2).
 //! @throws loom::error(invalid_argument) for bad options, lengths <= 0, or a sequence that cannot
 //! fit even on all ranks; errc::unsupported when the batch as a whole does not fit in memory.
 inline degree_plan assign_parallel_degree(std::span<const index_t> lengths, const degree_options& o) {
@@ -82,44 +82,56 @@ inline degree_plan assign_parallel_degree(std::span<const index_t> lengths, cons
   out.groups.resize(lengths.size());
   out.rank_load.assign(nr, 0.0);
   out.rank_tokens.assign(nr, 0);
-  double total = 0;
-  for (index_t l : lengths) total += o.cost(l);
-  const double target = total / o.ranks;
-
   std::vector<index_t> order(lengths.size());
   std::iota(order.begin(), order.end(), index_t{0});
   std::stable_sort(order.begin(), order.end(), [&](index_t a, index_t b) {
     return o.cost(lengths[static_cast<std::size_t>(a)]) > o.cost(lengths[static_cast<std::size_t>(b)]);
   });
+  // Work still to place after each sequence, at its cheapest (degree 1, no communication).
+  double remaining = 0;
+  for (index_t l : lengths) remaining += o.cost(l);
   std::vector<int> by_load(nr);
   for (index_t s : order) {
     const index_t len = lengths[static_cast<std::size_t>(s)];
-    int d = static_cast<int>((len + o.memory_tokens - 1) / o.memory_tokens);
-    // Spread until the per-rank share reaches the average load, while spreading still helps.
-    while (d < o.ranks && detail::share(o, len, d) > target && detail::share(o, len, d + 1) < detail::share(o, len, d))
-      ++d;
-    for (;; ++d) {
-      LOOM_EXPECTS(d <= o.ranks, errc::unsupported, "assign_parallel_degree: sequence ", s, " of ", len,
-                   " tokens finds no ", o.ranks, " ranks with room; the batch exceeds the memory of the ranks");
+    std::iota(by_load.begin(), by_load.end(), 0);
+    std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) {
+      return out.rank_load[static_cast<std::size_t>(a)] < out.rank_load[static_cast<std::size_t>(b)];
+    });
+    const double now = out.max_load();
+    remaining -= o.cost(len);
+    const double placed = std::accumulate(out.rank_load.begin(), out.rank_load.end(), 0.0);
+    // Try every degree the memory allows on the least-loaded ranks with room; score each by the
+    // larger of the maximum load it leaves and the average load the whole batch will reach at
+    // least (spreading adds communication work for everyone); keep the best (ties: smaller d).
+    std::vector<int> best_group;
+    double best = std::numeric_limits<double>::infinity();
+    const int d_min = static_cast<int>((len + o.memory_tokens - 1) / o.memory_tokens);
+    for (int d = d_min; d <= o.ranks; ++d) {
       const index_t need = detail::tokens_share(len, d);
-      std::iota(by_load.begin(), by_load.end(), 0);
-      std::stable_sort(by_load.begin(), by_load.end(), [&](int a, int b) {
-        return out.rank_load[static_cast<std::size_t>(a)] < out.rank_load[static_cast<std::size_t>(b)];
-      });
       std::vector<int> group;
-      for (int r : by_load)
-        if (static_cast<int>(group.size()) < d &&
-            out.rank_tokens[static_cast<std::size_t>(r)] + need <= o.memory_tokens)
-          group.push_back(r);
-      if (static_cast<int>(group.size()) < d) continue;
-      std::sort(group.begin(), group.end());
-      for (int r : group) {
-        out.rank_load[static_cast<std::size_t>(r)] += detail::share(o, len, d);
-        out.rank_tokens[static_cast<std::size_t>(r)] += need;
+      double worst = now;
+      for (int r : by_load) {
+        const auto ur = static_cast<std::size_t>(r);
+        if (static_cast<int>(group.size()) == d) break;
+        if (out.rank_tokens[ur] + need > o.memory_tokens) continue;
+        group.push_back(r);
+        worst = std::max(worst, out.rank_load[ur] + detail::share(o, len, d));
       }
-      out.groups[static_cast<std::size_t>(s)] = {s, std::move(group)};
-      break;
+      worst = std::max(worst, (placed + d * detail::share(o, len, d) + remaining) / o.ranks);
+      if (static_cast<int>(group.size()) == d && worst < best * (1 - 1e-12)) {
+        best = worst;
+        best_group = std::move(group);
+      }
     }
+    LOOM_EXPECTS(!best_group.empty(), errc::unsupported, "assign_parallel_degree: sequence ", s, " of ", len,
+                 " tokens finds no ranks with room; the batch exceeds the memory of the ", o.ranks, " ranks");
+    const int d = static_cast<int>(best_group.size());
+    std::sort(best_group.begin(), best_group.end());
+    for (int r : best_group) {
+      out.rank_load[static_cast<std::size_t>(r)] += detail::share(o, len, d);
+      out.rank_tokens[static_cast<std::size_t>(r)] += detail::tokens_share(len, d);
+    }
+    out.groups[static_cast<std::size_t>(s)] = {s, std::move(best_group)};
   }
   return out;
 }

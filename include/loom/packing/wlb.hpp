@@ -38,12 +38,12 @@ struct document {
 };
 
 struct wlb_options {
-  int micro_batches = 8;                    //!< N: micro-batches per step (> 0)
-  index_t token_cap = 0;                    //!< tokens per micro-batch, the memory limit (> 0)
-  std::vector<index_t> outlier_thresholds;  //!< strictly increasing; empty: no delay queues
-  int max_delay_steps = 2;                  //!< the longest a document may wait (>= 0)
-  cost_model cost{};                        //!< what is balanced
-  std::uint64_t seed = 0;                   //!< 0: equal lengths in id order; else seeded order
+  int micro_batches = 8;                      //!< N: micro-batches per step (> 0)
+  index_t token_cap = 0;                      //!< tokens per micro-batch, the memory limit (> 0)
+  std::vector<index_t> outlier_thresholds{};  //!< strictly increasing; empty: no delay queues
+  int max_delay_steps = 2;                    //!< the longest a document may wait (>= 0)
+  cost_model cost{};                          //!< what is balanced
+  std::uint64_t seed = 0;                     //!< 0: equal lengths in id order; else seeded order
 };
 
 //! What one step emits.
