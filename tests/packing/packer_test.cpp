@@ -338,6 +338,22 @@ TEST_CASE("packing::wlb full queue releases N outliers spread over the micro-bat
   CHECK(with_outlier == 3);
 }
 
+TEST_CASE("packing::wlb is deterministic and a seed replays it", "[packing][wlb]") {
+  auto run = [](std::uint64_t seed) {
+    pk::wlb_packer p({.micro_batches = 4, .token_cap = 9000, .outlier_thresholds = {3000}, .seed = seed});
+    std::vector<std::vector<index_t>> out;
+    for (int step = 0; step < 6; ++step) {
+      std::vector<pk::document> docs;
+      for (int k = 0; k < 12; ++k) docs.push_back({step * 12 + k, k % 3 ? 700 : 3500});  // many equal lengths
+      for (const auto& mb : p.push(docs).micro_batches) out.push_back(mb.documents);
+    }
+    return out;
+  };
+  CHECK(run(0) == run(0));
+  CHECK(run(17) == run(17));
+  CHECK(run(17) != run(0));
+}
+
 TEST_CASE("packing::wlb rejections", "[packing][wlb][errors]") {
   CHECK_THROWS_WITH(pk::wlb_packer({.micro_batches = 0, .token_cap = 10}),
                     Catch::Contains("micro_batches must be > 0"));
