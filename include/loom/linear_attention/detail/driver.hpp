@@ -1,0 +1,224 @@
+#pragma once
+
+//! @file
+//! The plan (chunk table, sizes, workspace layout) and the drivers that validate and launch the
+//! kernels of forward_kernels.hpp / backward_kernels.hpp with loom::for_each_index.
+
+#include <loom/backend/parallel.hpp>
+#include <loom/linear_attention/detail/backward_kernels.hpp>
+#include <loom/linear_attention/detail/checks.hpp>
+#include <loom/linear_attention/detail/layout.hpp>
+#include <loom/linear_attention/types.hpp>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+namespace loom::linear_attention {
+
+//! A plan: the chunk table of one cu_seqlens, the sizes and the lane count. Host object; cheap
+//! to reuse for every layer and step with the same document lengths. Make it with make_plan.
+template <precision_policy P>
+struct plan {
+  using accum_type = typename P::accum_type;
+  index_t tokens = 0, heads = 0, dk = 0, dv = 0, docs = 0, chunk = 0, lanes = 1;
+  accum_type scale = accum_type(1);
+  detail::chunk_table table;
+  std::vector<index_t> cu;
+
+  index_t chunks() const { return static_cast<index_t>(table.chunks.size()); }
+
+  //! The workspace blocks, carved from `base` (null: sizes only).
+  struct blocks {
+    detail::chunk_info* chunks;
+    index_t *doc_chunk, *cu;
+    accum_type *states, *log_decay, *scratch, *adj, *db, *fin;
+    std::size_t bytes;
+  };
+  template <class Space>
+  blocks carve(std::byte* base, bool backward) const {
+    detail::carver c(base);
+    blocks w{};
+    if constexpr (!Space::host_accessible) {
+      w.chunks = c.take<detail::chunk_info>(chunks());
+      w.doc_chunk = c.take<index_t>(docs + 1);
+      w.cu = c.take<index_t>(docs + 1);
+    }
+    const index_t sz = dk * dv;
+    w.states = c.take<accum_type>(chunks() * heads * sz);
+    w.log_decay = c.take<accum_type>(chunks() * heads);
+    w.scratch = c.take<accum_type>(lanes * detail::lane_floats(chunk, dk, dv));
+    if (backward) {
+      w.adj = c.take<accum_type>(chunks() * heads * sz);
+      w.db = c.take<accum_type>(tokens * heads);
+      w.fin = c.take<accum_type>(docs * heads * sz);
+    }
+    w.bytes = c.used();
+    return w;
+  }
+  //! Bytes of workspace forward needs (in the backend's memory space).
+  template <class Space = host_memory>
+  std::size_t forward_workspace_bytes() const {
+    return carve<Space>(nullptr, false).bytes;
+  }
+  //! Bytes of workspace backward needs.
+  template <class Space = host_memory>
+  std::size_t backward_workspace_bytes() const {
+    return carve<Space>(nullptr, true).bytes;
+  }
+};
+
+//! Plans chunked linear attention for documents `cu_seqlens` (host, size docs + 1, 0 .. T,
+//! non-decreasing), H heads, key width dk and value width dv on backend b.
+//! @throws loom::error(invalid_argument) for bad cu_seqlens, chunk <= 0, a non-positive width,
+//!         a negative head count or a non-finite scale.
+template <precision_policy P, backend B>
+plan<P> make_plan(const B& b, std::span<const index_t> cu_seqlens, index_t heads, index_t dk, index_t dv,
+                  const options& opt = {}) {
+  LOOM_EXPECTS(heads >= 0, errc::invalid_argument, "heads must be >= 0, got ", heads);
+  LOOM_EXPECTS(dk > 0 && dv > 0, errc::invalid_argument, "dk and dv must be > 0, got dk = ", dk, ", dv = ", dv);
+  LOOM_EXPECTS(opt.lanes >= 0, errc::invalid_argument, "options.lanes must be >= 0, got ", opt.lanes);
+  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(dk));
+  LOOM_EXPECTS(std::isfinite(scale), errc::invalid_argument, "options.scale must be finite, got ", scale);
+  LOOM_EXPECTS(!cu_seqlens.empty(), errc::invalid_argument,
+               "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
+  plan<P> p;
+  p.tokens = cu_seqlens.back();
+  LOOM_EXPECTS(p.tokens >= 0, errc::invalid_argument, "cu_seqlens: expected the last offset >= 0, got ", p.tokens);
+  p.table = detail::make_chunk_table(cu_seqlens, p.tokens, opt.chunk, "cu_seqlens");
+  p.heads = heads;
+  p.dk = dk;
+  p.dv = dv;
+  p.docs = static_cast<index_t>(cu_seqlens.size()) - 1;
+  p.chunk = opt.chunk;
+  p.lanes = opt.lanes > 0 ? opt.lanes : 4 * static_cast<index_t>(backend_traits<B>::concurrency(b));
+  if (p.lanes < 1) p.lanes = 1;
+  p.scale = static_cast<typename P::accum_type>(scale);
+  p.cu.assign(cu_seqlens.begin(), cu_seqlens.end());
+  return p;
+}
+
+namespace detail {
+
+template <class B>
+void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if constexpr (backend_traits<B>::memory_space::host_accessible) {
+    std::memcpy(dst, src, bytes);
+  } else {
+#if defined(__CUDACC__)
+    LOOM_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b.stream));
+#else
+    static_assert(backend_traits<B>::memory_space::host_accessible, "linear_attention: upload needs nvcc");
+#endif
+  }
+}
+
+//! Validates the workspace and builds the kernels' problem over it.
+template <class B, class P, class Gating, class Space>
+auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
+           bool backward) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  check_operands(x, pl.tokens, pl.heads, pl.dk, pl.dv, pl.docs);
+  const auto need = pl.template carve<Space>(nullptr, backward).bytes;
+  LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, "workspace: expected at least ", need, " bytes, got ",
+               ws.size());
+  LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
+               "workspace: expected an address aligned to ", alignof(std::max_align_t), " bytes");
+  auto w = pl.template carve<Space>(ws.data(), backward);
+  problem<S, A, Space> p;
+  p.q = x.q;
+  p.k = x.k;
+  p.v = x.v;
+  p.gate = check_gating<A, Space>(gating, pl.tokens, pl.heads);
+  if constexpr (Space::host_accessible) {
+    p.chunks = pl.table.chunks.data();
+    p.doc_chunk = pl.table.doc_chunk.data();
+    w.cu = const_cast<index_t*>(pl.cu.data());
+  } else {
+    upload(b, w.chunks, pl.table.chunks.data(), sizeof(chunk_info) * pl.table.chunks.size());
+    upload(b, w.doc_chunk, pl.table.doc_chunk.data(), sizeof(index_t) * pl.table.doc_chunk.size());
+    upload(b, w.cu, pl.cu.data(), sizeof(index_t) * pl.cu.size());
+    p.chunks = w.chunks;
+    p.doc_chunk = w.doc_chunk;
+  }
+  p.n_chunks = pl.chunks();
+  p.docs = pl.docs;
+  p.heads = pl.heads;
+  p.dk = pl.dk;
+  p.dv = pl.dv;
+  p.c = pl.chunk;
+  p.scale = pl.scale;
+  p.states = w.states;
+  p.log_decay = w.log_decay;
+  p.scratch = w.scratch;
+  p.lane_stride = lane_floats(pl.chunk, pl.dk, pl.dv);
+  return std::pair{p, w};
+}
+
+//! for_each_index over min(lanes, items) lanes; the kernel strides its items by that count.
+template <class B, class K>
+void launch(const B& b, K k, index_t items, index_t lanes) {
+  if (items <= 0) return;
+  k.p.lanes = items < lanes ? items : lanes;
+  for_each_index(b, k.p.lanes, k);
+}
+
+template <class B, class P, class Gating, class Space>
+void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                 tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
+                 std::span<std::byte> ws) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  auto [p, w] = setup(b, pl, gating, x, ws, false);
+  expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
+  check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
+  const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
+  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), present(fin) ? fin.data() : nullptr}, doc_items,
+         pl.lanes);
+  launch(b, output_kernel<S, A, Space>{p, o}, chunk_items, pl.lanes);
+}
+
+template <class B, class P, class Gating, class Space>
+void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                  tensor_view<const typename P::storage_type, 3, Space> d_o,
+                  tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& g,
+                  std::span<std::byte> ws) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  auto [p, w] = setup(b, pl, gating, x, ws, true);
+  expect_extents(d_o, {pl.tokens, pl.heads, pl.dv}, "d_o");
+  if (present(dfin)) expect_extents(dfin, {pl.docs, pl.heads, pl.dk, pl.dv}, "d_final_state");
+  if (present(dfin))
+    LOOM_EXPECTS(dfin.is_contiguous(), errc::shape_mismatch, "d_final_state: expected a contiguous view");
+  expect_extents(g.dq, {pl.tokens, pl.heads, pl.dk}, "dq");
+  expect_extents(g.dk, {pl.tokens, pl.heads, pl.dk}, "dk");
+  expect_extents(g.dv, {pl.tokens, pl.heads, pl.dv}, "dv");
+  check_state_out(g.d_initial_state, pl.docs, pl.heads, pl.dk, pl.dv, "d_initial_state");
+  constexpr bool gated = is_scalar_gate<Gating>;
+  if constexpr (gated)
+    expect_extents(g.d_log_gate, {pl.tokens, pl.heads}, "d_log_gate");
+  else
+    LOOM_EXPECTS(!present(g.d_log_gate), errc::invalid_argument,
+                 "d_log_gate: expected an empty view (only scalar_gate has a gate gradient)");
+  const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
+  const bool with_fin = gated && present(dfin);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), with_fin ? w.fin : nullptr}, doc_items, pl.lanes);
+  launch(b, adjoint_chunk_kernel<S, A, Space>{p, d_o, w.adj}, chunk_items, pl.lanes);
+  launch(b, adjoint_pass_kernel<S, A, Space>{p, w.adj, dfin.data(), g.d_initial_state.data()}, doc_items, pl.lanes);
+  launch(b, gradient_kernel<S, A, Space>{p, d_o, g.dq, g.dk, g.dv, w.adj, gated ? w.db : nullptr}, chunk_items,
+         pl.lanes);
+  if constexpr (gated)
+    if (doc_items > 0)
+      for_each_index(b, doc_items,
+                     gate_gradient_kernel<A, Space>{w.cu, pl.docs, pl.heads, pl.dk * pl.dv, w.db,
+                                                    with_fin ? w.fin : nullptr, dfin.data(), g.d_log_gate});
+}
+
+}  // namespace detail
+}  // namespace loom::linear_attention

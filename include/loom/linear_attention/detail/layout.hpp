@@ -1,0 +1,84 @@
+#pragma once
+
+//! @file
+//! Internals of chunked linear attention: the chunk table (chunks are cut at multiples of the chunk
+//! size from each document's start and at document ends), the per-lane scratch layout and the
+//! workspace carving shared by the forward and backward passes.
+
+#include <loom/config.hpp>
+#include <loom/core/error.hpp>
+#include <loom/core/tensor_view.hpp>
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <vector>
+
+namespace loom::linear_attention::detail {
+
+//! Tokens [begin, end) of one chunk, inside document `doc`.
+struct chunk_info {
+  index_t begin, end, doc;
+};
+
+//! Chunks of every document, in order; doc_chunk[d] .. doc_chunk[d + 1] are document d's chunks.
+struct chunk_table {
+  std::vector<chunk_info> chunks;
+  std::vector<index_t> doc_chunk;
+};
+
+//! Validates cu_seqlens against `tokens` (naming `name` in the message) and cuts the chunks.
+inline chunk_table make_chunk_table(std::span<const index_t> cu, index_t tokens, index_t chunk, const char* name) {
+  LOOM_EXPECTS(chunk > 0, errc::invalid_argument, "options.chunk must be > 0, got ", chunk);
+  LOOM_EXPECTS(cu.size() >= 2, errc::invalid_argument, name, ": expected at least 2 offsets (docs + 1), got ",
+               cu.size());
+  LOOM_EXPECTS(cu[0] == 0, errc::invalid_argument, name, ": expected cu_seqlens[0] == 0, got ", cu[0]);
+  for (std::size_t d = 1; d < cu.size(); ++d) {
+    LOOM_EXPECTS(cu[d] >= cu[d - 1], errc::invalid_argument, name, ": expected non-decreasing offsets, got cu_seqlens[",
+                 d, "] = ", cu[d], " < cu_seqlens[", d - 1, "] = ", cu[d - 1]);
+    LOOM_EXPECTS(cu[d] <= tokens, errc::invalid_argument, name, ": offset cu_seqlens[", d, "] = ", cu[d],
+                 " is out of range: expected <= ", tokens, " tokens");
+  }
+  LOOM_EXPECTS(cu.back() == tokens, errc::invalid_argument, name, ": expected the last offset to equal the ", tokens,
+               " tokens, got ", cu.back());
+  chunk_table t;
+  const index_t docs = static_cast<index_t>(cu.size()) - 1;
+  t.doc_chunk.reserve(static_cast<std::size_t>(docs) + 1);
+  for (index_t d = 0; d < docs; ++d) {
+    t.doc_chunk.push_back(static_cast<index_t>(t.chunks.size()));
+    for (index_t b = cu[d]; b < cu[d + 1]; b += chunk)
+      t.chunks.push_back({b, b + chunk < cu[d + 1] ? b + chunk : cu[d + 1], d});
+  }
+  t.doc_chunk.push_back(static_cast<index_t>(t.chunks.size()));
+  return t;
+}
+
+//! Accum elements of one lane's scratch (forward and backward use the same size).
+//! Forward: Q[C dk], K^T[dk C], V[C dv], P[C C], b[C], O[C dv].
+//! Backward adds dO[C dv], V^T[dv C], K[C dk], dP[C C], dQ[C dk], dK[C dk], dV[C dv], and two
+//! transposed states S^T[dv dk] and E^T[dv dk].
+inline index_t lane_floats(index_t c, index_t dk, index_t dv) {
+  const index_t fwd = c * dk * 2 + c * dv * 2 + c * c + c;
+  const index_t bwd = c * dv * 3 + c * dk * 3 + c * c + c * dk + 2 * dv * dk;
+  const index_t state = dk * dv;
+  return fwd + bwd + state;
+}
+
+//! A bump allocator over a caller's workspace; every block is 64-byte aligned.
+class carver {
+ public:
+  explicit carver(std::byte* base) : base_(base) {}
+  template <class T>
+  T* take(index_t count) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += (sizeof(T) * static_cast<std::size_t>(count) + 63) / 64 * 64;
+    return p;
+  }
+  std::size_t used() const { return used_; }
+
+ private:
+  std::byte* base_;
+  std::size_t used_ = 0;
+};
+
+}  // namespace loom::linear_attention::detail

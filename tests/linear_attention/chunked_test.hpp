@@ -1,0 +1,223 @@
+// Chunked linear attention, forward and backward, against the fp64 token-by-token oracle; one body
+// swept over every backend by loom_add_backend_test (the cuda unit is compile-only).
+
+#include <loom/linear_attention/chunked.hpp>
+
+#include <support/backends.hpp>
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "oracle.hpp"
+
+namespace la = loom::linear_attention;
+using loom::index_t;
+using loom::test::buffer;
+using loom::test::make_backend;
+using loom::test::la::gating;
+using loom::test::la::problem;
+using space = loom::backend_traits<loom::test::backend_under_test>::memory_space;
+
+namespace {
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R, space> mk(T* data, const index_t (&e)[R]) {
+  std::array<index_t, R> a;
+  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
+  return loom::make_view<space>(data, a);
+}
+
+template <class T>
+std::vector<T> cast(const std::vector<double>& x) {
+  std::vector<T> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
+  return r;
+}
+template <class T>
+std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
+  return r;
+}
+//! Rounds the problem's inputs to the storage / accumulation types, so the oracle sees exactly
+//! what the implementation reads.
+template <class P>
+problem rounded(problem p) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  p.q = widen(cast<S>(p.q)), p.k = widen(cast<S>(p.k)), p.v = widen(cast<S>(p.v));
+  p.lg = widen(cast<A>(p.lg)), p.head_lg = widen(cast<A>(p.head_lg)), p.init = widen(cast<A>(p.init));
+  if (p.mode == gating::fixed)
+    for (index_t t = 0; t < p.T; ++t)
+      for (index_t h = 0; h < p.H; ++h)
+        p.lg[static_cast<std::size_t>(t * p.H + h)] = p.head_lg[static_cast<std::size_t>(h)];
+  return p;
+}
+
+struct run_result {
+  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
+};
+
+//! Runs loom's chunked forward (and backward when d_o is non-empty) on the backend under test.
+template <class P>
+run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o = {},
+               const std::vector<double>& dfin = {}) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const auto b = make_backend();
+  const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
+  buffer<S> q(cast<S>(p.q)), k(cast<S>(p.k)), v(cast<S>(p.v)), o(static_cast<std::size_t>(T * H * p.dv));
+  buffer<A> lg(cast<A>(p.lg)), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)),
+      fin(static_cast<std::size_t>(docs * H * sz));
+  la::operands<P, space> x{mk(static_cast<const S*>(q.data()), {T, H, p.dk}),
+                           mk(static_cast<const S*>(k.data()), {T, H, p.dk}),
+                           mk(static_cast<const S*>(v.data()), {T, H, p.dv})};
+  if (!p.init.empty()) x.initial_state = mk(static_cast<const A*>(init.data()), {docs, H, p.dk, p.dv});
+  const la::options opt{.chunk = chunk, .scale = p.scale};
+  const auto fin_v = mk(fin.data(), {docs, H, p.dk, p.dv});
+  const auto o_v = mk(o.data(), {T, H, p.dv});
+  auto with_gating = [&](auto&& f) {
+    if (p.mode == gating::none) return f(la::no_decay{});
+    if (p.mode == gating::fixed) return f(la::fixed_decay<A, space>{mk(static_cast<const A*>(hlg.data()), {H})});
+    return f(la::scalar_gate<A, space>{mk(static_cast<const A*>(lg.data()), {T, H})});
+  };
+  with_gating([&](const auto& g) { la::forward<P>(b, g, x, o_v, p.cu, fin_v, opt); });
+  run_result r{widen(o.to_host()), widen(fin.to_host()), {}, {}, {}, {}, {}};
+  if (d_o.empty()) return r;
+  buffer<S> dob(cast<S>(d_o)), dq(p.q.size()), dk(p.k.size()), dv(p.v.size());
+  buffer<A> dfb(cast<A>(dfin)), dlg(static_cast<std::size_t>(T * H)), dinit(static_cast<std::size_t>(docs * H * sz));
+  la::gradients<P, space> g{mk(dq.data(), {T, H, p.dk}), mk(dk.data(), {T, H, p.dk}), mk(dv.data(), {T, H, p.dv})};
+  g.d_initial_state = mk(dinit.data(), {docs, H, p.dk, p.dv});
+  if (p.mode == gating::scalar) g.d_log_gate = mk(dlg.data(), {T, H});
+  loom::tensor_view<const A, 4, space> dfin_v;
+  if (!dfin.empty()) dfin_v = mk(static_cast<const A*>(dfb.data()), {docs, H, p.dk, p.dv});
+  const auto dov = mk(static_cast<const S*>(dob.data()), {T, H, p.dv});
+  with_gating([&](const auto& gt) { la::backward<P>(b, gt, x, dov, p.cu, dfin_v, g, opt); });
+  r.dq = widen(dq.to_host()), r.dk = widen(dk.to_host()), r.dv = widen(dv.to_host());
+  r.dinit = widen(dinit.to_host());
+  if (p.mode == gating::scalar) r.dlg = widen(dlg.to_host());
+  return r;
+}
+
+//! Tolerance of precision P, its absolute part scaled by the RMS of the oracle values: the
+//! outputs are sums of O(chunk + state) products, so their rounding scales with that magnitude.
+template <class P>
+loom::test::tolerance scaled_tol(const std::vector<double>& oracle) {
+  auto tol = loom::test::tolerance_for<P>();
+  double ss = 0;
+  for (double x : oracle) ss += x * x;
+  const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
+  tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
+  return tol;
+}
+
+template <class P>
+void check_forward(const problem& p0, index_t chunk, const std::string& what) {
+  const problem p = rounded<P>(p0);
+  const auto want = loom::test::la::oracle(p);
+  const auto got = run<P>(p, chunk);
+  loom::test::require_close(got.o, want.o, scaled_tol<P>(want.o), what + " o");
+  loom::test::require_close(got.fin, want.fin, scaled_tol<P>(want.fin), what + " final state");
+}
+
+template <class P>
+void check_backward(const problem& p0, index_t chunk, const std::string& what) {
+  const problem p = rounded<P>(p0);
+  const auto d_o =
+      rounded<P>(p0).q.size() ? loom::test::uniform<double>(p.T * p.H * p.dv, -1, 1, 77) : std::vector<double>{};
+  const auto dfin = loom::test::uniform<double>(p.docs() * p.H * p.dk * p.dv, -1, 1, 78);
+  const auto dor = widen(cast<typename P::storage_type>(d_o));
+  const auto dfr = widen(cast<typename P::accum_type>(dfin));
+  const auto want = loom::test::la::oracle(p, &dor, &dfr);
+  const auto got = run<P>(p, chunk, d_o, dfin);
+  loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), what + " dq");
+  loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), what + " dk");
+  loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), what + " dv");
+  loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), what + " d initial state");
+  if (p.mode == gating::scalar)
+    loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), what + " d log gate");
+}
+
+const char* name(gating g) {
+  return g == gating::none ? "no_decay" : g == gating::fixed ? "fixed_decay" : "scalar_gate";
+}
+
+}  // namespace
+
+TEST_CASE("linear_attention::forward matches the recurrent oracle", "[linear_attention][forward]" LOOM_BACKEND_TAG) {
+  const index_t T = GENERATE(as<index_t>{}, 1, 2, 63, 64, 65);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const bool packed = GENERATE(false, true);
+  const auto cu =
+      packed ? loom::test::la::random_docs(T, 4, static_cast<std::uint64_t>(T)) : std::vector<index_t>{0, T};
+  const auto p = loom::test::la::make_problem(T, 2, 8, 4, mode, cu, packed, 10 + static_cast<std::uint64_t>(T));
+  for (index_t chunk : {index_t{1}, index_t{7}, index_t{16}, index_t{64}}) {
+    const std::string what = std::string(name(mode)) + " T=" + std::to_string(T) + " C=" + std::to_string(chunk);
+    check_forward<loom::fp64>(p, chunk, what + " fp64");
+    check_forward<loom::fp32>(p, chunk, what + " fp32");
+    check_forward<loom::bf16>(p, chunk, what + " bf16");
+  }
+}
+
+TEST_CASE("linear_attention::forward on long packed sequences", "[linear_attention][forward][long]" LOOM_BACKEND_TAG) {
+  const index_t T = GENERATE(as<index_t>{}, 16323, 33753);
+  const auto mode = GENERATE(gating::fixed, gating::scalar);
+  const auto p = loom::test::la::make_problem(T, 1, 8, 8, mode, loom::test::la::random_docs(T, 5, 3), true, 20);
+  check_forward<loom::fp64>(p, 64, std::string(name(mode)) + " fp64");
+  check_forward<loom::fp32>(p, 100, std::string(name(mode)) + " fp32");
+}
+
+TEST_CASE("linear_attention: constant decay has the closed form (1 - a^(t+1)) / (1 - a)",
+          "[linear_attention][closed_form]" LOOM_BACKEND_TAG) {
+  const index_t T = 300, H = 8;
+  problem p = loom::test::la::make_problem(T, H, 1, 1, gating::fixed, {0, T}, false, 1);
+  p.scale = 1;
+  std::fill(p.q.begin(), p.q.end(), 1.0), std::fill(p.k.begin(), p.k.end(), 1.0),
+      std::fill(p.v.begin(), p.v.end(), 1.0);
+  for (index_t h = 0; h < H; ++h) {  // LASP slopes: a_h = exp(-s_h), s_h = (2^(-8/H))^(h+1)
+    p.head_lg[static_cast<std::size_t>(h)] = -std::pow(std::pow(2.0, -8.0 / H), static_cast<double>(h + 1));
+    for (index_t t = 0; t < T; ++t) p.lg[static_cast<std::size_t>(t * H + h)] = p.head_lg[static_cast<std::size_t>(h)];
+  }
+  const auto got = run<loom::fp64>(p, 64);
+  std::vector<double> want(got.o.size());
+  for (index_t t = 0; t < T; ++t)
+    for (index_t h = 0; h < H; ++h) {
+      const double a = std::exp(p.head_lg[static_cast<std::size_t>(h)]);
+      want[static_cast<std::size_t>(t * H + h)] = (1 - std::pow(a, static_cast<double>(t + 1))) / (1 - a);
+    }
+  loom::test::require_close(got.o, want, {1e-12, 1e-12}, "closed form");
+}
+
+TEST_CASE("linear_attention: small integers without decay are exact in fp32 for every chunk size",
+          "[linear_attention][exact]" LOOM_BACKEND_TAG) {
+  const index_t T = 203, H = 2, d = 4;
+  problem p = loom::test::la::make_problem(T, H, d, d, gating::none, {0, 50, 50, 51, 203}, false, 3);
+  p.scale = 1;
+  p.q = widen(loom::test::small_integers<float>(T * H * d, -2, 2, 1));
+  p.k = widen(loom::test::small_integers<float>(T * H * d, -2, 2, 2));
+  p.v = widen(loom::test::small_integers<float>(T * H * d, -2, 2, 3));
+  const auto want = loom::test::la::oracle(p);
+  for (index_t chunk : {1, 3, 16, 64, 256}) {
+    const auto got = run<loom::fp32>(p, chunk);
+    REQUIRE(got.o == want.o);
+    REQUIRE(got.fin == want.fin);
+  }
+}
+
+TEST_CASE("linear_attention::backward matches the analytic oracle", "[linear_attention][backward]" LOOM_BACKEND_TAG) {
+  const index_t T = GENERATE(as<index_t>{}, 1, 2, 63, 65, 200);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const auto p = loom::test::la::make_problem(T, 2, 8, 4, mode, loom::test::la::random_docs(T, 3, 5), true, 30);
+  for (index_t chunk : {index_t{1}, index_t{16}, index_t{64}}) {
+    const std::string what = std::string(name(mode)) + " T=" + std::to_string(T) + " C=" + std::to_string(chunk);
+    check_backward<loom::fp64>(p, chunk, what + " fp64");
+    check_backward<loom::fp32>(p, chunk, what + " fp32");
+    check_backward<loom::bf16>(p, chunk, what + " bf16");
+  }
+}
