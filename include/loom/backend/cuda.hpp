@@ -4,6 +4,7 @@
 //! loom::cuda: a CUDA stream. Host-compilable; the kernels (backend/detail/parallel_cuda.cuh) are
 //! pulled in only when nvcc compiles the translation unit. Link loom::cuda.
 
+#include <loom/backend/temporary.hpp>
 #include <loom/backend/traits.hpp>
 #include <loom/core/error.hpp>
 
@@ -38,6 +39,25 @@ struct backend_traits<cuda> {
                        __FILE__, __LINE__);
     return sms;
   }
+};
+
+//! Stream-ordered device scratch: allocated and freed on the policy's stream.
+template <class T>
+class temporary_buffer<cuda, T, cuda_memory> {
+ public:
+  temporary_buffer(const cuda& b, index_t count) : stream_(b.stream) {
+    const auto bytes = sizeof(T) * static_cast<std::size_t>(count > 0 ? count : 1);
+    detail::cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&data_), bytes, stream_), "cudaMallocAsync", __FILE__,
+                       __LINE__);
+  }
+  temporary_buffer(const temporary_buffer&) = delete;
+  temporary_buffer& operator=(const temporary_buffer&) = delete;
+  ~temporary_buffer() { cudaFreeAsync(data_, stream_); }
+  T* data() const noexcept { return data_; }
+
+ private:
+  cudaStream_t stream_;
+  T* data_ = nullptr;
 };
 
 }  // namespace loom

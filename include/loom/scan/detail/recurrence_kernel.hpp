@@ -1,0 +1,196 @@
+#pragma once
+
+//! @file
+//! The engine kernel of linear recurrences, forward and adjoint, for any structure tag.
+//!
+//! forward  (rows in order):   x <- A_t x + b_t;            out_t = x
+//! adjoint  (rows reversed):   out_t = x + g_t;  x <- A_tᵀ (x + g_t)
+//! With x entering row t as λ-contribution from row t+1, the adjoint's out_t is
+//! λ_t = g_t + A_{t+1}ᵀ λ_{t+1}, and the x left after a segment's first row is A_startᵀ λ_start,
+//! the gradient of the segment's initial state. Both forms only ever read A at the row they
+//! process, so a rank never needs its neighbour's rows. At a segment head (first row forward,
+//! last row adjoint) x is replaced by the segment's initial value (init[s], or zero). After the
+//! segment's last processed row, x is written to fin[s] (forward: final state; adjoint: d init).
+//! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d)].
+
+#include <loom/scan/detail/monoid_kernel.hpp>
+#include <loom/scan/structure.hpp>
+
+namespace loom::scan::detail {
+
+template <class St, class TA, class TB, class TH, class TI, class Acc>
+struct recurrence_kernel {
+  using agg_type = Acc;
+  const TA* a;
+  index_t a_stride;
+  const TB* b;
+  index_t b_stride;
+  TH* h;
+  index_t h_stride;
+  const TI* init;  //!< [segments or 1, d] initial values, or null for zeros
+  index_t init_stride;
+  TH* fin;  //!< [segments or 1, d] values after each segment, or null
+  index_t fin_stride;
+  heads hd;
+  index_t d;
+  bool adjoint;
+  bool first_window;  //!< this window holds global position 0 (used when there are no segments)
+  index_t carry_size, agg_size, scratch_size;
+
+  recurrence_kernel(const TA* a_, index_t as, const TB* b_, index_t bs, TH* h_, index_t hs, const TI* init_, index_t is,
+                    TH* fin_, index_t fs, heads hd_, index_t d_, bool adj, bool first)
+      : a(a_),
+        a_stride(as),
+        b(b_),
+        b_stride(bs),
+        h(h_),
+        h_stride(hs),
+        init(init_),
+        init_stride(is),
+        fin(fin_),
+        fin_stride(fs),
+        hd(hd_),
+        d(d_),
+        adjoint(adj),
+        first_window(first) {
+    carry_size = d;
+    agg_size = St::a_size(d) + d;
+    scratch_size = 2 * St::a_size(d) + 2 * d;
+  }
+
+  LOOM_HD index_t row(index_t p) const { return hd.reverse ? hd.count - 1 - p : p; }
+  //! Position after which the segment holding p ends, in window positions (may lie outside).
+  LOOM_HD index_t segment_end(index_t p) const {
+    if (hd.segments == 0) return hd.total - hd.base;
+    const index_t s = hd.last_at_or_before(p) + 1;
+    return s < hd.segments ? hd.at(s) : hd.total - hd.base;
+  }
+  LOOM_HD index_t segment_of(index_t p) const { return hd.segments == 0 ? 0 : hd.segment(hd.last_at_or_before(p)); }
+  LOOM_HD void load_init(index_t seg, Acc* x) const {
+    for (index_t c = 0; c < d; ++c) x[c] = init ? static_cast<Acc>(init[seg * init_stride + c]) : Acc(0);
+  }
+  //! One row applied to vector x (into y): forward A x + b, adjoint Aᵀ (x + g) (x is changed).
+  LOOM_HD void step_vec(index_t t, Acc* x, Acc* y) const {
+    const TA* at = a + t * a_stride;
+    const TB* bt = b + t * b_stride;
+    if (adjoint) {
+      for (index_t c = 0; c < d; ++c) x[c] += static_cast<Acc>(bt[c]);
+      St::matvec(at, true, d, x, y);
+    } else {
+      St::matvec(at, false, d, x, y);
+      for (index_t c = 0; c < d; ++c) y[c] += static_cast<Acc>(bt[c]);
+    }
+  }
+
+  LOOM_HD void identity_agg(Acc* agg) const {
+    St::identity(d, agg);
+    for (index_t c = 0; c < d; ++c) agg[St::a_size(d) + c] = Acc(0);
+  }
+
+  //! The value entering global position 0.
+  LOOM_HD void global_init_carry(Acc* c) const {
+    if (hd.segments == 0)
+      load_init(0, c);
+    else
+      for (index_t k = 0; k < d; ++k) c[k] = Acc(0);
+  }
+  LOOM_HD void init_carry(Acc* c) const {
+    if (first_window)
+      global_init_carry(c);
+    else
+      for (index_t k = 0; k < d; ++k) c[k] = Acc(0);
+  }
+
+  LOOM_HD void reduce(index_t begin, index_t end, Acc* agg, Acc* scratch) const {
+    const index_t asz = St::a_size(d);
+    Acc *m0 = scratch, *m1 = scratch + asz, *x0 = scratch + 2 * asz, *x1 = x0 + d;
+    St::identity(d, m0);
+    for (index_t c = 0; c < d; ++c) x0[c] = Acc(0);
+    index_t next = hd.segments == 0 ? hd.count : hd.first_at_or_after(begin);
+    for (index_t p = begin; p < end; ++p) {
+      const index_t t = row(p);
+      if (p == next) {
+        for (index_t e = 0; e < asz; ++e) m0[e] = Acc(0);
+        load_init(segment_of(p), x0);
+        next = hd.next_after(p);
+      }
+      step_vec(t, x0, x1);
+      St::matmat(a + t * a_stride, adjoint, d, m0, m1);
+      Acc* tm = m0;
+      m0 = m1;
+      m1 = tm;
+      Acc* tx = x0;
+      x0 = x1;
+      x1 = tx;
+    }
+    for (index_t e = 0; e < asz; ++e) agg[e] = m0[e];
+    for (index_t c = 0; c < d; ++c) agg[asz + c] = x0[c];
+  }
+
+  LOOM_HD void advance(const Acc* carry, const Acc* agg, Acc* out) const {
+    const index_t asz = St::a_size(d);
+    St::matvec(agg, false, d, carry, out);
+    for (index_t c = 0; c < d; ++c) out[c] += agg[asz + c];
+  }
+
+  LOOM_HD void compose(const Acc* first, const Acc* second, Acc* out) const {
+    const index_t asz = St::a_size(d);
+    St::matmat(second, false, d, first, out);
+    St::matvec(second, false, d, first + asz, out + asz);
+    for (index_t c = 0; c < d; ++c) out[asz + c] += second[asz + c];
+  }
+
+  LOOM_HD void scan(index_t begin, index_t end, const Acc* carry, Acc* scratch) const {
+    Acc *x = scratch, *y = scratch + d;
+    for (index_t c = 0; c < d; ++c) x[c] = carry[c];
+    index_t next = hd.segments == 0 ? hd.count : hd.first_at_or_after(begin);
+    for (index_t p = begin; p < end; ++p) {
+      const index_t t = row(p);
+      if (p == next) {
+        load_init(segment_of(p), x);
+        next = hd.next_after(p);
+      }
+      TH* ht = h + t * h_stride;
+      if (adjoint) {
+        for (index_t c = 0; c < d; ++c) ht[c] = static_cast<TH>(x[c] + static_cast<Acc>(b[t * b_stride + c]));
+        step_vec(t, x, y);
+      } else {
+        step_vec(t, x, y);
+        for (index_t c = 0; c < d; ++c) ht[c] = static_cast<TH>(y[c]);
+      }
+      Acc* tmp = x;
+      x = y;
+      y = tmp;
+      if (fin && segment_end(p) == p + 1) {
+        TH* f = fin + segment_of(p) * fin_stride;
+        for (index_t c = 0; c < d; ++c) f[c] = static_cast<TH>(x[c]);
+      }
+    }
+  }
+};
+
+//! fin[s] = init[s] (or zero) for every empty segment s.
+template <class TH, class TI>
+struct empty_segments_step {
+  const index_t* offsets;
+  const TI* init;
+  index_t init_stride;
+  TH* fin;
+  index_t fin_stride;
+  index_t d;
+  LOOM_HD void operator()(index_t s) const {
+    if (offsets[s] != offsets[s + 1]) return;
+    for (index_t c = 0; c < d; ++c)
+      fin[s * fin_stride + c] = init ? static_cast<TH>(init[s * init_stride + c]) : static_cast<TH>(0.0f);
+  }
+};
+
+//! fin[c] = init[c] (or zero): the one segment of an empty sequence.
+template <class TH, class TI>
+struct empty_row_step {
+  const TI* init;
+  TH* fin;
+  LOOM_HD void operator()(index_t c) const { fin[c] = init ? static_cast<TH>(init[c]) : static_cast<TH>(0.0f); }
+};
+
+}  // namespace loom::scan::detail

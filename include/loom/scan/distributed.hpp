@@ -1,0 +1,174 @@
+#pragma once
+
+//! @file
+//! Scans across ranks: each rank holds a contiguous slice of one global sequence (rank 0 first)
+//! and gets the slice of the global result, for any monoid and any linear recurrence.
+//!
+//! Algorithm (for P ranks, any communicator):
+//!   1. all_gather of the P local lengths (one index each): global offsets of the slices;
+//!   2. local reduce: the aggregate of the slice (a monoid value with a segment flag, or the
+//!      affine map x -> M x + v of a recurrence), by the blocked engine;
+//!   3. one all_gather of the P aggregates;
+//!   4. the carry entering the slice: the aggregates of the ranks before it (in processing order:
+//!      rank 0 first forward, rank P-1 first in reverse and adjoint scans) folded in order;
+//!   5. local scan from that carry.
+//! Communication: P * 8 bytes + P * sizeof(aggregate) bytes received per rank, independent of the
+//! sequence length (a recurrence's aggregate is (a_size(d) + d) accumulators). Segment offsets
+//! are global (the segmentation of the whole sequence, identical on every rank), so documents
+//! that cross rank boundaries are handled: a reset inside a slice is part of its aggregate. The
+//! result has the same bits for every P only when each rank's slice maps to whole blocks; for a
+//! fixed P and slicing it is bitwise reproducible.
+
+#include <loom/comm/communicator.hpp>
+#include <loom/scan/recurrence.hpp>
+#include <loom/scan/scan.hpp>
+
+#include <span>
+#include <vector>
+
+namespace loom::scan {
+
+namespace detail {
+
+//! Where this rank's slice lies in the global sequence (one all_gather of the lengths).
+template <comm::communicator C>
+window slice_of(C& comm, index_t count, std::string_view call) {
+  LOOM_EXPECTS(count >= 0, errc::invalid_argument, call, ": the local length must be >= 0, got ", count);
+  const auto p = static_cast<std::size_t>(comm.size());
+  std::vector<std::int64_t> lengths(p);
+  const std::int64_t mine = count;
+  comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(lengths));
+  window w{0, 0, count};
+  for (std::size_t q = 0; q < p; ++q) {
+    if (static_cast<int>(q) < comm.rank()) w.begin += lengths[q];
+    w.total += lengths[q];
+  }
+  return w;
+}
+
+//! ws[0..carry) = the carry entering rank `me`: init_carry of the first rank in processing
+//! order, advanced by the aggregates of every rank before `me` in that order.
+template <class K>
+struct prefix_step {
+  K k;
+  const typename K::agg_type* gathered;  //!< P aggregates, rank order
+  index_t agg;
+  int ranks, me;
+  bool reverse;
+  typename K::agg_type* ws;  //!< running carry at ws[0], a temporary after it
+  LOOM_HD void operator()(index_t) const {
+    auto* carry = ws;
+    auto* tmp = ws + k.carry_size;
+    k.global_init_carry(carry);
+    const int steps = reverse ? ranks - 1 - me : me;
+    for (int i = 0; i < steps; ++i) {
+      const int q = reverse ? ranks - 1 - i : i;
+      k.advance(carry, gathered + q * agg, tmp);
+      for (index_t c = 0; c < k.carry_size; ++c) carry[c] = tmp[c];
+    }
+  }
+};
+
+//! Steps 2-5 for an engine kernel whose window has been set from `w`.
+template <backend B, comm::communicator C, class K>
+void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, bool reverse, const options& opt,
+                     std::string_view call) {
+  using A = typename K::agg_type;
+  const index_t agg = k.agg_size;
+  const layout lay = layout_for(k, tile_of(b, blk));
+  const index_t local = workspace_size(b, k, blk);
+  const index_t ranks = comm.size();
+  // workspace: engine state | own aggregate | P gathered aggregates | carry + temporary
+  const index_t own = local, gathered = own + agg, prefix = gathered + ranks * agg;
+  const index_t need = prefix + 2 * k.carry_size;
+  with_workspace<A>(b, opt, need, call, [&](A* ws) {
+    if (blk.n > 0) {
+      const A* total = run_total(b, k, blk, ws);
+      copy_step<A> cp{total, ws + own, agg};
+      for_each_index(b, 1, cp);
+    } else {
+      for_each_index(b, 1, identity_step<K>{k, ws + own});
+    }
+    fence(b);
+    comm.all_gather(std::span<const A>(ws + own, static_cast<std::size_t>(agg)),
+                    std::span<A>(ws + gathered, static_cast<std::size_t>(ranks * agg)));
+    for_each_index(b, 1,
+                   prefix_step<K>{k, ws + gathered, agg, static_cast<int>(ranks), comm.rank(), reverse, ws + prefix});
+    for_each_index(b, 1, copy_step<A>{ws + prefix, ws + lay.running(), k.carry_size});
+    run_scan(b, k, blk, ws, true);
+  });
+}
+
+template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
+void run_monoid_distributed(const B& b, C& comm, const M& m, In in, Out out, const Offsets* offsets, bool exclusive,
+                            typename M::value_type init, const options& opt, std::string_view call) {
+  check_space<B, In>();
+  check_space<B, Out>();
+  const index_t n = in.extent(0);
+  // Only segmented scans need to know where the slice lies (their offsets are global).
+  const window w = offsets ? slice_of(comm, n, call) : window{n, 0, n};
+  with_monoid_kernel(m, in, out, offsets, exclusive, init, opt, w, call, [&](const auto& k, const blocking& blk) {
+    run_distributed(b, comm, k, blk, opt.dir == direction::reverse, opt, call);
+  });
+}
+
+}  // namespace detail
+
+//! Cross-rank inclusive scan: `in` and `out` are this rank's slice (any length, 0 included).
+//! Collective: every rank of `comm` calls it with the same monoid and options.
+template <backend B, comm::communicator C, monoid M, class In, class Out>
+void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
+  detail::run_monoid_distributed(b, comm, m, in, out, detail::no_offsets<In>(), false, m.identity(), opt,
+                                 "inclusive_scan");
+}
+
+//! Cross-rank exclusive scan; the first element of the global sequence gets `init`.
+template <backend B, comm::communicator C, monoid M, class In, class Out>
+void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
+                    const options& opt = {}) {
+  detail::run_monoid_distributed(b, comm, m, in, out, detail::no_offsets<In>(), true, init, opt, "exclusive_scan");
+}
+
+//! Cross-rank segmented scan. `offsets` segments the global sequence (same on every rank).
+template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
+void segmented_inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, Offsets offsets,
+                              const options& opt = {}) {
+  detail::run_monoid_distributed(b, comm, m, in, out, &offsets, false, m.identity(), opt, "segmented_inclusive_scan");
+}
+
+//! Cross-rank exclusive segmented scan.
+template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
+void segmented_exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, Offsets offsets,
+                              typename M::value_type init, const options& opt = {}) {
+  detail::run_monoid_distributed(b, comm, m, in, out, &offsets, true, init, opt, "segmented_exclusive_scan");
+}
+
+//! Cross-rank linear recurrence: A, b and h are this rank's rows of the global sequence.
+//! seg.offsets segments the global sequence; seg.initial holds every segment's initial state (on
+//! every rank); seg.final_state receives the final states of the segments that end on this rank
+//! (and of empty segments), other rows are left untouched.
+template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
+void linear_recurrence(const B& b, C& comm, St, AV a, BV bv, HV h, const segments<T, Space>& seg = {},
+                       const options& opt = {}) {
+  constexpr std::string_view call = "linear_recurrence";
+  const detail::window w = detail::slice_of(comm, bv.extent(0), call);
+  detail::with_recurrence_kernel<St>(
+      a, bv, h, seg.offsets, seg.initial, seg.final_state, w, false, opt, call,
+      [&](const auto& k, const auto& blk) { detail::run_distributed(b, comm, k, blk, false, opt, call); });
+  detail::fill_empty_segments(b, seg.offsets, seg.initial, seg.final_state, bv.extent(1), w.total);
+}
+
+//! Cross-rank adjoint recurrence (see the single-rank form); d_initial rows are written for the
+//! segments that start on this rank (and empty segments).
+template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
+void linear_recurrence_adjoint(const B& b, C& comm, St, AV a, GV g, LV lambda,
+                               const adjoint_segments<T, Space>& seg = {}, const options& opt = {}) {
+  constexpr std::string_view call = "linear_recurrence_adjoint";
+  const detail::window w = detail::slice_of(comm, g.extent(0), call);
+  detail::with_recurrence_kernel<St>(
+      a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, w, true, opt, call,
+      [&](const auto& k, const auto& blk) { detail::run_distributed(b, comm, k, blk, true, opt, call); });
+  detail::fill_empty_segments(b, seg.offsets, seg.d_final, seg.d_initial, g.extent(1), w.total);
+}
+
+}  // namespace loom::scan

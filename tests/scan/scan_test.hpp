@@ -1,0 +1,457 @@
+// Monoid scans and linear recurrences: one body, instantiated per backend by
+// loom_add_backend_test. Every result is compared with an fp64 serial loop (tests/scan/oracle.hpp)
+// and, for determinism, bit for bit with the serial backend run on the same inputs.
+
+#include <loom/scan/recurrence.hpp>
+#include <loom/scan/scan.hpp>
+
+#include <support/backends.hpp>
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "oracle.hpp"
+
+using loom::index_t;
+using loom::test::backend_under_test;
+using loom::test::buffer;
+using loom::test::make_backend;
+namespace ls = loom::scan;
+namespace lt = loom::test;
+
+namespace {
+
+using space = loom::backend_traits<backend_under_test>::memory_space;
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R, space> view(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
+  return loom::tensor_view<T, R, space>(b.data(), ext);
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
+  return x.size() == y.size() && (x.empty() || std::memcmp(x.data(), y.data(), sizeof(T) * x.size()) == 0);
+}
+
+const index_t lengths[] = {0, 1, 2, 63, 64, 65, 1021, 16323, 33753};
+
+// Oracle of a monoid scan on the host: inclusive/exclusive, forward/reverse, segmented.
+template <class M>
+std::vector<typename M::value_type> scan_oracle(const M& m, const std::vector<typename M::value_type>& x,
+                                                std::vector<index_t> offsets, bool exclusive, bool reverse,
+                                                typename M::value_type init) {
+  const auto n = static_cast<index_t>(x.size());
+  if (offsets.empty()) offsets = {0, n};
+  std::vector<typename M::value_type> out(x.size());
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+    auto acc = exclusive ? init : m.identity();
+    if (!reverse) {
+      for (index_t i = offsets[s]; i < offsets[s + 1]; ++i) {
+        if (exclusive) out[i] = acc;
+        acc = m.combine(acc, x[i]);
+        if (!exclusive) out[i] = acc;
+      }
+    } else {
+      for (index_t i = offsets[s + 1] - 1; i >= offsets[s]; --i) {
+        if (exclusive) out[i] = acc;
+        acc = m.combine(x[i], acc);
+        if (!exclusive) out[i] = acc;
+      }
+    }
+  }
+  return out;
+}
+
+// Runs the loom scan of x with the given variant on backend b (host vectors in and out).
+template <class B, class M>
+std::vector<typename M::value_type> run_scan(const B& b, const M& m, const std::vector<typename M::value_type>& x,
+                                             const std::vector<index_t>& offsets, bool exclusive, bool reverse,
+                                             typename M::value_type init, index_t block) {
+  using T = typename M::value_type;
+  const auto n = static_cast<index_t>(x.size());
+  buffer<T> in(x), out(x.size());
+  buffer<index_t> off(offsets);
+  ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, block};
+  auto vi = view<const T, 1>(in, {n});
+  auto vo = view<T, 1>(out, {n});
+  if (offsets.empty()) {
+    if (exclusive)
+      ls::exclusive_scan(b, m, vi, vo, init, opt);
+    else
+      ls::inclusive_scan(b, m, vi, vo, opt);
+  } else {
+    auto vf = view<const index_t, 1>(off, {static_cast<index_t>(offsets.size())});
+    if (exclusive)
+      ls::segmented_exclusive_scan(b, m, vi, vo, vf, init, opt);
+    else
+      ls::segmented_inclusive_scan(b, m, vi, vo, vf, opt);
+  }
+  return out.to_host();
+}
+
+// Segment offsets over n elements with empty segments, single-element segments and long ones.
+std::vector<index_t> ragged_offsets(index_t n, std::uint64_t stream) {
+  std::vector<index_t> o{0};
+  if (n > 0) o.push_back(0);  // an empty first segment
+  auto g = lt::rng(stream);
+  while (o.back() < n) {
+    const index_t step = static_cast<index_t>(g() % 5 == 0 ? 1 : 1 + g() % (n / 3 + 2));
+    o.push_back(o.back() + step < n ? o.back() + step : n);
+    if (g() % 7 == 0) o.push_back(o.back());  // empty segment in the middle
+  }
+  o.push_back(n);  // an empty last segment
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("scan: non-commutative monoid, every variant, exact" LOOM_BACKEND_TAG, "[scan]") {
+  const auto b = make_backend();
+  const lt::mat2_product m;
+  for (index_t n : lengths) {
+    auto g = lt::rng(100 + static_cast<std::uint64_t>(n));
+    std::vector<lt::mat2> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = {g() % 5, g() % 3, g() % 3, g() % 5};
+    const lt::mat2 init{2, 1, 1, 1};
+    for (int variant = 0; variant < 8; ++variant) {
+      const bool exclusive = variant & 1, reverse = variant & 2, segmented = variant & 4;
+      const auto offsets = segmented ? ragged_offsets(n, 7 + n) : std::vector<index_t>{};
+      const auto want = scan_oracle(m, x, offsets, exclusive, reverse, init);
+      for (index_t block : {index_t{0}, index_t{7}, index_t{64}}) {
+        INFO("n = " << n << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented
+                    << ", block " << block);
+        REQUIRE(run_scan(b, m, x, offsets, exclusive, reverse, init, block) == want);
+      }
+    }
+  }
+}
+
+TEST_CASE("scan: plus in fp32 against the fp64 oracle; same bits as serial" LOOM_BACKEND_TAG, "[scan]") {
+  const auto b = make_backend();
+  for (index_t n : lengths) {
+    const auto xf = lt::uniform<float>(n, -1.0, 1.0, 200 + static_cast<std::uint64_t>(n));
+    std::vector<double> xd(xf.begin(), xf.end());
+    for (bool reverse : {false, true}) {
+      const auto want = scan_oracle(ls::plus<double>{}, xd, {}, false, reverse, 0.0);
+      const auto got = run_scan(b, ls::plus<float>{}, xf, {}, false, reverse, 0.0f, 0);
+      // Summing n terms of size <= 1 in float: error grows like n * 2^-24.
+      lt::require_close(got, want, {0.0, 1e-7 * static_cast<double>(n + 1)}, "plus<float>");
+      const auto serial = run_scan(loom::serial{}, ls::plus<float>{}, xf, {}, false, reverse, 0.0f, 0);
+      REQUIRE(same_bits(got, serial));
+    }
+  }
+}
+
+TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
+  const auto b = make_backend();
+  buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(9));
+  const auto vi = view<const float, 1>(in, {10});
+  CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, view<float, 1>(out, {9})),
+                    Catch::Contains("shape_mismatch") && Catch::Contains("out must have 10 elements"));
+  buffer<float> out10(std::vector<float>(10));
+  const auto vo = view<float, 1>(out10, {10});
+  if constexpr (space::host_accessible) {
+    auto bad = [&](std::vector<index_t> o, const char* what) {
+      buffer<index_t> off(o);
+      CHECK_THROWS_WITH(ls::segmented_inclusive_scan(b, ls::plus<float>{}, vi, vo,
+                                                     view<const index_t, 1>(off, {static_cast<index_t>(o.size())})),
+                        Catch::Contains("invalid_argument") && Catch::Contains(what));
+    };
+    bad({1, 10}, "offsets[0] must be 0");
+    bad({0, 6, 4, 10}, "must be non-decreasing");
+    bad({0, 4, 12}, "must equal the sequence length 10");
+    bad({0, 4, 9}, "must equal the sequence length 10");
+    bad({}, "at least one offset");
+    float small[1];
+    ls::options opt;
+    opt.workspace = small;
+    opt.workspace_bytes = sizeof(small);
+    CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, vo, opt),
+                      Catch::Contains("options.workspace_bytes must be >="));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear recurrences
+
+namespace {
+
+template <class T>
+std::vector<T> cast_vec(const std::vector<double>& v) {
+  std::vector<T> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = static_cast<T>(v[i]);
+  return r;
+}
+template <class T>
+std::vector<double> to_double(const std::vector<T>& v) {
+  std::vector<double> r(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) r[i] = static_cast<double>(v[i]);
+  return r;
+}
+
+// Random transitions whose full matrices have norm below 1 (the recurrence is stable), so errors
+// do not grow with T and one tolerance fits every length.
+std::vector<double> random_transitions(lt::shape s, index_t n, index_t d, std::uint64_t stream) {
+  const index_t as = lt::a_size(s, d);
+  const double width = s == lt::shape::dense ? 0.9 / static_cast<double>(d)
+                       : s == lt::shape::scalar || s == lt::shape::diagonal
+                           ? 0.95
+                           : 0.9 / static_cast<double>(lt::block_of(s));
+  return lt::uniform<double>(n * as, -width, width, stream);
+}
+
+struct rec_case {
+  lt::shape s;
+  index_t n, d;
+  bool segmented, with_init;
+};
+
+// Runs loom's recurrence (forward or adjoint) on backend b in storage T; returns rows and finals.
+template <class St, class T, class B>
+std::pair<std::vector<double>, std::vector<double>> run_recurrence(
+    const B& b, const rec_case& c, const std::vector<double>& a, const std::vector<double>& bv,
+    const std::vector<index_t>& offsets, const std::vector<double>& init, bool adjoint, index_t block) {
+  const index_t n = c.n, d = c.d;
+  const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
+  buffer<T> ab(cast_vec<T>(a)), bb(cast_vec<T>(bv)), hb(static_cast<std::size_t>(n * d)), ib(cast_vec<T>(init)),
+      fb(std::vector<T>(static_cast<std::size_t>(segs * d), T(-7.0f)));
+  buffer<index_t> ob(offsets);
+  auto av = [&] {
+    if constexpr (St::a_rank == 1)
+      return view<const T, 1>(ab, {n});
+    else if constexpr (St::a_rank == 2)
+      return view<const T, 2>(ab, {n, d});
+    else if constexpr (St::a_rank == 3)
+      return view<const T, 3>(ab, {n, d, d});
+    else
+      return view<const T, 4>(ab, {n, d / St::block, St::block, St::block});
+  }();
+  const auto offv = offsets.empty() ? loom::tensor_view<const index_t, 1, space>{}
+                                    : view<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
+  const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view<const T, 2>(ib, {segs, d});
+  const auto finv = view<T, 2>(fb, {segs, d});
+  ls::options opt;
+  opt.block = block;
+  if (!adjoint)
+    ls::linear_recurrence(b, St{}, av, view<const T, 2>(bb, {n, d}), view<T, 2>(hb, {n, d}),
+                          ls::segments<T, space>{offv, initv, finv}, opt);
+  else
+    ls::linear_recurrence_adjoint(b, St{}, av, view<const T, 2>(bb, {n, d}), view<T, 2>(hb, {n, d}),
+                                  ls::adjoint_segments<T, space>{offv, initv, finv}, opt);
+  return {to_double(hb.to_host()), to_double(fb.to_host())};
+}
+
+template <class St>
+void check_structure(lt::shape s, std::initializer_list<rec_case> cases) {
+  const auto b = make_backend();
+  for (const rec_case& c : cases) {
+    const auto seed = static_cast<std::uint64_t>(c.n * 131 + c.d * 7 + static_cast<int>(s));
+    const auto a = random_transitions(s, c.n, c.d, seed);
+    const auto bv = lt::uniform<double>(c.n * c.d, -1.0, 1.0, seed + 1);
+    const auto offsets = c.segmented ? ragged_offsets(c.n, seed + 2) : std::vector<index_t>{};
+    const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
+    const auto init = c.with_init ? lt::uniform<double>(segs * c.d, -1.0, 1.0, seed + 3) : std::vector<double>{};
+    for (bool adjoint : {false, true}) {
+      INFO(St::name() << " n = " << c.n << " d = " << c.d << " segmented " << c.segmented << " init " << c.with_init
+                      << " adjoint " << adjoint);
+      const auto want = adjoint ? lt::adjoint_oracle(s, c.n, c.d, a, bv, offsets, init)
+                                : lt::forward_oracle(s, c.n, c.d, a, bv, offsets, init);
+      for (index_t block : {index_t{0}, index_t{13}}) {
+        const auto got = run_recurrence<St, double>(b, c, a, bv, offsets, init, adjoint, block);
+        lt::require_close(got.first, want.h, lt::tolerance_for<loom::fp64>(), "rows fp64");
+        lt::require_close(got.second, want.finals, lt::tolerance_for<loom::fp64>(), "finals fp64");
+      }
+      const auto f32 = run_recurrence<St, float>(b, c, a, bv, offsets, init, adjoint, 0);
+      // Inputs rounded to float, state carried in float: a few ulps per step, contracting.
+      lt::require_close(f32.first, want.h, {1e-5, 1e-5}, "rows fp32");
+      const auto f32_serial = run_recurrence<St, float>(loom::serial{}, c, a, bv, offsets, init, adjoint, 0);
+      REQUIRE(same_bits(f32.first, f32_serial.first));
+      REQUIRE(same_bits(f32.second, f32_serial.second));
+      const auto h16 = run_recurrence<St, loom::bfloat16>(b, c, a, bv, offsets, init, adjoint, 0);
+      // bf16 inputs (2^-8 relative rounding) into a contracting recurrence with a float state.
+      lt::require_close(h16.first, want.h, {4e-2, 4e-2}, "rows bf16");
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("recurrence: scalar and diagonal against the fp64 oracle" LOOM_BACKEND_TAG, "[scan][recurrence]") {
+  check_structure<ls::scalar>(lt::shape::scalar, {{lt::shape::scalar, 1, 3, false, true},
+                                                  {lt::shape::scalar, 65, 3, true, true},
+                                                  {lt::shape::scalar, 16323, 2, true, false}});
+  check_structure<ls::diagonal>(lt::shape::diagonal, {{lt::shape::diagonal, 0, 4, false, false},
+                                                      {lt::shape::diagonal, 2, 4, false, true},
+                                                      {lt::shape::diagonal, 63, 5, true, true},
+                                                      {lt::shape::diagonal, 64, 1, false, true},
+                                                      {lt::shape::diagonal, 33753, 3, true, true}});
+}
+
+TEST_CASE("recurrence: block-diagonal 2, 3, 4 and dense against the fp64 oracle" LOOM_BACKEND_TAG,
+          "[scan][recurrence]") {
+  check_structure<ls::block_diagonal<2>>(
+      lt::shape::block2, {{lt::shape::block2, 65, 4, true, true}, {lt::shape::block2, 4097, 2, false, true}});
+  check_structure<ls::block_diagonal<3>>(lt::shape::block3, {{lt::shape::block3, 1021, 6, true, true}});
+  check_structure<ls::block_diagonal<4>>(lt::shape::block4, {{lt::shape::block4, 63, 8, true, false}});
+  check_structure<ls::dense>(lt::shape::dense,
+                             {{lt::shape::dense, 1, 5, false, true}, {lt::shape::dense, 1021, 5, true, true}});
+}
+
+TEST_CASE("recurrence: exactness harness, ±1 transitions and integer payloads give exact bits" LOOM_BACKEND_TAG,
+          "[scan][recurrence][exact]") {
+  const auto b = make_backend();
+  for (index_t n : {index_t{2}, index_t{65}, index_t{4097}, index_t{16323}}) {
+    const index_t d = 4;
+    // diagonal entries in {-1, +1}; b in {-1, 0, 1}: every partial sum is a small integer.
+    auto g = lt::rng(300 + static_cast<std::uint64_t>(n));
+    std::vector<double> a(static_cast<std::size_t>(n * d)), bv(static_cast<std::size_t>(n * d));
+    for (auto& x : a) x = g() % 2 ? 1.0 : -1.0;
+    for (auto& x : bv) x = static_cast<double>(static_cast<int>(g() % 3) - 1);
+    const auto offsets = ragged_offsets(n, 301);
+    const auto want = lt::forward_oracle(lt::shape::diagonal, n, d, a, bv, offsets, {});
+    // 2 x 2 blocks that swap and flip signs: [[0, ±1], [±1, 0]] or diag(±1, ±1).
+    std::vector<double> a2(static_cast<std::size_t>(n * d * 2), 0.0);
+    for (index_t t = 0; t < n; ++t)
+      for (index_t blk = 0; blk < d / 2; ++blk) {
+        double* m = a2.data() + (t * d + blk * 2) * 2;
+        const double s1 = g() % 2 ? 1.0 : -1.0, s2 = g() % 2 ? 1.0 : -1.0;
+        if (g() % 2) {
+          m[1] = s1;
+          m[2] = s2;
+        } else {
+          m[0] = s1;
+          m[3] = s2;
+        }
+      }
+    const auto want2 = lt::forward_oracle(lt::shape::block2, n, d, a2, bv, offsets, {});
+    const auto wantg = lt::adjoint_oracle(lt::shape::block2, n, d, a2, bv, offsets, {});
+    for (index_t block : {index_t{0}, index_t{1}, index_t{64}, index_t{1000}}) {
+      const rec_case c{lt::shape::diagonal, n, d, true, false};
+      REQUIRE(run_recurrence<ls::diagonal, float>(b, c, a, bv, offsets, {}, false, block).first == want.h);
+      REQUIRE(run_recurrence<ls::block_diagonal<2>, float>(b, c, a2, bv, offsets, {}, false, block).first == want2.h);
+      const auto adj = run_recurrence<ls::block_diagonal<2>, float>(b, c, a2, bv, offsets, {}, true, block);
+      REQUIRE(adj.first == wantg.h);
+      REQUIRE(adj.second == wantg.finals);
+    }
+  }
+}
+
+TEST_CASE("recurrence: rotations keep the norm; closed-form geometric sums" LOOM_BACKEND_TAG, "[scan][recurrence]") {
+  const auto b = make_backend();
+  const index_t n = 33753, d = 2;
+  // h_t = R(θ_t) h_{t-1}, h_{-1} = e1: h_t = R(θ_0 + ... + θ_t) e1.
+  const auto theta = lt::uniform<double>(n, 0.0, 6.283185307179586, 400);
+  std::vector<double> a(static_cast<std::size_t>(n * 4)), bv(static_cast<std::size_t>(n * d), 0.0);
+  for (index_t t = 0; t < n; ++t) {
+    a[t * 4 + 0] = std::cos(theta[t]);
+    a[t * 4 + 1] = -std::sin(theta[t]);
+    a[t * 4 + 2] = std::sin(theta[t]);
+    a[t * 4 + 3] = std::cos(theta[t]);
+  }
+  const rec_case c{lt::shape::block2, n, d, false, true};
+  const auto h = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, bv, {}, {1.0, 0.0}, false, 0).first;
+  double angle = 0, worst = 0;
+  for (index_t t = 0; t < n; ++t) {
+    angle += theta[t];
+    worst = std::max(worst, std::abs(h[t * 2] - std::cos(angle)) + std::abs(h[t * 2 + 1] - std::sin(angle)));
+    REQUIRE(std::abs(std::hypot(h[t * 2], h[t * 2 + 1]) - 1.0) < 1e-10);
+  }
+  CHECK(worst < 1e-9);
+  // h_t = a h_{t-1} + 1 from 0: h_t = (1 - a^{t+1}) / (1 - a).
+  for (double decay : {0.5, 0.999}) {
+    const index_t m = 131071;
+    const std::vector<double> av(static_cast<std::size_t>(m), decay), ones(static_cast<std::size_t>(m), 1.0);
+    const rec_case cs{lt::shape::scalar, m, 1, false, false};
+    const auto h64 = run_recurrence<ls::scalar, double>(b, cs, av, ones, {}, {}, false, 0).first;
+    const auto h32 = run_recurrence<ls::scalar, float>(b, cs, av, ones, {}, {}, false, 0).first;
+    for (index_t t = 0; t < m; t += 97) {
+      const double exact = (1.0 - std::pow(decay, static_cast<double>(t + 1))) / (1.0 - decay);
+      REQUIRE(std::abs(h64[t] - exact) <= 1e-12 * exact);
+      REQUIRE(std::abs(h32[t] - exact) <= 2e-4 * exact);  // float: the limit 1/(1-a) sums 1000 terms
+    }
+  }
+}
+
+TEST_CASE("recurrence: gradients of b, A and the initial state match finite differences" LOOM_BACKEND_TAG,
+          "[scan][recurrence][gradient]") {
+  if constexpr (space::host_accessible) {
+    const auto b = make_backend();
+    const index_t n = 9, d = 4;
+    const std::vector<index_t> offsets{0, 4, 4, 9};
+    const index_t segs = 3;
+    const auto a = random_transitions(lt::shape::block2, n, d, 500);
+    const auto bv = lt::uniform<double>(n * d, -1, 1, 501);
+    const auto init = lt::uniform<double>(segs * d, -1, 1, 502);
+    const auto w = lt::uniform<double>(n * d, -1, 1, 503);  // L = Σ w·h + Σ wf·final
+    const auto wf = lt::uniform<double>(segs * d, -1, 1, 504);
+    auto loss = [&](const std::vector<double>& aa, const std::vector<double>& bb, const std::vector<double>& ii) {
+      const auto r = lt::forward_oracle(lt::shape::block2, n, d, aa, bb, offsets, ii);
+      double l = 0;
+      for (std::size_t i = 0; i < r.h.size(); ++i) l += w[i] * r.h[i];
+      for (std::size_t i = 0; i < r.finals.size(); ++i) l += wf[i] * r.finals[i];
+      return l;
+    };
+    auto fd = [&](int which, std::size_t i) {
+      auto aa = a, bb = bv, ii = init;
+      auto& v = which == 0 ? aa : which == 1 ? bb : ii;
+      const double e = 1e-6, x = v[i];
+      v[i] = x + e;
+      const double up = loss(aa, bb, ii);
+      v[i] = x - e;
+      return (up - loss(aa, bb, ii)) / (2 * e);
+    };
+    const rec_case c{lt::shape::block2, n, d, true, true};
+    const auto h = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, bv, offsets, init, false, 0).first;
+    const auto adj = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, w, offsets, wf, true, 0);
+    std::vector<double> da(a.size());
+    std::vector<index_t> off = offsets;
+    ls::transition_gradient(b, ls::block_diagonal<2>{}, loom::tensor_view<const double, 2>(adj.first.data(), {n, d}),
+                            loom::tensor_view<const double, 2>(h.data(), {n, d}),
+                            loom::tensor_view<double, 4>(da.data(), {n, d / 2, 2, 2}),
+                            ls::segments<double>{loom::tensor_view<const index_t, 1>(off.data(), {segs + 1}),
+                                                 loom::tensor_view<const double, 2>(init.data(), {segs, d}),
+                                                 {}});
+    for (std::size_t i = 0; i < bv.size(); ++i) REQUIRE(std::abs(adj.first[i] - fd(1, i)) < 1e-8);
+    for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(std::abs(da[i] - fd(0, i)) < 1e-8);
+    for (std::size_t i = 0; i < init.size(); ++i) REQUIRE(std::abs(adj.second[i] - fd(2, i)) < 1e-8);
+  }
+}
+
+TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]") {
+  const auto b = make_backend();
+  const index_t n = 10, d = 6;
+  buffer<float> ab(std::vector<float>(n * d * 4, 0.5f)), bb(std::vector<float>(n * d)), hb(std::vector<float>(n * d));
+  const auto bv = view<const float, 2>(bb, {n, d});
+  const auto hv = view<float, 2>(hb, {n, d});
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n - 1, d}), bv, hv),
+                    Catch::Contains("shape_mismatch") && Catch::Contains("A must have 10 time steps"));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d + 1}), bv, hv),
+                    Catch::Contains("diagonal A must be [T, 6]"));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::block_diagonal<4>{}, view<const float, 4>(ab, {n, 1, 4, 4}), bv, hv),
+                    Catch::Contains("invalid_argument") && Catch::Contains("divisible by 4, got d = 6"));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::dense{}, view<const float, 3>(ab, {n, d, 4}), bv, hv),
+                    Catch::Contains("dense A must be [T, 6, 6]"));
+  CHECK_THROWS_WITH(
+      ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, view<float, 2>(hb, {n, d - 1})),
+      Catch::Contains("h must be [10, 6]"));
+  // Rows must be contiguous: a view with a gap between the elements of one row.
+  const loom::tensor_view<const float, 2, space> gappy(ab.data(), {n, d}, {2 * d, 2});
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, gappy, bv, hv),
+                    Catch::Contains("A must be contiguous within a time step"));
+  buffer<float> ib(std::vector<float>(2 * d));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, hv,
+                                          ls::segments<float, space>{{}, view<const float, 2>(ib, {2, d}), {}}),
+                    Catch::Contains("initial must be [1, 6] (one row per segment)"));
+  if constexpr (space::host_accessible) {
+    const std::vector<index_t> o{0, 11};
+    buffer<index_t> ob(o);
+    CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, hv,
+                                            ls::segments<float, space>{view<const index_t, 1>(ob, {2}), {}, {}}),
+                      Catch::Contains("must equal the sequence length 10, got 11"));
+  }
+}
