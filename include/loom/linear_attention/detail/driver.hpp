@@ -15,6 +15,9 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace loom::linear_attention {
 
@@ -167,10 +170,16 @@ void launch(const B& b, K k, index_t items, index_t lanes) {
   for_each_index(b, k.p.lanes, k);
 }
 
-template <class B, class P, class Gating, class Space>
+struct no_op {
+  void operator()() const {}
+};
+
+//! The forward pass; `between` runs after the state pass (final states are written) and before
+//! the output kernel (LASP-2 posts its exchange there).
+template <class B, class P, class Gating, class Space, class Between = no_op>
 void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                  tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
-                 std::span<std::byte> ws) {
+                 std::span<std::byte> ws, Between&& between = {}) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false);
@@ -180,6 +189,10 @@ void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const oper
   launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
   launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), present(fin) ? fin.data() : nullptr}, doc_items,
          pl.lanes);
+  if constexpr (!std::is_same_v<std::remove_cvref_t<Between>, no_op>) {
+    fence(b);
+    between();
+  }
   launch(b, output_kernel<S, A, Space>{p, o}, chunk_items, pl.lanes);
 }
 
@@ -187,7 +200,7 @@ template <class B, class P, class Gating, class Space>
 void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                   tensor_view<const typename P::storage_type, 3, Space> d_o,
                   tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& g,
-                  std::span<std::byte> ws) {
+                  std::span<std::byte> ws, typename P::accum_type* fin_out = nullptr) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, true);
@@ -208,7 +221,8 @@ void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const ope
   const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
   const bool with_fin = gated && present(dfin);
   launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
-  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), with_fin ? w.fin : nullptr}, doc_items, pl.lanes);
+  A* fin = fin_out ? fin_out : with_fin ? w.fin : nullptr;
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin}, doc_items, pl.lanes);
   launch(b, adjoint_chunk_kernel<S, A, Space>{p, d_o, w.adj}, chunk_items, pl.lanes);
   launch(b, adjoint_pass_kernel<S, A, Space>{p, w.adj, dfin.data(), g.d_initial_state.data()}, doc_items, pl.lanes);
   launch(b, gradient_kernel<S, A, Space>{p, d_o, g.dq, g.dk, g.dv, w.adj, gated ? w.db : nullptr}, chunk_items,
@@ -217,7 +231,7 @@ void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const ope
     if (doc_items > 0)
       for_each_index(b, doc_items,
                      gate_gradient_kernel<A, Space>{w.cu, pl.docs, pl.heads, pl.dk * pl.dv, w.db,
-                                                    with_fin ? w.fin : nullptr, dfin.data(), g.d_log_gate});
+                                                    with_fin ? fin : nullptr, dfin.data(), g.d_log_gate});
 }
 
 }  // namespace detail

@@ -1,0 +1,202 @@
+// LASP-2 over comm::local against single-device chunked attention on the whole sequence; the
+// oracle's backward against finite differences; every rejection path of the public entries.
+
+#include <loom/backend/openmp.hpp>
+#include <loom/backend/serial.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/linear_attention/chunked.hpp>
+#include <loom/linear_attention/lasp2.hpp>
+
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <array>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "oracle.hpp"
+
+namespace la = loom::linear_attention;
+using loom::index_t;
+using loom::test::la::gating;
+using loom::test::la::problem;
+
+namespace {
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R> mk(T* data, const index_t (&e)[R]) {
+  std::array<index_t, R> a;
+  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
+  return loom::make_view(data, a);
+}
+
+struct outputs {
+  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
+};
+
+template <class F>
+auto with_gating(const problem& p, index_t from, index_t to, F&& f) {
+  if (p.mode == gating::none) return f(la::no_decay{});
+  if (p.mode == gating::fixed) return f(la::fixed_decay<double>{mk(p.head_lg.data(), {p.H})});
+  return f(la::scalar_gate<double>{mk(p.lg.data() + from * p.H, {to - from, p.H})});
+}
+
+//! Tokens [from, to) of the problem through LASP-2 on one rank (fp64, openmp with 1 thread).
+template <class C>
+void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::vector<double>& d_o,
+              const std::vector<double>& dfin, la::exchange ex, outputs& out, std::mutex& mu) {
+  const index_t n = to - from, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
+  const loom::openmp b{.threads = 1};
+  la::operands<loom::fp64> x{mk(p.q.data() + from * H * dk, {n, H, dk}), mk(p.k.data() + from * H * dk, {n, H, dk}),
+                             mk(p.v.data() + from * H * dv, {n, H, dv})};
+  if (!p.init.empty()) x.initial_state = mk(p.init.data(), {docs, H, dk, dv});
+  std::vector<double> o(static_cast<std::size_t>(n * H * dv)), fin(static_cast<std::size_t>(docs * H * dk * dv), 0.0),
+      xin(static_cast<std::size_t>(H * dk * dv));
+  const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
+  with_gating(p, from, to, [&](const auto& g) {
+    la::lasp2_forward<loom::fp64>(comm, b, g, x, mk(o.data(), {n, H, dv}), p.cu, from,
+                                  mk(fin.data(), {docs, H, dk, dv}), mk(xin.data(), {H, dk, dv}), opt);
+  });
+  std::vector<double> dq(static_cast<std::size_t>(n * H * dk)), dkk(dq.size()), dvv(o.size()),
+      dlg(static_cast<std::size_t>(n * H)), dinit(fin.size(), 0.0);
+  la::gradients<loom::fp64> gr{mk(dq.data(), {n, H, dk}), mk(dkk.data(), {n, H, dk}), mk(dvv.data(), {n, H, dv})};
+  if (p.mode == gating::scalar) gr.d_log_gate = mk(dlg.data(), {n, H});
+  gr.d_initial_state = mk(dinit.data(), {docs, H, dk, dv});
+  with_gating(p, from, to, [&](const auto& g) {
+    la::lasp2_backward<loom::fp64>(comm, b, g, x, mk(d_o.data() + from * H * dv, {n, H, dv}), p.cu, from,
+                                   mk(dfin.data(), {docs, H, dk, dv}),
+                                   mk(static_cast<const double*>(xin.data()), {H, dk, dv}), gr, opt);
+  });
+  std::lock_guard lk(mu);
+  auto put = [](std::vector<double>& dst, const std::vector<double>& src, index_t at) {
+    std::copy(src.begin(), src.end(), dst.begin() + at);
+  };
+  put(out.o, o, from * H * dv), put(out.dq, dq, from * H * dk), put(out.dk, dkk, from * H * dk);
+  put(out.dv, dvv, from * H * dv), put(out.dlg, dlg, from * H);
+  for (std::size_t i = 0; i < fin.size(); ++i) out.fin[i] += fin[i], out.dinit[i] += dinit[i];
+}
+
+outputs lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
+              const std::vector<double>& dfin, la::exchange ex) {
+  outputs out{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
+              std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
+              std::vector<double>(p.init.size())};
+  std::mutex mu;
+  const int P = static_cast<int>(splits.size()) - 1;
+  loom::comm::run_local(P, [&](loom::comm::local& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    run_rank(comm, p, splits[r], splits[r + 1], d_o, dfin, ex, out, mu);
+  });
+  return out;
+}
+
+//! The single-device reference: chunked, serial, fp64 (itself checked against the oracle).
+outputs single(const problem& p, const std::vector<double>& d_o, const std::vector<double>& dfin, index_t chunk) {
+  const index_t T = p.T, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
+  outputs r{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
+            std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
+            std::vector<double>(p.init.size())};
+  la::operands<loom::fp64> x{mk(p.q.data(), {T, H, dk}), mk(p.k.data(), {T, H, dk}), mk(p.v.data(), {T, H, dv}),
+                             mk(p.init.data(), {docs, H, dk, dv})};
+  const la::options opt{.chunk = chunk, .scale = p.scale};
+  with_gating(p, 0, T, [&](const auto& g) {
+    la::forward<loom::fp64>(loom::serial{}, g, x, mk(r.o.data(), {T, H, dv}), p.cu, mk(r.fin.data(), {docs, H, dk, dv}),
+                            opt);
+  });
+  la::gradients<loom::fp64> gr{mk(r.dq.data(), {T, H, dk}), mk(r.dk.data(), {T, H, dk}), mk(r.dv.data(), {T, H, dv})};
+  if (p.mode == gating::scalar) gr.d_log_gate = mk(r.dlg.data(), {T, H});
+  gr.d_initial_state = mk(r.dinit.data(), {docs, H, dk, dv});
+  with_gating(p, 0, T, [&](const auto& g) {
+    la::backward<loom::fp64>(loom::serial{}, g, x, mk(d_o.data(), {T, H, dv}), p.cu, mk(dfin.data(), {docs, H, dk, dv}),
+                             gr, opt);
+  });
+  return r;
+}
+
+std::vector<index_t> even_splits(index_t T, int P, std::uint64_t stream) {
+  auto g = loom::test::rng(stream);
+  std::vector<index_t> s{0, T};
+  std::uniform_int_distribution<index_t> d(0, T);
+  for (int i = 0; i < P - 1; ++i) s.push_back(d(g));
+  std::sort(s.begin(), s.end());
+  return s;
+}
+
+void compare(const outputs& got, const outputs& want, loom::test::tolerance tol, const std::string& what) {
+  loom::test::require_close(got.o, want.o, tol, what + " o");
+  loom::test::require_close(got.fin, want.fin, tol, what + " final state");
+  loom::test::require_close(got.dq, want.dq, tol, what + " dq");
+  loom::test::require_close(got.dk, want.dk, tol, what + " dk");
+  loom::test::require_close(got.dv, want.dv, tol, what + " dv");
+  loom::test::require_close(got.dlg, want.dlg, tol, what + " d log gate");
+  loom::test::require_close(got.dinit, want.dinit, tol, what + " d initial state");
+}
+
+}  // namespace
+
+TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[linear_attention][lasp2]") {
+  const int P = GENERATE(1, 2, 3, 4, 7);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const index_t T = 157;
+  // Documents crossing ranks, a single-token and an empty document, and long ones.
+  const std::vector<index_t> cu{0, 40, 41, 41, 100, 157};
+  const auto p = loom::test::la::make_problem(T, 2, 4, 3, mode, cu, true, 40);
+  const auto d_o = loom::test::uniform<double>(T * 2 * 3, -1, 1, 41);
+  const auto dfin = loom::test::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 42);
+  const auto want = single(p, d_o, dfin, 64);
+  for (const auto& splits : {even_splits(T, P, static_cast<std::uint64_t>(P)), even_splits(T, P, 99)}) {
+    const auto got = lasp2(p, splits, d_o, dfin, ex);
+    compare(got, want, {1e-11, 1e-11}, "P=" + std::to_string(P));
+  }
+}
+
+TEST_CASE("linear_attention::lasp2 is bitwise exact on small integers without decay",
+          "[linear_attention][lasp2][exact]") {
+  const int P = GENERATE(2, 3, 7);
+  const index_t T = 120;
+  auto p = loom::test::la::make_problem(T, 1, 3, 2, gating::none, {0, 10, 90, 120}, true, 50);
+  p.scale = 1;
+  auto ints = [](index_t n, std::uint64_t s) {
+    const auto f = loom::test::small_integers<float>(n, -2, 2, s);
+    return std::vector<double>(f.begin(), f.end());
+  };
+  p.q = ints(T * 3, 1), p.k = ints(T * 3, 2), p.v = ints(T * 2, 3), p.init = ints(3 * 6, 4);
+  const auto d_o = ints(T * 2, 5);
+  const auto dfin = ints(3 * 6, 6);
+  const auto want = single(p, d_o, dfin, 7);
+  const auto got = lasp2(p, even_splits(T, P, 7), d_o, dfin, la::exchange::all_gather);
+  CHECK(got.o == want.o);
+  CHECK(got.fin == want.fin);
+  CHECK(got.dq == want.dq);
+  CHECK(got.dk == want.dk);
+  CHECK(got.dv == want.dv);
+  CHECK(got.dinit == want.dinit);
+}
+
+TEST_CASE("linear_attention: the oracle's backward matches finite differences", "[linear_attention][oracle]") {
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  auto p = loom::test::la::make_problem(9, 2, 3, 2, mode, {0, 4, 4, 5, 9}, true, 60);
+  const auto d_o = loom::test::uniform<double>(9 * 2 * 2, -1, 1, 61);
+  const auto dfin = loom::test::uniform<double>(p.docs() * 2 * 6, -1, 1, 62);
+  const auto r = loom::test::la::oracle(p, &d_o, &dfin);
+  const double eps = 1e-6;
+  auto fd = [&](std::vector<double>& x, std::size_t i) {
+    const double keep = x[i];
+    x[i] = keep + eps;
+    const double up = loom::test::la::loss(p, d_o, dfin);
+    x[i] = keep - eps;
+    const double down = loom::test::la::loss(p, d_o, dfin);
+    x[i] = keep;
+    return (up - down) / (2 * eps);
+  };
+  for (std::size_t i = 0; i < p.q.size(); ++i) REQUIRE(fd(p.q, i) == Approx(r.dq[i]).margin(1e-7));
+  for (std::size_t i = 0; i < p.k.size(); ++i) REQUIRE(fd(p.k, i) == Approx(r.dk[i]).margin(1e-7));
+  for (std::size_t i = 0; i < p.v.size(); ++i) REQUIRE(fd(p.v, i) == Approx(r.dv[i]).margin(1e-7));
+  for (std::size_t i = 0; i < p.init.size(); ++i) REQUIRE(fd(p.init, i) == Approx(r.dinit[i]).margin(1e-7));
+  if (mode == gating::scalar)
+    for (std::size_t i = 0; i < p.lg.size(); ++i) REQUIRE(fd(p.lg, i) == Approx(r.dlg[i]).margin(1e-7));
+}
