@@ -1,0 +1,205 @@
+// Cross-rank scans over comm::local (P ranks as threads): monoid scans and linear recurrences,
+// forward and adjoint, with segments that cross rank boundaries and uneven (also empty) slices,
+// against the fp64 serial oracles of tests/scan/oracle.hpp.
+
+#include <loom/backend/serial.hpp>
+#include <loom/comm/local.hpp>
+#include <loom/scan/distributed.hpp>
+
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <mutex>
+#include <vector>
+
+#include "oracle.hpp"
+
+using loom::index_t;
+namespace ls = loom::scan;
+namespace lt = loom::test;
+
+namespace {
+
+// Cut points of n elements over P ranks: uneven, some slices empty when P > 2.
+std::vector<index_t> slices(index_t n, int p, std::uint64_t stream) {
+  auto g = lt::rng(stream);
+  std::vector<index_t> cut{0};
+  for (int r = 1; r < p; ++r) cut.push_back(static_cast<index_t>(g() % static_cast<std::uint64_t>(n + 1)));
+  cut.push_back(n);
+  std::sort(cut.begin(), cut.end());
+  if (p > 2) cut[2] = cut[1];  // rank 1 holds nothing
+  return cut;
+}
+
+std::vector<index_t> crossing_offsets(index_t n, std::uint64_t stream) {
+  auto g = lt::rng(stream);
+  std::vector<index_t> o{0, 0};
+  while (o.back() < n) o.push_back(std::min<index_t>(n, o.back() + 1 + static_cast<index_t>(g() % (n / 4 + 1))));
+  o.push_back(n);
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("scan over ranks: non-commutative segmented scans, every variant, exact", "[scan][comm]") {
+  const lt::mat2_product m;
+  const index_t n = 1021;
+  auto g = lt::rng(1);
+  std::vector<lt::mat2> x(static_cast<std::size_t>(n));
+  for (auto& e : x) e = {g() % 5, g() % 3, g() % 3, g() % 5};
+  const auto offsets = crossing_offsets(n, 2);
+  const lt::mat2 init{2, 1, 1, 1};
+  for (int p : {1, 2, 3, 4, 7}) {
+    const auto cut = slices(n, p, 3 + static_cast<std::uint64_t>(p));
+    for (int variant = 0; variant < 8; ++variant) {
+      const bool exclusive = variant & 1, reverse = variant & 2, segmented = variant & 4;
+      // The oracle: the single-rank scan (itself checked against the loop in scan_test).
+      std::vector<lt::mat2> want(x.size());
+      const loom::tensor_view<const index_t, 1> off(offsets.data(), {static_cast<index_t>(offsets.size())});
+      const ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, 16};
+      const loom::tensor_view<const lt::mat2, 1> all(x.data(), {n});
+      const loom::tensor_view<lt::mat2, 1> wv(want.data(), {n});
+      if (segmented)
+        exclusive ? ls::segmented_exclusive_scan(loom::serial{}, m, all, wv, off, init, opt)
+                  : ls::segmented_inclusive_scan(loom::serial{}, m, all, wv, off, opt);
+      else
+        exclusive ? ls::exclusive_scan(loom::serial{}, m, all, wv, init, opt)
+                  : ls::inclusive_scan(loom::serial{}, m, all, wv, opt);
+      std::vector<lt::mat2> got(x.size());
+      loom::comm::run_local(p, [&](loom::comm::local& comm) {
+        const index_t b = cut[comm.rank()], e = cut[comm.rank() + 1];
+        const loom::tensor_view<const lt::mat2, 1> in(x.data() + b, {e - b});
+        const loom::tensor_view<lt::mat2, 1> out(got.data() + b, {e - b});
+        if (segmented)
+          exclusive ? ls::segmented_exclusive_scan(loom::serial{}, comm, m, in, out, off, init, opt)
+                    : ls::segmented_inclusive_scan(loom::serial{}, comm, m, in, out, off, opt);
+        else
+          exclusive ? ls::exclusive_scan(loom::serial{}, comm, m, in, out, init, opt)
+                    : ls::inclusive_scan(loom::serial{}, comm, m, in, out, opt);
+      });
+      INFO("P = " << p << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented);
+      REQUIRE(got == want);
+    }
+  }
+}
+
+namespace {
+
+template <class St>
+void distributed_recurrence(lt::shape s, index_t n, index_t d, int p, bool exact) {
+  const index_t as = lt::a_size(s, d);
+  auto g = lt::rng(10 + static_cast<std::uint64_t>(p));
+  std::vector<double> a(static_cast<std::size_t>(n * as)), bv(static_cast<std::size_t>(n * d));
+  const double width = s == lt::shape::dense ? 0.9 / static_cast<double>(d) : 0.9;
+  if (exact) {
+    for (auto& v : a) v = g() % 2 ? 1.0 : -1.0;
+    for (auto& v : bv) v = static_cast<double>(static_cast<int>(g() % 3) - 1);
+  } else {
+    a = lt::uniform<double>(n * as, -width, width, 11);
+    bv = lt::uniform<double>(n * d, -1, 1, 12);
+  }
+  const auto offsets = crossing_offsets(n, 13 + static_cast<std::uint64_t>(p));
+  const index_t segs = static_cast<index_t>(offsets.size()) - 1;
+  const auto init =
+      exact ? std::vector<double>(static_cast<std::size_t>(segs * d), 1.0) : lt::uniform<double>(segs * d, -1, 1, 14);
+  const auto fwd = lt::forward_oracle(s, n, d, a, bv, offsets, init);
+  const auto adj = lt::adjoint_oracle(s, n, d, a, bv, offsets, init);  // g = b, d_final = init
+  const auto cut = slices(n, p, 15 + static_cast<std::uint64_t>(p));
+  using T = std::conditional_t<St::a_rank == 3, double, double>;
+  std::vector<T> h(static_cast<std::size_t>(n * d)), lam(h.size());
+  std::vector<T> finals(static_cast<std::size_t>(segs * d), -9.0), dinit(finals);
+  std::mutex mu;
+  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+    const index_t b = cut[comm.rank()], e = cut[comm.rank() + 1], len = e - b;
+    std::array<index_t, St::a_rank> ext{};
+    ext[0] = len;
+    if constexpr (St::a_rank == 2) ext[1] = d;
+    if constexpr (St::a_rank == 3) ext[1] = ext[2] = d;
+    if constexpr (St::a_rank == 4) {
+      ext[1] = d / St::block;
+      ext[2] = ext[3] = St::block;
+    }
+    const loom::tensor_view<const double, St::a_rank> av(a.data() + b * as, ext);
+    const loom::tensor_view<const double, 2> bvv(bv.data() + b * d, {len, d});
+    const loom::tensor_view<const index_t, 1> off(offsets.data(), {segs + 1});
+    const loom::tensor_view<const double, 2> iv(init.data(), {segs, d});
+    std::vector<double> my_final(finals.size(), -9.0), my_dinit(finals.size(), -9.0);
+    ls::options opt;
+    opt.block = 5;
+    ls::linear_recurrence(loom::serial{}, comm, St{}, av, bvv, loom::tensor_view<double, 2>(h.data() + b * d, {len, d}),
+                          ls::segments<double>{off, iv, loom::tensor_view<double, 2>(my_final.data(), {segs, d})}, opt);
+    ls::linear_recurrence_adjoint(
+        loom::serial{}, comm, St{}, av, bvv, loom::tensor_view<double, 2>(lam.data() + b * d, {len, d}),
+        ls::adjoint_segments<double>{off, iv, loom::tensor_view<double, 2>(my_dinit.data(), {segs, d})}, opt);
+    std::lock_guard<std::mutex> lock(mu);  // every final row is written by exactly one rank
+    for (std::size_t i = 0; i < finals.size(); ++i) {
+      if (my_final[i] != -9.0) finals[i] = my_final[i];
+      if (my_dinit[i] != -9.0) dinit[i] = my_dinit[i];
+    }
+  });
+  INFO("P = " << p << ", n = " << n << ", d = " << d);
+  if (exact) {
+    REQUIRE(h == fwd.h);
+    REQUIRE(lam == adj.h);
+    REQUIRE(finals == fwd.finals);
+    REQUIRE(dinit == adj.finals);
+  } else {
+    const lt::tolerance tol = lt::tolerance_for<loom::fp64>();
+    lt::require_close(h, fwd.h, tol, "h");
+    lt::require_close(finals, fwd.finals, tol, "final states");
+    lt::require_close(lam, adj.h, tol, "lambda");
+    lt::require_close(dinit, adj.finals, tol, "d initial");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("linear recurrence over ranks: documents crossing ranks, forward and adjoint", "[scan][comm][recurrence]") {
+  for (int p : {1, 2, 3, 4, 7}) {
+    distributed_recurrence<ls::diagonal>(lt::shape::diagonal, 16323, 3, p, false);
+    distributed_recurrence<ls::diagonal>(lt::shape::diagonal, 1021, 3, p, true);
+    distributed_recurrence<ls::block_diagonal<2>>(lt::shape::block2, 1021, 4, p, true);
+    distributed_recurrence<ls::dense>(lt::shape::dense, 257, 4, p, false);
+  }
+}
+
+TEST_CASE("linear recurrence over ranks: no segments, an initial state, empty ranks", "[scan][comm][recurrence]") {
+  const index_t n = 100, d = 2;
+  const auto a = lt::uniform<double>(n * d, -0.9, 0.9, 20);
+  const auto bv = lt::uniform<double>(n * d, -1, 1, 21);
+  const std::vector<double> init{0.5, -2.0};
+  const auto want = lt::forward_oracle(lt::shape::diagonal, n, d, a, bv, {}, init);
+  for (int p : {1, 3, 4}) {
+    const auto cut = slices(n, p, 22);
+    std::vector<double> h(static_cast<std::size_t>(n * d)), fin(2, -9.0);
+    loom::comm::run_local(p, [&](loom::comm::local& comm) {
+      const index_t b = cut[comm.rank()], len = cut[comm.rank() + 1] - b;
+      std::vector<double> my_fin(2, -9.0);
+      ls::linear_recurrence(loom::serial{}, comm, ls::diagonal{},
+                            loom::tensor_view<const double, 2>(a.data() + b * d, {len, d}),
+                            loom::tensor_view<const double, 2>(bv.data() + b * d, {len, d}),
+                            loom::tensor_view<double, 2>(h.data() + b * d, {len, d}),
+                            ls::segments<double>{{},
+                                                 loom::tensor_view<const double, 2>(init.data(), {1, d}),
+                                                 loom::tensor_view<double, 2>(my_fin.data(), {1, d})});
+      if (cut[comm.rank() + 1] == n && len > 0) fin = my_fin;
+    });
+    lt::require_close(h, want.h, lt::tolerance_for<loom::fp64>(), "h");
+    lt::require_close(fin, want.finals, lt::tolerance_for<loom::fp64>(), "final");
+  }
+}
+
+TEST_CASE("scan over ranks: rejections", "[scan][comm][errors]") {
+  // offsets that do not end at the global length (sum of the slices) are refused on every rank.
+  loom::comm::run_local(3, [&](loom::comm::local& comm) {
+    std::vector<float> x(5, 1.0f), y(5);
+    const std::vector<index_t> off{0, 3, 14};
+    CHECK_THROWS_WITH(ls::segmented_inclusive_scan(loom::serial{}, comm, ls::plus<float>{},
+                                                   loom::tensor_view<const float, 1>(x.data(), {5}),
+                                                   loom::tensor_view<float, 1>(y.data(), {5}),
+                                                   loom::tensor_view<const index_t, 1>(off.data(), {3})),
+                      Catch::Contains("must equal the sequence length 15, got 14"));
+  });
+}
