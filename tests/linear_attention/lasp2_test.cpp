@@ -13,6 +13,8 @@
 #include <catch2/catch.hpp>
 
 #include <array>
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -199,4 +201,114 @@ TEST_CASE("linear_attention: the oracle's backward matches finite differences", 
   for (std::size_t i = 0; i < p.init.size(); ++i) REQUIRE(fd(p.init, i) == Approx(r.dinit[i]).margin(1e-7));
   if (mode == gating::scalar)
     for (std::size_t i = 0; i < p.lg.size(); ++i) REQUIRE(fd(p.lg, i) == Approx(r.dlg[i]).margin(1e-7));
+}
+
+namespace {
+template <class F>
+void require_error(F&& f, loom::errc code, const std::string& fragment) {
+  try {
+    f();
+  } catch (const loom::error& e) {
+    CHECK(e.code() == code);
+    CHECK_THAT(e.what(), Catch::Matchers::Contains(fragment));
+    return;
+  }
+  FAIL("expected loom::error containing '" << fragment << "'");
+}
+}  // namespace
+
+TEST_CASE("linear_attention: every rejection names the argument", "[linear_attention][errors]") {
+  const index_t T = 10, H = 2, d = 3;
+  std::vector<float> q(T * H * d), o(T * H * d), lg(T * H, -0.1f), hl(H, -0.1f), ws(1 << 16);
+  const la::operands<loom::fp32> x{mk(static_cast<const float*>(q.data()), {T, H, d}),
+                                   mk(static_cast<const float*>(q.data()), {T, H, d}),
+                                   mk(static_cast<const float*>(q.data()), {T, H, d})};
+  const auto ov = mk(o.data(), {T, H, d});
+  const loom::serial b;
+  auto fwd = [&](std::vector<index_t> cu, la::options opt = {}) {
+    la::forward<loom::fp32>(b, la::no_decay{}, x, ov, cu, {}, opt);
+  };
+  using loom::errc;
+  require_error([&] { fwd({0, 5, 10}, {.chunk = 0}); }, errc::invalid_argument, "options.chunk must be > 0");
+  require_error([&] { fwd({1, 10}); }, errc::invalid_argument, "cu_seqlens[0] == 0");
+  require_error([&] { fwd({0, 6, 5, 10}); }, errc::invalid_argument, "non-decreasing");
+  require_error([&] { fwd({0, 12, 10}); }, errc::invalid_argument, "out of range");
+  require_error([&] { fwd({0, 5, 9}); }, errc::shape_mismatch, "q: expected extents");
+  require_error([&] { fwd({0}); }, errc::invalid_argument, "at least 2 offsets");
+  require_error([&] { fwd({}); }, errc::invalid_argument, "at least 2 offsets");
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::no_decay{}, x, mk(o.data(), {T, H, 1}), std::vector<index_t>{0, T});
+      },
+      errc::shape_mismatch, "o: expected extents");
+  std::vector<float> bad = hl;
+  bad[1] = 0.5f;
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov,
+                                std::vector<index_t>{0, T});
+      },
+      errc::invalid_argument, "fixed_decay.log_decay[1]");
+  bad[1] = std::nanf("");
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov,
+                                std::vector<index_t>{0, T});
+      },
+      errc::invalid_argument, "finite log-decay");
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(hl.data()), {1})}, x, ov,
+                                std::vector<index_t>{0, T});
+      },
+      errc::shape_mismatch, "fixed_decay.log_decay: expected extents");
+  lg[7] = std::numeric_limits<float>::infinity();
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::scalar_gate<float>{mk(static_cast<const float*>(lg.data()), {T, H})}, x, ov,
+                                std::vector<index_t>{0, T});
+      },
+      errc::invalid_argument, "scalar_gate.log_gate(3, 1)");
+  std::vector<float> st(H * d * d);
+  require_error(
+      [&] {
+        la::forward<loom::fp32>(b, la::no_decay{}, x, ov, std::vector<index_t>{0, T}, mk(st.data(), {2, H, d, d}));
+      },
+      errc::shape_mismatch, "final_state: expected extents");
+  const auto pl = la::make_plan<loom::fp32>(b, std::vector<index_t>{0, T}, H, d, d);
+  std::vector<std::byte> small(16);
+  require_error([&] { la::forward(b, pl, la::no_decay{}, x, ov, {}, std::span<std::byte>(small)); },
+                errc::invalid_argument, "workspace: expected at least");
+  require_error(
+      [&] {
+        (void)la::make_plan<loom::fp32>(b, std::vector<index_t>{0, T}, H, 0, d);
+      },
+      errc::invalid_argument, "dk and dv must be > 0");
+  // Backward: a gate gradient for a gating without gates.
+  std::vector<float> g1(q.size()), g2(q.size()), g3(q.size()), dl(T * H);
+  la::gradients<loom::fp32> gr{mk(g1.data(), {T, H, d}), mk(g2.data(), {T, H, d}), mk(g3.data(), {T, H, d}),
+                               mk(dl.data(), {T, H})};
+  require_error(
+      [&] {
+        la::backward<loom::fp32>(b, la::no_decay{}, x, mk(static_cast<const float*>(o.data()), {T, H, d}),
+                                 std::vector<index_t>{0, T}, {}, gr);
+      },
+      errc::invalid_argument, "d_log_gate: expected an empty view");
+  // LASP-2: a slice outside the sequence, and rank 0 not starting at 0.
+  require_error(
+      [&] {
+        loom::comm::run_local(1, [&](loom::comm::local& comm) {
+          la::lasp2_forward<loom::fp32>(comm, loom::openmp{.threads = 1}, la::no_decay{}, x, ov,
+                                        std::vector<index_t>{0, T + 5}, 0);
+        });
+      },
+      errc::invalid_argument, "last rank's slice to end at token");
+  require_error(
+      [&] {
+        loom::comm::run_local(1, [&](loom::comm::local& comm) {
+          la::lasp2_forward<loom::fp32>(comm, loom::openmp{.threads = 1}, la::no_decay{}, x, ov,
+                                        std::vector<index_t>{0, T}, 3);
+        });
+      },
+      errc::invalid_argument, "token_begin");
 }

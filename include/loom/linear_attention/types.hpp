@@ -33,9 +33,9 @@ struct scalar_gate {
 
 //! Numbers of the chunked algorithm.
 struct options {
-  index_t chunk = 64;           //!< C, tokens per chunk (> 0); need not divide anything
-  std::optional<double> scale;  //!< the output scale; default 1 / sqrt(dk)
-  index_t lanes = 0;            //!< parallel work slots (0: 4 x the backend's concurrency)
+  index_t chunk = 64;             //!< C, tokens per chunk (> 0); need not divide anything
+  std::optional<double> scale{};  //!< the output scale; default 1 / sqrt(dk)
+  index_t lanes = 0;              //!< parallel work slots (0: 4 x the backend's concurrency)
 };
 
 //! The inputs of a pass, in the memory space of the backend. q, k: [T, H, dk]; v: [T, H, dv];
