@@ -6,23 +6,20 @@
 //
 //   loom.example.quickstart [ranks = 4] [length = 16777259]
 
-#include <loom/backend/parallel.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/scan/distributed.hpp>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <span>
 #include <vector>
 
 namespace {
-
-struct plus {
-  double operator()(double a, double b) const { return a + b; }
-};
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -46,7 +43,7 @@ int main(int argc, char** argv) {
   // The oracle: a serial fp64 scan.
   auto t0 = std::chrono::steady_clock::now();
   std::vector<double> oracle(x.size());
-  std::inclusive_scan(x.begin(), x.end(), oracle.begin(), plus{}, 0.0);
+  std::inclusive_scan(x.begin(), x.end(), oracle.begin(), std::plus<>{}, 0.0);
   const double serial_s = seconds_since(t0);
 
   std::vector<double> y(x.size());
@@ -56,15 +53,11 @@ int main(int argc, char** argv) {
     const long long lo = n * r / p, hi = n * (r + 1) / p;  // this rank's shard
     const std::span<const float> mine(x.data() + lo, static_cast<std::size_t>(hi - lo));
 
-    // 1. Local reduce (deterministic blocking), 2. all_gather of the P partial sums.
-    const double local_sum =
-        loom::reduce(loom::serial{}, hi - lo, 0.0, plus{}, [&](loom::index_t i) { return double(mine[i]); });
-    std::vector<double> sums(static_cast<std::size_t>(p));
-    comm.all_gather(std::span<const double>(&local_sum, 1), std::span<double>(sums));
-
-    // 3. Exclusive offset in rank order, 4. local inclusive scan from it.
-    double acc = std::accumulate(sums.begin(), sums.begin() + r, 0.0);
-    for (long long i = lo; i < hi; ++i) y[static_cast<std::size_t>(i)] = acc += x[static_cast<std::size_t>(i)];
+    // loom::scan over the communicator: local reduce, all_gather of the P partial sums, exclusive
+    // offset in rank order, local scan from it (include/loom/scan/distributed.hpp).
+    loom::scan::inclusive_scan(loom::serial{}, comm, loom::scan::plus<double>{},
+                               loom::tensor_view<const float, 1>(mine.data(), {hi - lo}),
+                               loom::tensor_view<double, 1>(y.data() + lo, {hi - lo}));
 
     // Every rank checks its shard; the worst error is agreed on by all_reduce(max).
     double err = 0;

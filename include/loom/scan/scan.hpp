@@ -50,9 +50,9 @@ void with_monoid_kernel(const M& m, In in, Out out, const Offsets* offsets, bool
   }
   const blocking blk = make_blocking(n, opt.block, monoid_bytes_per_element<M>());
   if (reverse)
-    fn(monoid_kernel<flipped<M>, In, Out>{flipped<M>{m}, in, out, hd, exclusive, init}, blk);
+    fn(monoid_kernel<flipped<M>, In, Out>(flipped<M>{m}, in, out, hd, exclusive, init), blk);
   else
-    fn(monoid_kernel<M, In, Out>{m, in, out, hd, exclusive, init}, blk);
+    fn(monoid_kernel<M, In, Out>(m, in, out, hd, exclusive, init), blk);
 }
 
 template <backend B, monoid M, class In, class Out, class Offsets>

@@ -35,7 +35,7 @@ struct blocking {
   LOOM_HD constexpr index_t end(index_t b) const noexcept { return (b + 1) * block < n ? (b + 1) * block : n; }
 };
 
-//! `requested` > 0 forces the block length; otherwise blocks of about 256 KiB of input (by
+//! `requested` > 0 forces the block length; otherwise blocks of about 1 MiB of data (by
 //! `bytes_per_element`), at least 64 elements, and at most 64 blocks for short sequences.
 inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_element) {
   blocking b;
@@ -43,7 +43,7 @@ inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_el
   if (requested > 0) {
     b.block = requested;
   } else {
-    const index_t by_bytes = (index_t{256} << 10) / (bytes_per_element > 0 ? bytes_per_element : 1);
+    const index_t by_bytes = (index_t{1} << 20) / (bytes_per_element > 0 ? bytes_per_element : 1);
     const index_t cap = by_bytes > 64 ? by_bytes : 64;
     index_t want = (n + 63) / 64;
     if (want < 64) want = 64;
