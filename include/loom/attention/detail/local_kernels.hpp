@@ -1,0 +1,321 @@
+#pragma once
+
+//! @file
+//! The tiled exact-attention kernels (online softmax, never the full score matrix): the forward
+//! over (query tile, head) work items, and the backward in two passes, one over (key tile, kv
+//! head) items for dK and dV and one over (query tile, head) items for dQ, so that no two items
+//! write the same output (deterministic, no atomics). Items are dealt round-robin to `slots`
+//! (one per thread on the host), each with its own scratch.
+
+#include <loom/attention/detail/tile.hpp>
+
+namespace loom::attention::detail {
+
+//! A rank-3 [T, H, D] operand as pointer and strides (unit stride inside a row).
+template <class T>
+struct rows3 {
+  T* p;
+  index_t st, sh;
+  LOOM_HD T* at(index_t t, index_t h) const { return p + t * st + h * sh; }
+};
+
+//! A [T, H] operand.
+template <class T>
+struct rows2 {
+  T* p;
+  index_t st, sh;
+  LOOM_HD T& at(index_t t, index_t h) const { return p[t * st + h * sh]; }
+};
+
+struct token_coords {
+  const index_t *doc, *pos;
+  index_t sdoc, spos;
+  LOOM_HD index_t d(index_t t) const { return doc[t * sdoc]; }
+  LOOM_HD index_t p(index_t t) const { return pos[t * spos]; }
+  LOOM_HD tile_bounds bounds(index_t begin, index_t count) const {
+    return bounds_of(doc, sdoc, pos, spos, begin, count);
+  }
+};
+
+//! Shapes and mask shared by the kernels.
+struct problem {
+  index_t tq, tk, hq, hkv, dk, dv;
+  bool causal;
+  index_t window;
+  LOOM_HD index_t group() const { return hq / hkv; }
+  LOOM_HD index_t q_tiles() const { return (tq + tile_q - 1) / tile_q; }
+  LOOM_HD index_t k_tiles() const { return (tk + tile_k - 1) / tile_k; }
+};
+
+//! Loads rows [r0, r0 + n) of head h into a row-major [n][d] tile (times `mul`).
+template <class T, class Acc>
+LOOM_HD void load_rows(const rows3<const T>& x, index_t r0, index_t n, index_t h, index_t d, Acc mul, Acc* out) {
+  for (index_t i = 0; i < n; ++i) {
+    const T* row = x.at(r0 + i, h);
+    for (index_t c = 0; c < d; ++c) out[i * d + c] = static_cast<Acc>(row[c]) * mul;
+  }
+}
+
+//! Loads rows [r0, r0 + n) of head h transposed into [d][tile_k] (columns >= n are zero).
+template <class T, class Acc>
+LOOM_HD void load_cols(const rows3<const T>& x, index_t r0, index_t n, index_t h, index_t d, Acc* out) {
+  for (index_t c = 0; c < d; ++c)
+    for (index_t j = n; j < tile_k; ++j) out[c * tile_k + j] = Acc(0);
+  for (index_t j = 0; j < n; ++j) {
+    const T* row = x.at(r0 + j, h);
+    for (index_t c = 0; c < d; ++c) out[c * tile_k + j] = static_cast<Acc>(row[c]);
+  }
+}
+
+//! Sets masked scores to -inf (partial tiles only).
+template <class Acc>
+LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_coords& kc, index_t q0, index_t nq,
+                        index_t k0, index_t nk, Acc* s) {
+  for (index_t i = 0; i < nq; ++i) {
+    const index_t qd = qc.d(q0 + i), qp = qc.p(q0 + i);
+    for (index_t j = 0; j < nk; ++j)
+      if (!visible(qd, qp, kc.d(k0 + j), kc.p(k0 + j), pb.causal, pb.window)) s[i * tile_k + j] = neg_inf<Acc>();
+  }
+}
+
+template <class TQ, class TK, class TV, class TO, class Acc>
+struct forward_kernel {
+  problem pb;
+  rows3<const TQ> q;
+  rows3<const TK> k;
+  rows3<const TV> v;
+  rows3<TO> o;
+  rows2<Acc> lse;
+  token_coords qc, kc;
+  Acc scale;
+  Acc* ws;
+  index_t slots;
+
+  LOOM_HD static index_t scratch(index_t dk, index_t dv) {
+    return tile_q * dk + dk * tile_k + tile_k * dv + tile_q * tile_k + tile_q * dv + 2 * tile_q;
+  }
+  LOOM_HD index_t items() const { return pb.q_tiles() * pb.hq; }
+
+  LOOM_HD void operator()(index_t slot) const {
+    Acc* w = ws + slot * scratch(pb.dk, pb.dv);
+    for (index_t item = slot; item < items(); item += slots) run(item, w);
+  }
+
+  LOOM_HD void run(index_t item, Acc* w) const {
+    const index_t h = item / pb.q_tiles(), qt = item % pb.q_tiles(), hk = h / pb.group();
+    const index_t q0 = qt * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
+    const index_t dk = pb.dk, dv = pb.dv;
+    Acc *qs = w, *kt = qs + tile_q * dk, *vs = kt + dk * tile_k, *s = vs + tile_k * dv, *acc = s + tile_q * tile_k,
+        *m = acc + tile_q * dv, *l = m + tile_q;
+    load_rows(q, q0, nq, h, dk, scale, qs);
+    for (index_t i = 0; i < nq; ++i) {
+      m[i] = neg_inf<Acc>();
+      l[i] = Acc(0);
+    }
+    for (index_t e = 0; e < nq * dv; ++e) acc[e] = Acc(0);
+    const tile_bounds qb = qc.bounds(q0, nq);
+    for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
+      const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
+      const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.window);
+      if (kind == tile_kind::skip) continue;
+      load_cols(k, k0, nk, hk, dk, kt);
+      load_rows(v, k0, nk, hk, dv, Acc(1), vs);
+      gemm<false>(nq, tile_k, dk, qs, dk, kt, tile_k, s, tile_k, false);
+      if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
+      for (index_t i = 0; i < nq; ++i) {
+        Acc* row = s + i * tile_k;
+        Acc mx = m[i];
+        for (index_t j = 0; j < nk; ++j) mx = row[j] > mx ? row[j] : mx;
+        if (mx == neg_inf<Acc>()) {  // nothing visible in this row yet
+          for (index_t j = 0; j < tile_k; ++j) row[j] = Acc(0);
+          continue;
+        }
+        const Acc alpha = fast_exp(m[i] - mx);
+        Acc sum = Acc(0);
+        for (index_t j = 0; j < nk; ++j) {
+          const Acc p = fast_exp(row[j] - mx);
+          row[j] = p;
+          sum += p;
+        }
+        for (index_t j = nk; j < tile_k; ++j) row[j] = Acc(0);
+        l[i] = l[i] * alpha + sum;
+        m[i] = mx;
+        Acc* arow = acc + i * dv;
+        for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
+      }
+      gemm<false>(nq, dv, nk, s, tile_k, vs, dv, acc, dv, true);
+    }
+    for (index_t i = 0; i < nq; ++i) {
+      const bool any = l[i] > Acc(0);
+      const Acc inv = any ? Acc(1) / l[i] : Acc(0);
+      TO* orow = o.at(q0 + i, h);
+      for (index_t c = 0; c < dv; ++c) orow[c] = static_cast<TO>(acc[i * dv + c] * inv);
+      lse.at(q0 + i, h) = any ? m[i] + static_cast<Acc>(std::log(l[i])) : neg_inf<Acc>();
+    }
+  }
+};
+
+//! delta[t][h] = sum_c dO[t][h][c] * O[t][h][c], the row term of the softmax backward.
+template <class TO, class TD, class Acc>
+struct delta_kernel {
+  rows3<const TO> o;
+  rows3<const TD> dout;
+  Acc* delta;  //!< [tq][hq]
+  index_t hq, dv;
+  LOOM_HD void operator()(index_t e) const {
+    const index_t t = e / hq, h = e % hq;
+    const TO* orow = o.at(t, h);
+    const TD* drow = dout.at(t, h);
+    Acc sum = Acc(0);
+    for (index_t c = 0; c < dv; ++c) sum += static_cast<Acc>(orow[c]) * static_cast<Acc>(drow[c]);
+    delta[e] = sum;
+  }
+};
+
+//! Shared by both backward passes: for one (query tile, key tile) pair already loaded, computes
+//! P = exp(S - lse) (masked) into s and dS = P (dP - delta) into dp.
+template <class Acc>
+LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const token_coords& kc, tile_kind kind,
+                             index_t q0, index_t nq, index_t k0, index_t nk, const Acc* qs, const Acc* kt,
+                             const Acc* dos, const Acc* vt, const Acc* lse_rows, const Acc* delta_rows, Acc* s,
+                             Acc* dp) {
+  gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, tile_k, s, tile_k, false);
+  if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
+  gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, tile_k, dp, tile_k, false);
+  for (index_t i = 0; i < nq; ++i) {
+    Acc* srow = s + i * tile_k;
+    Acc* drow = dp + i * tile_k;
+    const Acc lse = lse_rows[i], delta = delta_rows[i];
+    const bool any = lse != neg_inf<Acc>();
+    for (index_t j = 0; j < tile_k; ++j) {
+      const Acc p = any && j < nk ? fast_exp(srow[j] - lse) : Acc(0);
+      srow[j] = p;
+      drow[j] = p * (drow[j] - delta);
+    }
+  }
+}
+
+template <class T, class Acc>
+LOOM_HD void store_rows(const rows3<T>& x, index_t r0, index_t n, index_t h, index_t d, const Acc* tile, Acc mul,
+                        bool accumulate) {
+  for (index_t i = 0; i < n; ++i) {
+    T* row = x.at(r0 + i, h);
+    for (index_t c = 0; c < d; ++c) {
+      const Acc val = tile[i * d + c] * mul;
+      row[c] = static_cast<T>(accumulate ? static_cast<Acc>(row[c]) + val : val);
+    }
+  }
+}
+
+//! Common operands of the backward passes.
+template <class TQ, class TK, class TV, class TD, class TG, class Acc>
+struct backward_args {
+  problem pb;
+  rows3<const TQ> q;
+  rows3<const TK> k;
+  rows3<const TV> v;
+  rows3<const TD> dout;
+  rows2<const Acc> lse;
+  const Acc* delta;  //!< [tq][hq]
+  rows3<TG> dq, dk, dv;
+  token_coords qc, kc;
+  Acc scale;
+  bool accumulate;  //!< add into dq, dk, dv instead of overwriting them
+
+  //! lse and delta of rows [q0, q0 + nq) of head h, and the query and dO tiles.
+  LOOM_HD void load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow, Acc* drow) const {
+    load_rows(q, q0, nq, h, pb.dk, scale, qs);
+    load_rows(dout, q0, nq, h, pb.dv, Acc(1), dos);
+    for (index_t i = 0; i < nq; ++i) {
+      lrow[i] = lse.at(q0 + i, h);
+      drow[i] = delta[(q0 + i) * pb.hq + h];
+    }
+  }
+};
+
+//! dK and dV: one item per (key tile, kv head), over every query head of its group.
+template <class TQ, class TK, class TV, class TD, class TG, class Acc>
+struct backward_kv_kernel {
+  backward_args<TQ, TK, TV, TD, TG, Acc> a;
+  Acc* ws;
+  index_t slots;
+
+  LOOM_HD static index_t scratch(index_t dk, index_t dv) {
+    return tile_q * dk + tile_q * dv + dk * tile_k + dv * tile_k + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv +
+           2 * tile_q;
+  }
+  LOOM_HD index_t items() const { return a.pb.k_tiles() * a.pb.hkv; }
+  LOOM_HD void operator()(index_t slot) const {
+    Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
+    for (index_t item = slot; item < items(); item += slots) run(item, w);
+  }
+  LOOM_HD void run(index_t item, Acc* w) const {
+    const problem& pb = a.pb;
+    const index_t hk = item / pb.k_tiles(), ktile = item % pb.k_tiles();
+    const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
+    const index_t dk = pb.dk, dv = pb.dv;
+    Acc *qs = w, *dos = qs + tile_q * dk, *kt = dos + tile_q * dv, *vt = kt + dk * tile_k, *s = vt + dv * tile_k,
+        *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k, *gv = gk + tile_k * dk, *lrow = gv + tile_k * dv,
+        *drow = lrow + tile_q;
+    load_cols(a.k, k0, nk, hk, dk, kt);
+    load_cols(a.v, k0, nk, hk, dv, vt);
+    for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
+    for (index_t e = 0; e < tile_k * dv; ++e) gv[e] = Acc(0);
+    const tile_bounds kb = a.kc.bounds(k0, nk);
+    for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
+      for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
+        const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
+        const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.window);
+        if (kind == tile_kind::skip) continue;
+        a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
+        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, lrow, drow, s, dp);
+        gemm<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true);  // dV += Pᵀ dO
+        gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
+      }
+    store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
+    store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
+  }
+};
+
+//! dQ: one item per (query tile, head).
+template <class TQ, class TK, class TV, class TD, class TG, class Acc>
+struct backward_q_kernel {
+  backward_args<TQ, TK, TV, TD, TG, Acc> a;
+  Acc* ws;
+  index_t slots;
+
+  LOOM_HD static index_t scratch(index_t dk, index_t dv) {
+    return tile_q * dk + tile_q * dv + dk * tile_k + tile_k * dk + dv * tile_k + 2 * tile_q * tile_k + tile_q * dk +
+           2 * tile_q;
+  }
+  LOOM_HD index_t items() const { return a.pb.q_tiles() * a.pb.hq; }
+  LOOM_HD void operator()(index_t slot) const {
+    Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
+    for (index_t item = slot; item < items(); item += slots) run(item, w);
+  }
+  LOOM_HD void run(index_t item, Acc* w) const {
+    const problem& pb = a.pb;
+    const index_t h = item / pb.q_tiles(), qtile = item % pb.q_tiles(), hk = h / pb.group();
+    const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
+    const index_t dk = pb.dk, dv = pb.dv;
+    Acc *qs = w, *dos = qs + tile_q * dk, *kt = dos + tile_q * dv, *ks = kt + dk * tile_k, *vt = ks + tile_k * dk,
+        *s = vt + dv * tile_k, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k, *lrow = gq + tile_q * dk,
+        *drow = lrow + tile_q;
+    a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
+    for (index_t e = 0; e < tile_q * dk; ++e) gq[e] = Acc(0);
+    const tile_bounds qb = a.qc.bounds(q0, nq);
+    for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
+      const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
+      const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.window);
+      if (kind == tile_kind::skip) continue;
+      load_cols(a.k, k0, nk, hk, dk, kt);
+      load_rows(a.k, k0, nk, hk, dk, Acc(1), ks);
+      load_cols(a.v, k0, nk, hk, dv, vt);
+      backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, lrow, drow, s, dp);
+      gemm<false>(nq, dk, nk, dp, tile_k, ks, dk, gq, dk, true);  // dQ += dS K
+    }
+    store_rows(a.dq, q0, nq, h, dk, gq, a.scale, a.accumulate);
+  }
+};
+
+}  // namespace loom::attention::detail

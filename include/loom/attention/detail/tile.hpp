@@ -1,0 +1,137 @@
+#pragma once
+
+//! @file
+//! The per-tile building blocks of exact attention, shared by every backend: a vectorisable exp, a
+//! register-blocked tile product, and the mask of a (query tile, key tile) pair. Everything is
+//! LOOM_HD and works on small dense tiles in the accumulation type.
+
+#include <loom/config.hpp>
+#include <loom/core/tensor_view.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace loom::attention::detail {
+
+inline constexpr index_t tile_q = 64;  //!< query rows per tile
+inline constexpr index_t tile_k = 64;  //!< key rows per tile
+
+template <class Acc>
+LOOM_HD constexpr Acc neg_inf() {
+  return -std::numeric_limits<Acc>::infinity();
+}
+
+LOOM_HD inline float bits_to_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+//! e^x for float, relative error below 3e-7 on (-87, 88), 0 below (and for -inf); plain
+//! arithmetic, so loops over it vectorise. Double uses the library exp (the oracle precision).
+LOOM_HD inline float fast_exp(float x) {
+  if (!(x > -87.0f)) return 0.0f;
+  const float t = x * 1.44269504088896341f;  // x = k ln2 + r, k integer, |r| <= ln2 / 2
+  const int k = static_cast<int>(t < 0 ? t - 0.5f : t + 0.5f);
+  const float kf = static_cast<float>(k);
+  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
+  // e^r: Taylor terms up to r^7 (error below 1e-8 for |r| <= 0.35)
+  float p = 1.9841270e-4f;
+  p = p * r + 1.3888889e-3f;
+  p = p * r + 8.3333333e-3f;
+  p = p * r + 4.1666667e-2f;
+  p = p * r + 1.6666667e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * bits_to_float(static_cast<std::uint32_t>(k + 127) << 23);
+}
+LOOM_HD inline double fast_exp(double x) { return x == neg_inf<double>() ? 0.0 : std::exp(x); }
+
+//! C[i][j] (+)= sum_l A(i, l) B[l][j] for i < m, j < n, l < kd. A(i, l) = a[i * lda + l], or
+//! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 4 rows
+//! by 32 columns keep their sums in registers; the inner loop runs over contiguous j.
+template <bool TransA, class Acc>
+LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
+                  index_t ldc, bool accumulate) {
+  constexpr index_t rb = 4, cb = 32;
+  const index_t m_full = m - m % rb, n_full = n - n % cb;
+  auto at = [&](index_t i, index_t l) { return TransA ? a[l * lda + i] : a[i * lda + l]; };
+  for (index_t i0 = 0; i0 < m_full; i0 += rb) {
+    for (index_t j0 = 0; j0 < n_full; j0 += cb) {
+      Acc s[rb][cb];
+      for (index_t r = 0; r < rb; ++r)
+        for (index_t j = 0; j < cb; ++j) s[r][j] = accumulate ? c[(i0 + r) * ldc + j0 + j] : Acc(0);
+      for (index_t l = 0; l < kd; ++l) {
+        const Acc* brow = b + l * ldb + j0;
+        const Acc a0 = at(i0, l), a1 = at(i0 + 1, l), a2 = at(i0 + 2, l), a3 = at(i0 + 3, l);
+        for (index_t j = 0; j < cb; ++j) {
+          s[0][j] += a0 * brow[j];
+          s[1][j] += a1 * brow[j];
+          s[2][j] += a2 * brow[j];
+          s[3][j] += a3 * brow[j];
+        }
+      }
+      for (index_t r = 0; r < rb; ++r)
+        for (index_t j = 0; j < cb; ++j) c[(i0 + r) * ldc + j0 + j] = s[r][j];
+    }
+  }
+  // The rows and columns the blocks left: one row at a time, contiguous j inner.
+  auto row_range = [&](index_t i, index_t j_begin, index_t j_end) {
+    Acc* crow = c + i * ldc;
+    if (!accumulate)
+      for (index_t j = j_begin; j < j_end; ++j) crow[j] = Acc(0);
+    for (index_t l = 0; l < kd; ++l) {
+      const Acc ail = at(i, l);
+      const Acc* brow = b + l * ldb;
+      for (index_t j = j_begin; j < j_end; ++j) crow[j] += ail * brow[j];
+    }
+  };
+  if (n_full < n)
+    for (index_t i = 0; i < m_full; ++i) row_range(i, n_full, n);
+  for (index_t i = m_full; i < m; ++i) row_range(i, 0, n);
+}
+
+//! Document and position range of a tile of tokens.
+struct tile_bounds {
+  index_t doc_min, doc_max, pos_min, pos_max;
+  LOOM_HD bool one_doc() const { return doc_min == doc_max; }
+};
+
+LOOM_HD inline tile_bounds bounds_of(const index_t* doc, index_t doc_stride, const index_t* pos, index_t pos_stride,
+                                     index_t begin, index_t count) {
+  tile_bounds b{doc[begin * doc_stride], doc[begin * doc_stride], pos[begin * pos_stride], pos[begin * pos_stride]};
+  for (index_t i = 1; i < count; ++i) {
+    const index_t d = doc[(begin + i) * doc_stride], p = pos[(begin + i) * pos_stride];
+    b.doc_min = d < b.doc_min ? d : b.doc_min;
+    b.doc_max = d > b.doc_max ? d : b.doc_max;
+    b.pos_min = p < b.pos_min ? p : b.pos_min;
+    b.pos_max = p > b.pos_max ? p : b.pos_max;
+  }
+  return b;
+}
+
+enum class tile_kind { skip, full, partial };
+
+//! How a (query tile, key tile) pair is masked, from the tiles' bounds alone (conservative:
+//! "partial" means check every element).
+LOOM_HD inline tile_kind classify(const tile_bounds& q, const tile_bounds& k, bool causal, index_t window) {
+  if (k.doc_max < q.doc_min || k.doc_min > q.doc_max) return tile_kind::skip;
+  const bool same = q.one_doc() && k.one_doc() && q.doc_min == k.doc_min;
+  if (same) {
+    if (causal && k.pos_min > q.pos_max) return tile_kind::skip;
+    if (window > 0 && q.pos_min - k.pos_max >= window) return tile_kind::skip;
+    const bool causal_ok = !causal || k.pos_max <= q.pos_min;
+    const bool window_ok = window <= 0 || q.pos_max - k.pos_min < window;
+    if (causal_ok && window_ok) return tile_kind::full;
+  }
+  return tile_kind::partial;
+}
+
+LOOM_HD inline bool visible(index_t qd, index_t qp, index_t kd, index_t kp, bool causal, index_t window) {
+  return qd == kd && (!causal || kp <= qp) && (window <= 0 || qp - kp < window);
+}
+
+}  // namespace loom::attention::detail

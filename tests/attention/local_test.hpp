@@ -1,0 +1,237 @@
+// Local exact attention and the merge: one body, instantiated per backend. Every result is
+// compared with the fp64 oracle of tests/attention/oracle.hpp.
+
+#include <loom/attention/local.hpp>
+#include <loom/attention/merge.hpp>
+
+#include <support/backends.hpp>
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstring>
+#include <vector>
+
+#include "oracle.hpp"
+
+using loom::index_t;
+using loom::test::backend_under_test;
+using loom::test::buffer;
+using loom::test::make_backend;
+namespace la = loom::attention;
+namespace lt = loom::test;
+
+namespace {
+
+using space = loom::backend_traits<backend_under_test>::memory_space;
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R, space> view(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
+  return loom::tensor_view<T, R, space>(b.data(), ext);
+}
+
+template <class T>
+std::vector<T> cast(const std::vector<double>& x) {
+  std::vector<T> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
+  return r;
+}
+template <class T>
+std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
+  return r;
+}
+
+struct inputs {
+  std::vector<double> q, k, v, dout;
+};
+
+// Random inputs, rounded through storage T so the oracle sees exactly what the kernel sees.
+template <class T>
+inputs make_inputs(const lt::attn_shape& s, std::uint64_t seed) {
+  auto round = [](std::vector<double> x) { return widen(cast<T>(x)); };
+  return {round(lt::uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed)),
+          round(lt::uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1)),
+          round(lt::uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2)),
+          round(lt::uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3))};
+}
+
+template <class T>
+struct run_result {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+template <class T>
+run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::vector<index_t>& cu, bool bwd) {
+  using Acc = la::accum_t<T>;
+  const auto b = make_backend();
+  buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v)), dout(cast<T>(in.dout)),
+      out(static_cast<std::size_t>(s.tq * s.hq * s.dv)), dq(static_cast<std::size_t>(s.tq * s.hq * s.dk)),
+      dk(static_cast<std::size_t>(s.tk * s.hkv * s.dk)), dv(static_cast<std::size_t>(s.tk * s.hkv * s.dv));
+  buffer<Acc> lse(static_cast<std::size_t>(s.tq * s.hq));
+  buffer<index_t> cub(cu);
+  const la::options opt{s.causal, s.window, s.scale};
+  const auto cuv = view<const index_t, 1>(cub, {static_cast<index_t>(cu.size())});
+  la::forward(b, view<const T, 3>(q, {s.tq, s.hq, s.dk}), view<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+              view<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view<T, 3>(out, {s.tq, s.hq, s.dv}),
+              view<Acc, 2>(lse, {s.tq, s.hq}), opt);
+  run_result<T> r{widen(out.to_host()), widen(lse.to_host()), {}, {}, {}};
+  if (bwd) {
+    la::backward(b, view<const T, 3>(q, {s.tq, s.hq, s.dk}), view<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                 view<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view<const T, 3>(out, {s.tq, s.hq, s.dv}),
+                 view<const Acc, 2>(lse, {s.tq, s.hq}), view<const T, 3>(dout, {s.tq, s.hq, s.dv}),
+                 view<T, 3>(dq, {s.tq, s.hq, s.dk}), view<T, 3>(dk, {s.tk, s.hkv, s.dk}),
+                 view<T, 3>(dv, {s.tk, s.hkv, s.dv}), opt);
+    r.dq = widen(dq.to_host());
+    r.dk = widen(dk.to_host());
+    r.dv = widen(dv.to_host());
+  }
+  return r;
+}
+
+// Forward and backward of packed documents in precision P against the oracle.
+template <class P>
+void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_t seed, bool bwd = true) {
+  using T = typename P::storage_type;
+  s.tk = s.tq = cu.back();
+  const auto in = make_inputs<T>(s, seed);
+  const auto c = lt::packed(cu);
+  const auto want = lt::attention_oracle(s, in.q, in.k, in.v, c, c, bwd ? in.dout : std::vector<double>{});
+  const auto got = run_packed<T>(s, in, cu, bwd);
+  // fp64 ≤ 1e-10; fp32 ≤ 2e-5 relative; bf16 ≤ 2e-2 (the tolerances), on O(1) values.
+  const lt::tolerance tol = std::is_same_v<T, double>  ? lt::tolerance{1e-10, 1e-10}
+                            : std::is_same_v<T, float> ? lt::tolerance{2e-5, 2e-5}
+                                                       : lt::tolerance{2e-2, 2e-2};
+  INFO("tokens " << s.tq << " heads " << s.hq << "/" << s.hkv << " dims " << s.dk << "/" << s.dv << " causal "
+                 << s.causal << " window " << s.window << " " << loom::precision_name<P>());
+  lt::require_close(got.out, want.out, tol, "out");
+  std::vector<double> lse_ok(want.lse), lse_got(got.lse);  // -inf rows must match exactly
+  for (std::size_t i = 0; i < lse_ok.size(); ++i) {
+    REQUIRE(std::isinf(lse_ok[i]) == std::isinf(lse_got[i]));
+    if (std::isinf(lse_ok[i])) lse_ok[i] = lse_got[i] = 0;
+  }
+  lt::require_close(lse_got, lse_ok, tol, "lse");
+  if (!bwd) return;
+  const lt::tolerance gtol{tol.rel * 2, tol.abs * 2};  // gradients sum over more terms
+  lt::require_close(got.dq, want.dq, gtol, "dq");
+  lt::require_close(got.dk, want.dk, gtol, "dk");
+  lt::require_close(got.dv, want.dv, gtol, "dv");
+}
+
+}  // namespace
+
+TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp64" LOOM_BACKEND_TAG,
+          "[attention][local]") {
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};  // lengths 1, 7, 130, 3, 1000
+  for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}})
+    check_packed<loom::fp64>({0, 0, 8, hkv, 64, 64, true}, docs, 10 + static_cast<std::uint64_t>(hkv));
+  check_packed<loom::fp64>({0, 0, 8, 2, 96, 96, false}, docs, 20);
+  check_packed<loom::fp64>({0, 0, 4, 1, 96, 40, true, 0, 0.3}, {0, 131}, 21);  // dim_v != dim_qk, a given scale
+  for (index_t n : {index_t{1}, index_t{7}, index_t{131}, index_t{1021}})
+    check_packed<loom::fp64>({0, 0, 2, 1, 64, 64, true}, {0, n}, 30 + static_cast<std::uint64_t>(n), n < 1000);
+}
+
+TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKEND_TAG, "[attention][local]") {
+  const std::vector<index_t> docs{0, 0, 1, 8, 8, 138, 141, 1141, 1141};  // empty documents too
+  check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, 37}, docs, 40);
+  check_packed<loom::fp64>({0, 0, 2, 2, 32, 16, false, 50}, {0, 300}, 41);
+  check_packed<loom::fp32>({0, 0, 8, 2, 64, 64, true}, docs, 42);
+  check_packed<loom::fp32>({0, 0, 2, 1, 96, 96, false}, {0, 1021}, 43);
+  check_packed<loom::bf16>({0, 0, 4, 1, 64, 64, true}, docs, 44);
+}
+
+TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND_TAG, "[attention][merge]") {
+  if constexpr (space::host_accessible) {
+    const auto b = make_backend();
+    const lt::attn_shape s{257, 257, 4, 2, 64, 48, true};
+    const auto in = make_inputs<double>(s, 60);
+    const auto c = lt::packed({0, 100, 257});
+    const auto want = lt::attention_oracle(s, in.q, in.k, in.v, c, c);
+    // Keys split in two interleaved halves (even and odd tokens): two partials, then merge.
+    std::vector<double> out_a(want.out.size()), out_b(want.out.size()), lse_a(want.lse.size()), lse_b(lse_a.size());
+    for (int part = 0; part < 2; ++part) {
+      std::vector<double> k, v;
+      lt::attn_coords kc;
+      for (index_t j = part; j < s.tk; j += 2) {
+        k.insert(k.end(), in.k.begin() + j * s.hkv * s.dk, in.k.begin() + (j + 1) * s.hkv * s.dk);
+        v.insert(v.end(), in.v.begin() + j * s.hkv * s.dv, in.v.begin() + (j + 1) * s.hkv * s.dv);
+        kc.doc.push_back(c.doc[j]);
+        kc.pos.push_back(c.pos[j]);
+      }
+      const index_t nk = static_cast<index_t>(kc.doc.size());
+      la::coords<> qcv{loom::tensor_view<const index_t, 1>(c.doc.data(), {s.tq}),
+                       loom::tensor_view<const index_t, 1>(c.pos.data(), {s.tq})};
+      la::coords<> kcv{loom::tensor_view<const index_t, 1>(kc.doc.data(), {nk}),
+                       loom::tensor_view<const index_t, 1>(kc.pos.data(), {nk})};
+      auto& o = part ? out_b : out_a;
+      auto& l = part ? lse_b : lse_a;
+      la::forward(b, loom::tensor_view<const double, 3>(in.q.data(), {s.tq, s.hq, s.dk}),
+                  loom::tensor_view<const double, 3>(k.data(), {nk, s.hkv, s.dk}),
+                  loom::tensor_view<const double, 3>(v.data(), {nk, s.hkv, s.dv}), qcv, kcv,
+                  loom::tensor_view<double, 3>(o.data(), {s.tq, s.hq, s.dv}),
+                  loom::tensor_view<double, 2>(l.data(), {s.tq, s.hq}));
+    }
+    la::merge(b, loom::tensor_view<double, 3>(out_a.data(), {s.tq, s.hq, s.dv}),
+              loom::tensor_view<double, 2>(lse_a.data(), {s.tq, s.hq}),
+              loom::tensor_view<const double, 3>(out_b.data(), {s.tq, s.hq, s.dv}),
+              loom::tensor_view<const double, 2>(lse_b.data(), {s.tq, s.hq}));
+    lt::require_close(out_a, want.out, {1e-12, 1e-12}, "merged out");
+    lt::require_close(lse_a, want.lse, {1e-12, 1e-12}, "merged lse");
+    // Large log-sum-exps in float: the stable form neither overflows nor loses the smaller part.
+    std::vector<float> oa{1.0f, 2.0f}, ob{3.0f, 5.0f}, lsa{200.0f}, lsb{201.0f};  // exp(201) overflows float
+    la::merge(b, loom::tensor_view<float, 3>(oa.data(), {1, 1, 2}), loom::tensor_view<float, 2>(lsa.data(), {1, 1}),
+              loom::tensor_view<const float, 3>(ob.data(), {1, 1, 2}),
+              loom::tensor_view<const float, 2>(lsb.data(), {1, 1}));
+    const double wa = 1.0 / (1.0 + std::exp(1.0)), wb = 1.0 - wa;
+    CHECK(std::abs(oa[0] - (wa * 1 + wb * 3)) < 1e-4);  // float lse of 200: ulp 1.5e-5
+    CHECK(std::abs(oa[1] - (wa * 2 + wb * 5)) < 1e-4);
+    CHECK(std::isfinite(lsa[0]));
+    CHECK(std::abs(lsa[0] - (201.0 + std::log1p(std::exp(-1.0)))) < 1e-4);
+    // -inf rows are the identity.
+    std::vector<float> oc{7.0f}, od{9.0f}, lc{-INFINITY}, ld{0.5f};
+    la::merge(b, loom::tensor_view<float, 3>(oc.data(), {1, 1, 1}), loom::tensor_view<float, 2>(lc.data(), {1, 1}),
+              loom::tensor_view<const float, 3>(od.data(), {1, 1, 1}),
+              loom::tensor_view<const float, 2>(ld.data(), {1, 1}));
+    CHECK(oc[0] == 9.0f);
+    CHECK(lc[0] == 0.5f);
+  }
+}
+
+TEST_CASE("attention: rejections" LOOM_BACKEND_TAG, "[attention][errors]") {
+  const auto b = make_backend();
+  buffer<float> q(std::vector<float>(10 * 6 * 8)), k(std::vector<float>(10 * 4 * 8)), v(k.size()), o(q.size()),
+      l(std::vector<float>(60));
+  const std::vector<index_t> cu{0, 10};
+  buffer<index_t> cub(cu);
+  const auto cuv = view<const index_t, 1>(cub, {2});
+  const auto qv = view<const float, 3>(q, {10, 6, 8});
+  const auto ov = view<float, 3>(o, {10, 6, 8});
+  const auto lv = view<float, 2>(l, {10, 6});
+  CHECK_THROWS_WITH(
+      la::forward(b, qv, view<const float, 3>(k, {10, 4, 8}), view<const float, 3>(v, {10, 4, 8}), cuv, ov, lv),
+      Catch::Contains("q heads (6) must be a multiple of kv heads (4)"));
+  CHECK_THROWS_WITH(
+      la::forward(b, qv, view<const float, 3>(k, {10, 2, 16}), view<const float, 3>(v, {10, 2, 16}), cuv, ov, lv),
+      Catch::Contains("shape_mismatch") && Catch::Contains("k (dim must match q's) must be [10, 2, 8]"));
+  const auto kv = view<const float, 3>(k, {10, 2, 8});
+  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, view<float, 3>(o, {10, 6, 7}), lv),
+                    Catch::Contains("out must be [10, 6, 8]"));
+  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, view<float, 2>(l, {6, 10})),
+                    Catch::Contains("lse must be [10, 6]"));
+  if constexpr (space::host_accessible) {
+    auto bad = [&](std::vector<index_t> c, const char* what) {
+      buffer<index_t> cb(c);
+      CHECK_THROWS_WITH(
+          la::forward(b, qv, kv, kv, view<const index_t, 1>(cb, {static_cast<index_t>(c.size())}), ov, lv),
+          Catch::Contains("cu_seqlens") && Catch::Contains(what));
+    };
+    bad({0, 6, 4, 10}, "non-decreasing");
+    bad({0, 4, 9}, "must equal the sequence length 10");
+    bad({2, 10}, "[0] must be 0");
+    la::options neg;
+    neg.window = -1;
+    CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, lv, neg), Catch::Contains("options.window must be >= 0"));
+  }
+}
