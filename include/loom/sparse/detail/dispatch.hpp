@@ -1,0 +1,127 @@
+#pragma once
+
+//! @file
+//! Argument checks and backend dispatch of loom::sparse::spmm. The generic path runs the
+//! kernels of kernels.hpp through loom::for_each_index; spmm_cuda.cuh specialises the bitmap
+//! format for loom::cuda with a block-per-band kernel that decodes tiles into shared memory.
+
+#include <loom/backend/parallel.hpp>
+#include <loom/backend/temporary.hpp>
+#include <loom/sparse/detail/kernels.hpp>
+
+#include <string_view>
+#include <type_traits>
+
+namespace loom::sparse::detail {
+
+template <class A>
+auto as_view(const A& a) {
+  if constexpr (requires { a.view(); })
+    return a.view();
+  else
+    return a;
+}
+
+template <class V>
+struct format_of;  // which kernel serves a view type
+template <class T, class S>
+struct format_of<csr_view<T, S>> {
+  template <class TC, class Acc, class Hook>
+  using kernel = csr_kernel<T, S, TC, Acc, Hook>;
+};
+template <class T, class S>
+struct format_of<bitmap_view<T, S>> {
+  template <class TC, class Acc, class Hook>
+  using kernel = bitmap_kernel<T, S, TC, Acc, Hook>;
+};
+template <int N, int M, class T, class S>
+struct format_of<n_m_view<N, M, T, S>> {
+  template <class TC, class Acc, class Hook>
+  using kernel = n_m_kernel<N, M, T, S, TC, Acc, Hook>;
+};
+
+//! Runs kernel K over every work item on backend B. Specialised for the cuda bitmap kernel.
+template <class Backend, class AV>
+struct spmm_runner {
+  template <class K>
+  static void run(const Backend& b, const K& kernel, index_t items) {
+    for_each_index(b, items, kernel);
+  }
+};
+
+//! Rows and columns of a view: a row-major or column-major 2-D layout (unit stride on one side).
+template <class V>
+void check_layout(const V& v, std::string_view name) {
+  const bool row_major = v.stride(1) == 1 || v.extent(1) <= 1;
+  const bool col_major = v.stride(0) == 1 || v.extent(0) <= 1;
+  LOOM_EXPECTS(row_major || col_major, errc::invalid_argument, "spmm: ", name,
+               " must be row-major (stride(1) == 1) or column-major (stride(0) == 1), got strides ", v.stride(0), ", ",
+               v.stride(1));
+}
+
+template <class AV>
+index_t rows_of(const AV& a) {
+  return a.rows;
+}
+
+template <class Backend, class AV, class BV, class CV, class Bias, class Hook>
+void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double alpha, double beta, const Bias* bias,
+               const Hook& hook) {
+  using space = typename backend_traits<Backend>::memory_space;
+  static_assert(BV::rank == 2 && CV::rank == 2, "spmm: B and C must be rank-2 views");
+  static_assert(std::is_same_v<typename AV::space, space> || (AV::space::host_accessible && space::host_accessible),
+                "spmm: A must live in the backend's memory space");
+  static_assert(std::is_same_v<typename BV::space, space> || (BV::space::host_accessible && space::host_accessible),
+                "spmm: B must live in the backend's memory space");
+  static_assert(std::is_same_v<typename CV::space, space> || (CV::space::host_accessible && space::host_accessible),
+                "spmm: C must live in the backend's memory space");
+  using TB = typename BV::value_type;
+  using TC = typename CV::value_type;
+  using TA = typename AV::value_type;
+  static_assert(!std::is_const_v<typename CV::element_type>, "spmm: C must be writable");
+  using Acc = std::conditional_t<std::is_same_v<TA, double> || std::is_same_v<TB, double> || std::is_same_v<TC, double>,
+                                 double, float>;
+  const index_t m = a.rows, k = a.cols, n = bm.extent(1);
+  LOOM_EXPECTS(m >= 0 && k >= 0, errc::invalid_argument, "spmm: A's extents must be >= 0, got ", m, " x ", k);
+  LOOM_EXPECTS(bm.extent(0) == k, errc::shape_mismatch, "spmm: B must have A.cols = ", k, " rows, got ", bm.extent(0));
+  LOOM_EXPECTS(c.extent(0) == m && c.extent(1) == n, errc::shape_mismatch, "spmm: C must be ", m, " x ", n,
+               " (A.rows x B.cols), got ", c.extent(0), " x ", c.extent(1));
+  check_layout(bm, "B");
+  check_layout(c, "C");
+  if (bias) {
+    LOOM_EXPECTS(bias->extent(0) == m, errc::shape_mismatch, "spmm: bias must hold A.rows = ", m, " values, got ",
+                 bias->extent(0));
+    LOOM_EXPECTS(bias->stride(0) == 1 || m <= 1, errc::invalid_argument, "spmm: bias must be contiguous");
+  }
+  if (m == 0 || n == 0) return;
+
+  spmm_common<TC, Acc> common;
+  common.n = n;
+  common.n_chunks = (n + n_block - 1) / n_block;
+  common.out = {c.data(),
+                c.stride(0),
+                c.stride(1),
+                static_cast<Acc>(alpha),
+                static_cast<Acc>(beta),
+                bias ? bias->data() : nullptr,
+                m};
+  using K = typename format_of<AV>::template kernel<TC, Acc, Hook>;
+  const index_t items = ((m + tile_rows - 1) / tile_rows) * common.n_chunks;
+  auto go = [&] { spmm_runner<Backend, AV>::run(b, K{a, common, hook}, items); };
+  // B is used in place when it is already a row-major panel of Acc (a unit-stride vector for N == 1).
+  const bool direct = std::is_same_v<TB, Acc> && (n == 1 ? bm.stride(0) == 1 : bm.stride(1) == 1);
+  if (direct) {
+    common.b = reinterpret_cast<const Acc*>(bm.data());
+    common.ldb = bm.stride(0);
+    go();
+  } else {
+    temporary_buffer<Backend, Acc> packed(b, k * n);
+    if (k > 0) for_each_index(b, k * n, pack_b<BV, Acc>{bm, packed.data(), n});
+    common.b = packed.data();
+    common.ldb = n;
+    go();
+    fence(b);  // the panel dies here
+  }
+}
+
+}  // namespace loom::sparse::detail

@@ -1,0 +1,246 @@
+#pragma once
+
+//! @file
+//! The CPU (and generic-backend) SpMM kernels: one LOOM_HD functor per format, run by
+//! loom::for_each_index over work items = (band of tile_rows output rows) x (chunk of up to
+//! n_block output columns). A work item keeps its tile_rows x n_block accumulators in L1, decodes
+//! one tile of A at a time into a (column, value) list in L1, then runs a micro-kernel whose inner
+//! loops are unit-stride over a row-major B panel (vectorised by the compiler, no intrinsics).
+//! For N == 1 the bitmap kernel instead expands each tile row into a dense 64-wide row and takes
+//! a lane-split dot product with B ("compute as dense").
+//! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
+//! no_hook compiles away.
+
+#include <loom/sparse/formats.hpp>
+
+#include <type_traits>
+
+namespace loom::sparse::detail {
+
+inline constexpr index_t n_block = 64;  //!< output columns per work item
+inline constexpr int dot_lanes = 16;    //!< independent partial sums of the N == 1 dot product
+
+struct no_hook {
+  LOOM_HD void operator()(index_t) const noexcept {}
+};
+
+//! A stored value in the accumulation type (16-bit types go through float, exactly).
+template <class Acc, class T>
+LOOM_HD constexpr Acc to_acc(const T& v) noexcept {
+  if constexpr (std::is_arithmetic_v<T>)
+    return static_cast<Acc>(v);
+  else
+    return static_cast<Acc>(static_cast<float>(v));
+}
+
+LOOM_HD constexpr index_t min_index(index_t a, index_t b) noexcept { return a < b ? a : b; }
+
+//! C(i, j) = alpha * acc + beta * C(i, j) + bias[i]; C is not read when beta == 0.
+template <class TC, class Acc>
+struct epilogue {
+  TC* c = nullptr;
+  index_t ldr = 0, ldc = 0;  //!< strides of C's rows and columns
+  Acc alpha = 1, beta = 0;
+  const TC* bias = nullptr;  //!< M values, or null
+  index_t rows = 0;
+  LOOM_HD void store(index_t i, index_t j0, index_t nb, const Acc* acc) const {
+    const Acc add = bias ? to_acc<Acc>(bias[i]) : Acc(0);
+    TC* out = c + i * ldr + j0 * ldc;
+    for (index_t j = 0; j < nb; ++j) {
+      Acc x = alpha * acc[j] + add;
+      if (beta != Acc(0)) x += beta * to_acc<Acc>(out[j * ldc]);
+      out[j * ldc] = static_cast<TC>(x);
+    }
+  }
+};
+
+//! acc[0, nb) += v * b[0, nb): the micro-kernel row update. NB > 0 fixes the width at compile time.
+template <int NB, class Acc>
+LOOM_HD inline void axpy(Acc* __restrict__ acc, Acc v, const Acc* __restrict__ b, index_t nb) {
+  if constexpr (NB > 0) {
+    for (int j = 0; j < NB; ++j) acc[j] += v * b[j];
+  } else {
+    for (index_t j = 0; j < nb; ++j) acc[j] += v * b[j];
+  }
+}
+
+//! Runs the list micro-kernel: rows r of the band, entries [end[r-1], end[r]) of (col, val).
+template <int NB, class Acc>
+LOOM_HD inline void list_kernel(Acc* acc, const int* end, const index_t* col, const Acc* val, const Acc* b, index_t ldb,
+                                index_t nb) {
+  int e = 0;
+  for (index_t r = 0; r < tile_rows; ++r)
+    for (; e < end[r]; ++e) axpy<NB>(acc + r * n_block, val[e], b + col[e] * ldb, nb);
+}
+
+template <class Acc, class F>
+LOOM_HD inline void dispatch_width(index_t nb, F&& f) {
+  switch (nb) {
+    case 64:
+      f(std::integral_constant<int, 64>{});
+      break;
+    case 32:
+      f(std::integral_constant<int, 32>{});
+      break;
+    case 16:
+      f(std::integral_constant<int, 16>{});
+      break;
+    case 8:
+      f(std::integral_constant<int, 8>{});
+      break;
+    default:
+      f(std::integral_constant<int, 0>{});
+      break;
+  }
+}
+
+//! Work items and the packed B shared by every format's kernel.
+template <class TC, class Acc>
+struct spmm_common {
+  const Acc* b = nullptr;  //!< K x N, row-major, leading dimension ldb
+  index_t ldb = 0, n = 0, n_chunks = 0;
+  epilogue<TC, Acc> out;
+};
+
+template <class TA, class Space, class TC, class Acc, class Hook>
+struct bitmap_kernel {
+  bitmap_view<TA, Space> a;
+  spmm_common<TC, Acc> k;
+  Hook hook;
+
+  LOOM_HD void operator()(index_t w) const {
+    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    Acc acc[tile_rows * n_block];
+    for (index_t i = 0; i < tile_rows * n_block; ++i) acc[i] = Acc(0);
+    if (k.n == 1)
+      dot_band(band, acc);
+    else
+      list_band(band, j0, nb, acc);
+    for (index_t r = 0; r < tile_rows && band * tile_rows + r < a.rows; ++r)
+      k.out.store(band * tile_rows + r, j0, nb, acc + r * n_block);
+  }
+
+  //! Decode each tile into a (column, value) list, then the unit-stride micro-kernel over nb.
+  LOOM_HD void list_band(index_t band, index_t j0, index_t nb, Acc* acc) const {
+    index_t col[tile_rows * tile_cols];
+    Acc val[tile_rows * tile_cols];
+    int end[tile_rows];
+    const index_t gc = a.grid_cols();
+    for (index_t tc = 0; tc < gc; ++tc) {
+      const index_t t = band * gc + tc;
+      index_t p = a.tile_offsets[t];
+      if (a.tile_offsets[t + 1] == p) continue;  // empty tile
+      int e = 0;
+      for (index_t r = 0; r < tile_rows; ++r) {
+        const int start = e;
+        decode_row(a.masks[t * tile_rows + r], a.values + p, [&](int j, const TA& v) {
+          hook(p + (e - start));
+          col[e] = j;
+          val[e++] = to_acc<Acc>(v);
+        });
+        p += e - start;
+        end[r] = e;
+      }
+      const Acc* bt = k.b + tc * tile_cols * k.ldb + j0;
+      dispatch_width<Acc>(nb,
+                          [&](auto width) { list_kernel<decltype(width)::value>(acc, end, col, val, bt, k.ldb, nb); });
+    }
+  }
+
+  //! N == 1: expand each tile row to 64 dense values in L1, then a lane-split dot product.
+  LOOM_HD void dot_band(index_t band, Acc* acc) const {
+    Acc dense[tile_cols];
+    Acc lanes[tile_rows][dot_lanes];
+    for (index_t r = 0; r < tile_rows; ++r)
+      for (int l = 0; l < dot_lanes; ++l) lanes[r][l] = Acc(0);
+    for (index_t j = 0; j < tile_cols; ++j) dense[j] = Acc(0);
+    const index_t gc = a.grid_cols();
+    for (index_t tc = 0; tc < gc; ++tc) {
+      const index_t t = band * gc + tc;
+      index_t p = a.tile_offsets[t];
+      if (a.tile_offsets[t + 1] == p) continue;
+      const Acc* bt = k.b + tc * tile_cols;  // N == 1: B is a unit-stride vector
+      const bool full = (tc + 1) * tile_cols <= a.cols;
+      for (index_t r = 0; r < tile_rows; ++r) {
+        const std::uint64_t m = a.masks[t * tile_rows + r];
+        if (m == 0) continue;
+        p += decode_row(m, a.values + p, [&](int j, const TA& v) {
+          hook(p + popcount64(m & ((std::uint64_t{1} << j) - 1)));
+          dense[j] = to_acc<Acc>(v);
+        });
+        if (full) {
+          for (int j = 0; j < tile_cols; j += dot_lanes)
+            for (int l = 0; l < dot_lanes; ++l) lanes[r][l] += dense[j + l] * bt[j + l];
+        } else {
+          for (index_t j = 0; j < a.cols - tc * tile_cols; ++j) lanes[r][j % dot_lanes] += dense[j] * bt[j];
+        }
+        for (index_t j = 0; j < tile_cols; ++j) dense[j] = Acc(0);
+      }
+    }
+    for (index_t r = 0; r < tile_rows; ++r) {
+      Acc s = Acc(0);
+      for (int l = 0; l < dot_lanes; ++l) s += lanes[r][l];
+      acc[r * n_block] = s;
+    }
+  }
+};
+
+template <class TA, class Space, class TC, class Acc, class Hook>
+struct csr_kernel {
+  csr_view<TA, Space> a;
+  spmm_common<TC, Acc> k;
+  Hook hook;
+
+  LOOM_HD void operator()(index_t w) const {
+    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    Acc acc[n_block];
+    for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
+      for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
+      dispatch_width<Acc>(nb, [&](auto width) {
+        for (index_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
+          hook(e);
+          axpy<decltype(width)::value>(acc, to_acc<Acc>(a.values[e]), k.b + index_t{a.col_idx[e]} * k.ldb + j0, nb);
+        }
+      });
+      k.out.store(i, j0, nb, acc);
+    }
+  }
+};
+
+template <int N, int M, class TA, class Space, class TC, class Acc, class Hook>
+struct n_m_kernel {
+  n_m_view<N, M, TA, Space> a;
+  spmm_common<TC, Acc> k;
+  Hook hook;
+
+  LOOM_HD void operator()(index_t w) const {
+    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    const index_t groups = a.groups();
+    Acc acc[n_block];
+    for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
+      for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
+      dispatch_width<Acc>(nb, [&](auto width) {
+        for (index_t g = 0; g < groups; ++g) {
+          for (index_t s = (i * groups + g) * N, e = s + N; s < e; ++s) {
+            const index_t col = g * M + a.indices[s];
+            if (col >= a.cols) continue;  // a zero slot of the narrow last group
+            hook(s);
+            axpy<decltype(width)::value>(acc, to_acc<Acc>(a.values[s]), k.b + col * k.ldb + j0, nb);
+          }
+        }
+      });
+      k.out.store(i, j0, nb, acc);
+    }
+  }
+};
+
+//! Packs B (any strides, any storage type) into a row-major K x N panel of Acc.
+template <class BV, class Acc>
+struct pack_b {
+  BV b;
+  Acc* out;
+  index_t n;
+  LOOM_HD void operator()(index_t i) const { out[i] = to_acc<Acc>(b(i / n, i % n)); }
+};
+
+}  // namespace loom::sparse::detail

@@ -1,0 +1,291 @@
+#pragma once
+
+//! @file
+//! Sparse weight formats: loom::sparse::csr<T>, loom::sparse::bitmap<T> (tiled bitmap, the
+//! "load as sparse, compute as dense" format) and loom::sparse::n_m<N, M, T> (N:M structured).
+//! Each owning format has a validating constructor (malformed arrays throw loom::error, never
+//! crash), bytes() (the exact storage of its arrays) and view(): a trivially copyable view of
+//! raw pointers that the kernels take, on the host or, built with make_*_view, on a device.
+//! Dense round trips and conversions are in convert.hpp; the multiply is in spmm.hpp.
+//!
+//! Bytes per dense element at sparsity s, element size e: csr  e(1-s) + 4(1-s) + 8/K;
+//! bitmap  e(1-s) + 1/8 + 1/64;  n_m  (e + 1) N/M.
+
+#include <loom/core/error.hpp>
+#include <loom/core/memory_space.hpp>
+#include <loom/core/tensor_view.hpp>
+#include <loom/sparse/detail/tile.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace loom::sparse {
+
+//! Compressed sparse rows, read by the kernels: row r holds entries [row_ptr[r], row_ptr[r+1]).
+template <class T, memory_space Space = host_memory>
+struct csr_view {
+  using value_type = T;
+  using space = Space;
+  index_t rows = 0, cols = 0;
+  const index_t* row_ptr = nullptr;       //!< rows + 1 offsets
+  const std::int32_t* col_idx = nullptr;  //!< nnz column indices, strictly increasing per row
+  const T* values = nullptr;              //!< nnz values
+  LOOM_HD constexpr index_t nnz() const noexcept { return rows > 0 ? row_ptr[rows] : 0; }
+};
+
+//! Tiled bitmap: tiles of detail::tile_rows x detail::tile_cols in row-major tile order; tile t
+//! owns masks[t * tile_rows + r] (bit j: element (r, j) of the tile is stored) and the values
+//! [tile_offsets[t], tile_offsets[t + 1]), packed row-major within the tile.
+template <class T, memory_space Space = host_memory>
+struct bitmap_view {
+  using value_type = T;
+  using space = Space;
+  index_t rows = 0, cols = 0;
+  const std::uint64_t* masks = nullptr;   //!< tiles() * tile_rows words
+  const index_t* tile_offsets = nullptr;  //!< tiles() + 1 offsets into values
+  const T* values = nullptr;
+  LOOM_HD constexpr index_t grid_rows() const noexcept { return (rows + detail::tile_rows - 1) / detail::tile_rows; }
+  LOOM_HD constexpr index_t grid_cols() const noexcept { return (cols + detail::tile_cols - 1) / detail::tile_cols; }
+  LOOM_HD constexpr index_t tiles() const noexcept { return grid_rows() * grid_cols(); }
+};
+
+//! N:M structured sparsity along a row: each group of M consecutive columns (the last group may be
+//! narrower when M does not divide cols) stores exactly N (value, in-group index) slots, indices
+//! strictly increasing and below M; slots may hold explicit zeros (a slot of the narrow last group
+//! may point past the last column only with the value 0, and is then skipped). Slot s of group g of row r is at
+//! (r * groups() + g) * N + s.
+template <int N, int M, class T, memory_space Space = host_memory>
+requires(N >= 1 && M >= N && M <= 256) struct n_m_view {
+  using value_type = T;
+  using space = Space;
+  static constexpr int n = N, m = M;
+  index_t rows = 0, cols = 0;
+  const T* values = nullptr;
+  const std::uint8_t* indices = nullptr;
+  LOOM_HD constexpr index_t groups() const noexcept { return (cols + M - 1) / M; }
+};
+
+//! Owning CSR on the host. 32-bit column indices, 64-bit row offsets.
+template <class T>
+class csr {
+ public:
+  using value_type = T;
+  csr() = default;
+  //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
+  //! negative or too large extents (cols must fit int32), row_ptr not of size rows + 1, not
+  //! starting at 0 or decreasing, row_ptr[rows] != col_idx.size(), values.size() != col_idx.size(),
+  //! a column index outside [0, cols), and unsorted or duplicate column indices within a row.
+  csr(index_t rows, index_t cols, std::vector<index_t> row_ptr, std::vector<std::int32_t> col_idx,
+      std::vector<T> values)
+      : rows_(rows),
+        cols_(cols),
+        row_ptr_(std::move(row_ptr)),
+        col_idx_(std::move(col_idx)),
+        values_(std::move(values)) {
+    validate();
+  }
+  index_t rows() const noexcept { return rows_; }
+  index_t cols() const noexcept { return cols_; }
+  index_t nnz() const noexcept { return static_cast<index_t>(values_.size()); }
+  //! Bytes of the three arrays.
+  std::size_t bytes() const noexcept {
+    return row_ptr_.size() * sizeof(index_t) + col_idx_.size() * sizeof(std::int32_t) + values_.size() * sizeof(T);
+  }
+  const std::vector<index_t>& row_ptr() const noexcept { return row_ptr_; }
+  const std::vector<std::int32_t>& col_idx() const noexcept { return col_idx_; }
+  const std::vector<T>& values() const noexcept { return values_; }
+  csr_view<T> view() const noexcept { return {rows_, cols_, row_ptr_.data(), col_idx_.data(), values_.data()}; }
+
+ private:
+  void validate() const;
+  index_t rows_ = 0, cols_ = 0;
+  std::vector<index_t> row_ptr_{0};
+  std::vector<std::int32_t> col_idx_;
+  std::vector<T> values_;
+};
+
+//! Owning tiled bitmap on the host (see bitmap_view for the layout).
+template <class T>
+class bitmap {
+ public:
+  using value_type = T;
+  bitmap() = default;
+  //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
+  //! negative extents, masks not of size tiles * tile_rows, a set bit outside the matrix (rows or
+  //! columns of edge tiles past the extents), tile_offsets not of size tiles + 1, not starting at
+  //! 0, or with tile_offsets[t + 1] - tile_offsets[t] != set bits of tile t, and values.size() !=
+  //! tile_offsets[tiles].
+  bitmap(index_t rows, index_t cols, std::vector<std::uint64_t> masks, std::vector<index_t> tile_offsets,
+         std::vector<T> values)
+      : rows_(rows),
+        cols_(cols),
+        masks_(std::move(masks)),
+        offsets_(std::move(tile_offsets)),
+        values_(std::move(values)) {
+    validate();
+  }
+  index_t rows() const noexcept { return rows_; }
+  index_t cols() const noexcept { return cols_; }
+  index_t nnz() const noexcept { return static_cast<index_t>(values_.size()); }
+  //! Bytes of the three arrays: about e(1 - s) + 1/8 + 1/64 bytes per dense element.
+  std::size_t bytes() const noexcept {
+    return masks_.size() * sizeof(std::uint64_t) + offsets_.size() * sizeof(index_t) + values_.size() * sizeof(T);
+  }
+  const std::vector<std::uint64_t>& masks() const noexcept { return masks_; }
+  const std::vector<index_t>& tile_offsets() const noexcept { return offsets_; }
+  const std::vector<T>& values() const noexcept { return values_; }
+  bitmap_view<T> view() const noexcept { return {rows_, cols_, masks_.data(), offsets_.data(), values_.data()}; }
+
+ private:
+  void validate() const;
+  index_t rows_ = 0, cols_ = 0;
+  std::vector<std::uint64_t> masks_;
+  std::vector<index_t> offsets_{0};
+  std::vector<T> values_;
+};
+
+//! Owning N:M structured sparse matrix on the host (see n_m_view). 2:4 is n_m<2, 4, T>.
+template <int N, int M, class T>
+requires(N >= 1 && M >= N && M <= 256) class n_m {
+ public:
+  using value_type = T;
+  static constexpr int n = N, m = M;
+  n_m() = default;
+  //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
+  //! negative extents, values or indices not of size rows * groups * N, an in-group index not
+  //! below M, a nonzero value past the last column, or indices not strictly increasing in a group.
+  n_m(index_t rows, index_t cols, std::vector<T> values, std::vector<std::uint8_t> indices)
+      : rows_(rows), cols_(cols), values_(std::move(values)), indices_(std::move(indices)) {
+    validate();
+  }
+  index_t rows() const noexcept { return rows_; }
+  index_t cols() const noexcept { return cols_; }
+  index_t groups() const noexcept { return (cols_ + M - 1) / M; }
+  //! Stored slots (rows * groups * N), explicit zeros included.
+  index_t slots() const noexcept { return static_cast<index_t>(values_.size()); }
+  //! Bytes of the two arrays: (sizeof(T) + 1) * N / M per dense element.
+  std::size_t bytes() const noexcept { return values_.size() * sizeof(T) + indices_.size(); }
+  const std::vector<T>& values() const noexcept { return values_; }
+  const std::vector<std::uint8_t>& indices() const noexcept { return indices_; }
+  n_m_view<N, M, T> view() const noexcept { return {rows_, cols_, values_.data(), indices_.data()}; }
+
+ private:
+  void validate() const;
+  index_t rows_ = 0, cols_ = 0;
+  std::vector<T> values_;
+  std::vector<std::uint8_t> indices_;
+};
+
+//! Unchecked views of arrays anywhere (e.g. device copies of a validated format's arrays).
+template <memory_space Space, class T>
+csr_view<T, Space> make_csr_view(index_t rows, index_t cols, const index_t* row_ptr, const std::int32_t* col_idx,
+                                 const T* values) noexcept {
+  return {rows, cols, row_ptr, col_idx, values};
+}
+template <memory_space Space, class T>
+bitmap_view<T, Space> make_bitmap_view(index_t rows, index_t cols, const std::uint64_t* masks,
+                                       const index_t* tile_offsets, const T* values) noexcept {
+  return {rows, cols, masks, tile_offsets, values};
+}
+template <memory_space Space, int N, int M, class T>
+n_m_view<N, M, T, Space> make_n_m_view(index_t rows, index_t cols, const T* values,
+                                       const std::uint8_t* indices) noexcept {
+  return {rows, cols, values, indices};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+namespace detail {
+inline void check_extents(index_t rows, index_t cols, const char* what) {
+  LOOM_EXPECTS(rows >= 0 && cols >= 0, errc::invalid_argument, what, ": rows and cols must be >= 0, got ", rows, " x ",
+               cols);
+}
+}  // namespace detail
+
+template <class T>
+void csr<T>::validate() const {
+  detail::check_extents(rows_, cols_, "csr");
+  LOOM_EXPECTS(cols_ <= std::numeric_limits<std::int32_t>::max(), errc::invalid_argument,
+               "csr: cols must fit a 32-bit column index, got ", cols_);
+  LOOM_EXPECTS(static_cast<index_t>(row_ptr_.size()) == rows_ + 1, errc::invalid_argument,
+               "csr: row_ptr must hold rows + 1 = ", rows_ + 1, " offsets, got ", row_ptr_.size());
+  LOOM_EXPECTS(row_ptr_[0] == 0, errc::invalid_argument, "csr: row_ptr[0] must be 0, got ", row_ptr_[0]);
+  const auto nnz = static_cast<index_t>(col_idx_.size());
+  LOOM_EXPECTS(values_.size() == col_idx_.size(), errc::invalid_argument,
+               "csr: values must hold as many entries as col_idx (", nnz, "), got ", values_.size());
+  for (index_t r = 0; r < rows_; ++r)
+    LOOM_EXPECTS(row_ptr_[r + 1] >= row_ptr_[r], errc::invalid_argument,
+                 "csr: row_ptr must be non-decreasing, but row_ptr[", r + 1, "] = ", row_ptr_[r + 1], " < row_ptr[", r,
+                 "] = ", row_ptr_[r]);
+  LOOM_EXPECTS(row_ptr_[rows_] == nnz, errc::invalid_argument, "csr: row_ptr[rows] must equal col_idx.size() = ", nnz,
+               ", got ", row_ptr_[rows_]);
+  for (index_t r = 0; r < rows_; ++r) {
+    for (index_t e = row_ptr_[r]; e < row_ptr_[r + 1]; ++e) {
+      const index_t c = col_idx_[e];
+      LOOM_EXPECTS(c >= 0 && c < cols_, errc::invalid_argument, "csr: col_idx[", e, "] (row ", r,
+                   ") must be in [0, cols = ", cols_, "), got ", c);
+      if (e > row_ptr_[r]) {
+        LOOM_EXPECTS(c != col_idx_[e - 1], errc::invalid_argument, "csr: duplicate column ", c, " in row ", r,
+                     " (col_idx[", e - 1, "] and col_idx[", e, "])");
+        LOOM_EXPECTS(c > col_idx_[e - 1], errc::invalid_argument, "csr: column indices of row ", r,
+                     " must be increasing, but col_idx[", e, "] = ", c, " < col_idx[", e - 1, "] = ", col_idx_[e - 1]);
+      }
+    }
+  }
+}
+
+template <class T>
+void bitmap<T>::validate() const {
+  detail::check_extents(rows_, cols_, "bitmap");
+  const auto v = view();
+  const index_t tiles = v.tiles(), tr = detail::tile_rows;
+  LOOM_EXPECTS(static_cast<index_t>(masks_.size()) == tiles * tr, errc::invalid_argument, "bitmap: masks must hold ",
+               tiles * tr, " words (", tiles, " tiles x ", tr, " rows), got ", masks_.size());
+  LOOM_EXPECTS(static_cast<index_t>(offsets_.size()) == tiles + 1, errc::invalid_argument,
+               "bitmap: tile_offsets must hold tiles + 1 = ", tiles + 1, " offsets, got ", offsets_.size());
+  LOOM_EXPECTS(offsets_[0] == 0, errc::invalid_argument, "bitmap: tile_offsets[0] must be 0, got ", offsets_[0]);
+  for (index_t t = 0; t < tiles; ++t) {
+    const index_t r0 = (t / v.grid_cols()) * tr, c0 = (t % v.grid_cols()) * detail::tile_cols;
+    const std::uint64_t valid = detail::valid_bits(c0, cols_);
+    index_t count = 0;
+    for (index_t r = 0; r < tr; ++r) {
+      const std::uint64_t m = masks_[t * tr + r];
+      LOOM_EXPECTS((r0 + r < rows_ || m == 0) && (m & ~valid) == 0, errc::invalid_argument, "bitmap: masks[",
+                   t * tr + r, "] (tile ", t, ", row ", r0 + r, ") sets a bit outside the ", rows_, " x ", cols_,
+                   " matrix");
+      count += detail::popcount64(m);
+    }
+    LOOM_EXPECTS(offsets_[t + 1] - offsets_[t] == count, errc::invalid_argument, "bitmap: tile ", t, " sets ", count,
+                 " bits, so tile_offsets[", t + 1, "] - tile_offsets[", t, "] must be ", count, ", got ",
+                 offsets_[t + 1] - offsets_[t]);
+  }
+  LOOM_EXPECTS(static_cast<index_t>(values_.size()) == offsets_[tiles], errc::invalid_argument,
+               "bitmap: values must hold tile_offsets[tiles] = ", offsets_[tiles], " entries, got ", values_.size());
+}
+
+template <int N, int M, class T>
+requires(N >= 1 && M >= N && M <= 256) void n_m<N, M, T>::validate() const {
+  detail::check_extents(rows_, cols_, "n_m");
+  const index_t slots = rows_ * groups() * N;
+  LOOM_EXPECTS(static_cast<index_t>(values_.size()) == slots, errc::invalid_argument,
+               "n_m: values must hold rows * groups * N = ", slots, " entries, got ", values_.size());
+  LOOM_EXPECTS(static_cast<index_t>(indices_.size()) == slots, errc::invalid_argument,
+               "n_m: indices must hold rows * groups * N = ", slots, " entries, got ", indices_.size());
+  for (index_t s = 0; s < slots; ++s) {
+    const index_t g = (s / N) % groups();
+    const index_t width = cols_ - g * M < M ? cols_ - g * M : M;
+    LOOM_EXPECTS(indices_[s] < M, errc::invalid_argument, "n_m: indices[", s, "] must be below M = ", M, ", got ",
+                 int{indices_[s]});
+    LOOM_EXPECTS(indices_[s] < width || static_cast<float>(values_[s]) == 0.0f, errc::invalid_argument, "n_m: slot ", s,
+                 " points past the last column (group width ", width, ", index ", int{indices_[s]},
+                 "): its value must be 0");
+    LOOM_EXPECTS(s % N == 0 || indices_[s] > indices_[s - 1], errc::invalid_argument, "n_m: indices[", s,
+                 "] must be greater than indices[", s - 1, "] (strictly increasing in a group), got ", int{indices_[s]},
+                 " after ", int{indices_[s - 1]});
+  }
+}
+
+}  // namespace loom::sparse

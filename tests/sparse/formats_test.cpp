@@ -1,0 +1,244 @@
+// Sparse formats: exact round trips dense -> format -> dense and format -> format, pruning,
+// byte sizes, and one test per rejection of the validating constructors.
+
+#include <loom/sparse/convert.hpp>
+#include <loom/sparse/formats.hpp>
+
+#include <support/random.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <vector>
+
+using loom::index_t;
+namespace ls = loom::sparse;
+namespace lt = loom::test;
+
+namespace {
+
+// A rows x cols matrix with about `sparsity` zeros, an empty row, and values that are distinct.
+std::vector<float> random_sparse(index_t rows, index_t cols, double sparsity, std::uint64_t stream) {
+  auto g = lt::rng(stream);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::vector<float> d(static_cast<std::size_t>(rows * cols), 0.0f);
+  for (index_t i = 0; i < rows * cols; ++i)
+    if (u(g) >= sparsity && (rows < 3 || i / cols != 1)) d[i] = static_cast<float>(u(g) * 2 - 1) + 0.01f;
+  return d;
+}
+
+loom::tensor_view<const float, 2> view(const std::vector<float>& d, index_t rows, index_t cols) {
+  return {d.data(), {rows, cols}};
+}
+
+template <class E>
+void require_error(E&& make, loom::errc code, const char* text) {
+  try {
+    make();
+    FAIL("expected loom::error containing '" << text << "'");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == code);
+    CHECK_THAT(e.what(), Catch::Contains(text));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("sparse formats: exact round trips dense -> format -> dense and between formats", "[sparse]") {
+  const index_t shapes[][2] = {{0, 0}, {1, 1}, {1, 7}, {7, 1}, {7, 64}, {64, 65}, {9, 130}, {130, 129}};
+  for (const auto& s : shapes) {
+    for (double sp : {0.0, 0.5, 0.9, 1.0}) {
+      const index_t r = s[0], c = s[1];
+      const auto d = random_sparse(r, c, sp, 10 + static_cast<std::uint64_t>(r * 131 + c));
+      INFO(r << " x " << c << " at sparsity " << sp);
+      const auto a = ls::to_csr(view(d, r, c));
+      const auto b = ls::to_bitmap(view(d, r, c));
+      CHECK(ls::to_dense(a) == d);
+      CHECK(ls::to_dense(b) == d);
+      CHECK(a.nnz() == b.nnz());
+      CHECK(ls::to_dense(ls::to_bitmap(a)) == d);
+      CHECK(ls::to_dense(ls::to_csr(b)) == d);
+      CHECK(ls::to_csr(b).col_idx() == a.col_idx());
+      CHECK(ls::to_bitmap(a).masks() == b.masks());
+      // N:M after N:M pruning
+      const auto p = ls::prune_n_m<2, 4>(view(d, r, c));
+      const auto nm = ls::to_n_m<2, 4>(view(p, r, c));
+      CHECK(ls::to_dense(nm) == p);
+      CHECK(ls::to_dense(ls::to_csr(nm)) == p);
+      CHECK(ls::to_dense(ls::to_n_m<2, 4>(ls::to_bitmap(nm))) == p);
+      const auto nm18 = ls::to_n_m<1, 8>(view(ls::prune_n_m<1, 8>(view(d, r, c)), r, c));
+      CHECK(ls::to_dense(ls::to_csr(nm18)) == ls::to_dense(nm18));
+    }
+  }
+}
+
+TEST_CASE("sparse formats: explicit zeros survive csr <-> bitmap", "[sparse]") {
+  const ls::csr<float> a(2, 70, {0, 2, 3}, {0, 69, 5}, {0.0f, 1.5f, 0.0f});
+  const auto b = ls::to_bitmap(a);
+  CHECK(b.nnz() == 3);
+  const auto back = ls::to_csr(b);
+  CHECK(back.row_ptr() == a.row_ptr());
+  CHECK(back.col_idx() == a.col_idx());
+  CHECK(back.values() == a.values());
+}
+
+TEST_CASE("sparse formats: byte sizes", "[sparse]") {
+  const index_t r = 64, c = 256;
+  const auto d = random_sparse(r, c, 0.9, 3);
+  const auto a = ls::to_csr(view(d, r, c));
+  const auto b = ls::to_bitmap(view(d, r, c));
+  const auto nnz = static_cast<std::size_t>(a.nnz());
+  CHECK(a.bytes() == (r + 1) * 8 + nnz * (4 + 4));
+  const std::size_t tiles = (r / 8) * (c / 64);
+  CHECK(b.bytes() == tiles * 8 * 8 + (tiles + 1) * 8 + nnz * 4);
+  CHECK(static_cast<double>(b.bytes()) < 0.15 * static_cast<double>(d.size() * sizeof(float)));
+  const auto nm = ls::to_n_m<2, 4>(view(ls::prune_n_m<2, 4>(view(d, r, c)), r, c));
+  CHECK(nm.bytes() == static_cast<std::size_t>(r * c / 4 * 2 * (4 + 1)));
+}
+
+TEST_CASE("sparse pruning: magnitude, global and per row, to the target sparsity", "[sparse]") {
+  const index_t r = 37, c = 101;
+  const auto d = lt::uniform<float>(r * c, -1, 1, 7);
+  for (double sp : {0.0, 0.5, 0.9, 0.99, 1.0}) {
+    const auto per_row = ls::prune_magnitude(view(d, r, c), sp, ls::prune_scope::per_row);
+    const auto global = ls::prune_magnitude(view(d, r, c), sp, ls::prune_scope::global);
+    index_t zg = 0;
+    for (index_t i = 0; i < r; ++i) {
+      index_t z = 0;
+      float kept_min = 2, cut_max = 0;
+      for (index_t j = 0; j < c; ++j) {
+        const float v = per_row[i * c + j], o = d[i * c + j];
+        CHECK((v == 0.0f || v == o));
+        z += v == 0.0f;
+        if (v == 0.0f)
+          cut_max = std::max(cut_max, std::fabs(o));
+        else
+          kept_min = std::min(kept_min, std::fabs(o));
+      }
+      CHECK(z == std::llround(sp * c));
+      CHECK(cut_max <= kept_min);  // the smallest magnitudes went first
+    }
+    for (float v : global) zg += v == 0.0f;
+    CHECK(zg == std::llround(sp * r * c));
+  }
+  const auto nm = ls::prune_n_m<2, 4>(view(d, r, c));
+  CHECK_NOTHROW(ls::to_n_m<2, 4>(view(nm, r, c)));
+}
+
+// ---- rejections: one per malformed input --------------------------------------------------
+
+TEST_CASE("sparse csr rejects non-monotone row pointers", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::csr<float>(2, 4, {0, 2, 1}, {0, 1}, {1, 2});
+      },
+      loom::errc::invalid_argument, "row_ptr must be non-decreasing");
+}
+TEST_CASE("sparse csr rejects row_ptr of the wrong size or start", "[sparse][reject]") {
+  require_error([] { ls::csr<float>(2, 4, {0, 1}, {0}, {1}); }, loom::errc::invalid_argument, "rows + 1 = 3");
+  require_error([] { ls::csr<float>(1, 4, {1, 1}, {}, {}); }, loom::errc::invalid_argument, "row_ptr[0] must be 0");
+  require_error([] { ls::csr<float>(1, 4, {0, 2}, {0}, {1}); }, loom::errc::invalid_argument, "row_ptr[rows] must");
+}
+TEST_CASE("sparse csr rejects out-of-range column indices", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::csr<float>(1, 4, {0, 1}, {4}, {1});
+      },
+      loom::errc::invalid_argument, "must be in [0, cols = 4)");
+  require_error([] { ls::csr<float>(1, 4, {0, 1}, {-1}, {1}); }, loom::errc::invalid_argument, "got -1");
+}
+TEST_CASE("sparse csr rejects unsorted column indices", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::csr<float>(1, 4, {0, 2}, {2, 1}, {1, 2});
+      },
+      loom::errc::invalid_argument, "must be increasing");
+}
+TEST_CASE("sparse csr rejects duplicate column indices", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::csr<float>(1, 4, {0, 2}, {1, 1}, {1, 2});
+      },
+      loom::errc::invalid_argument, "duplicate column 1");
+}
+TEST_CASE("sparse csr rejects a value count mismatch", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::csr<float>(1, 4, {0, 2}, {0, 1}, {1});
+      },
+      loom::errc::invalid_argument, "values must hold as many entries as col_idx");
+}
+TEST_CASE("sparse csr rejects negative extents", "[sparse][reject]") {
+  require_error([] { ls::csr<float>(-1, 4, {0}, {}, {}); }, loom::errc::invalid_argument, "must be >= 0");
+}
+TEST_CASE("sparse bitmap rejects masks of the wrong size", "[sparse][reject]") {
+  require_error([] { ls::bitmap<float>(8, 64, {0}, {0, 0}, {}); }, loom::errc::invalid_argument, "masks must hold 8");
+}
+TEST_CASE("sparse bitmap rejects bits outside the matrix", "[sparse][reject]") {
+  std::vector<std::uint64_t> m(8, 0);
+  m[0] = std::uint64_t{1} << 10;  // column 10 of a 10-column matrix
+  require_error([&] { ls::bitmap<float>(3, 10, m, {0, 1}, {1}); }, loom::errc::invalid_argument, "outside the 3 x 10");
+  m[0] = 0;
+  m[5] = 1;  // row 5 of a 3-row matrix
+  require_error([&] { ls::bitmap<float>(3, 10, m, {0, 1}, {1}); }, loom::errc::invalid_argument, "outside the 3 x 10");
+}
+TEST_CASE("sparse bitmap rejects tile offsets that disagree with the masks", "[sparse][reject]") {
+  std::vector<std::uint64_t> m(16, 0);
+  m[0] = 3;
+  require_error(
+      [&] {
+        ls::bitmap<float>(8, 128, m, {0, 1, 2}, {1, 2});
+      },
+      loom::errc::invalid_argument, "tile 0 sets 2 bits");
+  require_error(
+      [&] {
+        ls::bitmap<float>(8, 128, m, {0, 2}, {1, 2});
+      },
+      loom::errc::invalid_argument, "tile_offsets must hold tiles + 1 = 3");
+  require_error(
+      [&] {
+        ls::bitmap<float>(8, 128, m, {1, 3, 3}, {1, 2});
+      },
+      loom::errc::invalid_argument, "tile_offsets[0] must be 0");
+}
+TEST_CASE("sparse bitmap rejects a value count mismatch", "[sparse][reject]") {
+  std::vector<std::uint64_t> m(8, 0);
+  m[0] = 3;
+  require_error(
+      [&] {
+        ls::bitmap<float>(8, 64, m, {0, 2}, {1, 2, 3});
+      },
+      loom::errc::invalid_argument, "values must hold tile_offsets[tiles] = 2");
+}
+TEST_CASE("sparse n_m rejects out-of-range in-group indices", "[sparse][reject]") {
+  require_error([] { ls::n_m<2, 4, float>(1, 4, {1, 2}, {0, 4}); }, loom::errc::invalid_argument, "below M = 4");
+  require_error(
+      [] {
+        ls::n_m<2, 4, float>(1, 5, {1, 2, 3, 4}, {0, 1, 0, 2});
+      },
+      loom::errc::invalid_argument, "past the last column");
+}
+TEST_CASE("sparse n_m rejects unsorted or duplicate in-group indices", "[sparse][reject]") {
+  require_error(
+      [] {
+        ls::n_m<2, 4, float>(1, 4, {1, 2}, {2, 1});
+      },
+      loom::errc::invalid_argument, "strictly increasing");
+  require_error(
+      [] {
+        ls::n_m<2, 4, float>(1, 4, {1, 2}, {1, 1});
+      },
+      loom::errc::invalid_argument, "strictly increasing");
+}
+TEST_CASE("sparse n_m rejects a value count mismatch", "[sparse][reject]") {
+  require_error([] { ls::n_m<2, 4, float>(1, 4, {1}, {0, 1}); }, loom::errc::invalid_argument, "values must hold");
+  require_error([] { ls::n_m<2, 4, float>(1, 4, {1, 2}, {0}); }, loom::errc::invalid_argument, "indices must hold");
+}
+TEST_CASE("sparse to_n_m rejects a group with too many nonzeros", "[sparse][reject]") {
+  const std::vector<float> d{1, 2, 3, 0};
+  require_error([&] { ls::to_n_m<2, 4>(view(d, 1, 4)); }, loom::errc::invalid_argument, "more than N = 2");
+}
+TEST_CASE("sparse prune_magnitude rejects a sparsity outside [0, 1]", "[sparse][reject]") {
+  const std::vector<float> d{1, 2};
+  require_error([&] { ls::prune_magnitude(view(d, 1, 2), 1.5); }, loom::errc::invalid_argument, "sparsity must be in");
+}

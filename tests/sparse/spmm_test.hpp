@@ -1,0 +1,333 @@
+// SpMM: one body, instantiated per backend by loom_add_backend_test. Every result is compared
+// with a dense fp64 oracle evaluated on the stored matrix (tolerances from support/tolerance.hpp),
+// small-integer inputs must match it exactly, and an instrumented run proves that every stored
+// nonzero is read exactly once per 64-column chunk of N.
+
+#include <loom/sparse/convert.hpp>
+#include <loom/sparse/spmm.hpp>
+
+#include <support/backends.hpp>
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using loom::index_t;
+using loom::test::backend_under_test;
+using loom::test::buffer;
+using loom::test::make_backend;
+namespace ls = loom::sparse;
+namespace lt = loom::test;
+
+namespace {
+
+using space = loom::backend_traits<backend_under_test>::memory_space;
+
+// The arrays of a format copied into the backend's memory space, and a view of them.
+template <class T>
+struct on_device_csr {
+  buffer<index_t> ptr;
+  buffer<std::int32_t> idx;
+  buffer<T> val;
+  ls::csr_view<T, space> v;
+  explicit on_device_csr(const ls::csr<T>& a)
+      : ptr(a.row_ptr()),
+        idx(a.col_idx()),
+        val(a.values()),
+        v(ls::make_csr_view<space>(a.rows(), a.cols(), ptr.data(), idx.data(), val.data())) {}
+};
+template <class T>
+struct on_device_bitmap {
+  buffer<std::uint64_t> masks;
+  buffer<index_t> off;
+  buffer<T> val;
+  ls::bitmap_view<T, space> v;
+  explicit on_device_bitmap(const ls::bitmap<T>& a)
+      : masks(a.masks()),
+        off(a.tile_offsets()),
+        val(a.values()),
+        v(ls::make_bitmap_view<space>(a.rows(), a.cols(), masks.data(), off.data(), val.data())) {}
+};
+template <int N, int M, class T>
+struct on_device_n_m {
+  buffer<T> val;
+  buffer<std::uint8_t> idx;
+  ls::n_m_view<N, M, T, space> v;
+  explicit on_device_n_m(const ls::n_m<N, M, T>& a)
+      : val(a.values()),
+        idx(a.indices()),
+        v(ls::make_n_m_view<space, N, M>(a.rows(), a.cols(), val.data(), idx.data())) {}
+};
+
+// A dense rows x cols matrix with about `sparsity` zeros drawn from `values`; rows of band 1
+// (rows 8..15) are empty (empty tiles) and tile (0, 0) is fully dense, when the shape has them.
+template <class T>
+std::vector<T> make_matrix(index_t rows, index_t cols, double sparsity, bool integers, std::uint64_t stream) {
+  auto g = lt::rng(stream);
+  std::uniform_real_distribution<double> u(0, 1);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::vector<T> d(static_cast<std::size_t>(rows * cols), T(0.0f));
+  for (index_t i = 0; i < rows; ++i)
+    for (index_t j = 0; j < cols; ++j) {
+      const bool dense_tile = rows >= 16 && cols >= 64 && i < 8 && j < 64 && sparsity < 1.0;
+      if (rows >= 16 && i >= 8 && i < 16) continue;
+      if (!dense_tile && u(g) < sparsity) continue;
+      double v = integers ? small(g) : u(g) * 2 - 1;
+      if (v == 0) v = 1;
+      d[i * cols + j] = static_cast<T>(static_cast<float>(v));
+    }
+  return d;
+}
+
+// A K x N matrix stored row-major (col_major = false) or column-major, and its view.
+template <class T>
+struct dense_operand {
+  std::vector<T> host;  // element (r, c) at r * rs + c * cs
+  index_t rows, cols, rs, cs;
+  dense_operand(index_t r, index_t c, bool col_major, std::vector<T> values)
+      : host(std::move(values)), rows(r), cols(c), rs(col_major ? 1 : c), cs(col_major ? r : 1) {}
+  double at(index_t r, index_t c) const { return static_cast<double>(static_cast<float>(host[r * rs + c * cs])); }
+};
+
+template <class TA, class TB, class TC>
+std::vector<double> oracle(const std::vector<TA>& a, index_t m, index_t k, const dense_operand<TB>& b,
+                           const dense_operand<TC>& c0, double alpha, double beta, const std::vector<TC>* bias) {
+  const index_t n = b.cols;
+  std::vector<double> out(static_cast<std::size_t>(m * n));
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (index_t p = 0; p < k; ++p) {
+        const auto x = static_cast<double>(static_cast<float>(a[i * k + p]));
+        if (x != 0) s += x * b.at(p, j);
+      }
+      double r = alpha * s + (beta != 0 ? beta * c0.at(i, j) : 0.0);
+      if (bias) r += static_cast<double>(static_cast<float>((*bias)[i]));
+      out[i * n + j] = r;
+    }
+  return out;
+}
+
+// Runs spmm with A in format `fmt` (0 csr, 1 bitmap, 2 n_m<2, 4>) on the backend under test; returns C
+// as doubles in row-major order.
+template <class TA, class TB, class TC>
+std::vector<double> run(int fmt, const std::vector<TA>& dense_a, index_t m, index_t k, const dense_operand<TB>& b,
+                        const dense_operand<TC>& c0, double alpha, double beta, const std::vector<TC>* bias) {
+  const auto b_ = make_backend();
+  const index_t n = b.cols;
+  buffer<TB> bb(b.host);
+  buffer<TC> cc(c0.host);
+  buffer<TC> bias_buf(bias ? *bias : std::vector<TC>{});
+  const loom::tensor_view<const TB, 2, space> bv(bb.data(), {k, n}, {b.rs, b.cs});
+  const loom::tensor_view<TC, 2, space> cv(cc.data(), {m, n}, {c0.rs, c0.cs});
+  const loom::tensor_view<const TC, 1, space> biasv(bias_buf.data(), {m});
+  const loom::tensor_view<const TA, 2> av(dense_a.data(), {m, k});
+  auto call = [&](const auto& a) {
+    if (bias)
+      ls::spmm(b_, a, bv, cv, alpha, beta, biasv);
+    else
+      ls::spmm(b_, a, bv, cv, alpha, beta);
+  };
+  if (fmt == 0) {
+    on_device_csr<TA> d(ls::to_csr(av));
+    call(d.v);
+  } else if (fmt == 1) {
+    on_device_bitmap<TA> d(ls::to_bitmap(av));
+    call(d.v);
+  } else {
+    on_device_n_m<2, 4, TA> d(ls::to_n_m<2, 4>(av));
+    call(d.v);
+  }
+  const auto h = cc.to_host();
+  std::vector<double> out(static_cast<std::size_t>(m * n));
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) out[i * n + j] = static_cast<double>(static_cast<float>(h[i * c0.rs + j * c0.cs]));
+  return out;
+}
+
+const char* format_name(int f) { return f == 0 ? "csr" : f == 1 ? "bitmap" : "n_m<2,4>"; }
+
+// (M, K) pairs: every size of the issue, crossed fully below 1000 and sparsely above.
+const index_t shapes[][2] = {{1, 1},    {1, 7},    {7, 1},     {7, 7},     {7, 64},   {64, 7},   {64, 64},
+                             {1, 1003}, {1003, 1}, {64, 1000}, {1000, 64}, {7, 1003}, {1003, 7}, {1000, 1003}};
+const index_t widths[] = {1, 7, 16, 33};
+const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
+
+template <class TA, class TB, class TC>
+void sweep(bool integers, loom::test::tolerance tol, bool exact, bool largest = true) {
+  std::uint64_t stream = 1;
+  for (const auto& s : shapes) {
+    const index_t m = s[0], k = s[1];
+    const bool big = m * k >= 1000 * 1000;
+    if (big && !largest) continue;
+    for (index_t n : widths) {
+      if (big && n != 1 && n != 33) continue;  // keep the largest shape to two widths
+      for (double sp : sparsities) {
+        if (big && sp != 0.9) continue;
+        auto a = make_matrix<TA>(m, k, sp, integers, ++stream);
+        const auto a24 = ls::prune_n_m<2, 4>(loom::tensor_view<const TA, 2>(a.data(), {m, k}));
+        const bool col_major = stream % 2 == 0;
+        const dense_operand<TB> b(
+            k, n, col_major,
+            integers ? lt::small_integers<TB>(k * n, -4, 4, ++stream) : lt::uniform<TB>(k * n, -1, 1, ++stream));
+        const dense_operand<TC> c0(m, n, !col_major, lt::small_integers<TC>(m * n, -2, 2, ++stream));
+        for (int f = 0; f < 3; ++f) {
+          const auto& am = f == 2 ? a24 : a;
+          {
+            const int epi = static_cast<int>((stream + static_cast<std::uint64_t>(f)) % 2);
+            const double alpha = epi ? 0.5 : 1.0, beta = epi ? -2.0 : 0.0;
+            const auto bias = lt::small_integers<TC>(m, -3, 3, ++stream);
+            const auto* bp = epi ? &bias : nullptr;
+            INFO(format_name(f) << " M=" << m << " K=" << k << " N=" << n << " sparsity=" << sp
+                                << (col_major ? " B col-major" : " B row-major") << " epilogue=" << epi);
+            const auto got = run(f, am, m, k, b, c0, alpha, beta, bp);
+            const auto want = oracle(am, m, k, b, c0, alpha, beta, bp);
+            if (exact)
+              REQUIRE(got == want);
+            else  // fp32 sums of k terms: the rounding error grows like sqrt(k)
+              lt::require_close(got, want, {tol.rel, tol.abs * (1 + std::sqrt(static_cast<double>(k)))}, "spmm");
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("spmm fp32: every format against the fp64 oracle" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  sweep<float, float, float>(false, lt::tolerance_for<loom::fp32>(), false);
+}
+
+TEST_CASE("spmm fp32: small integers give exactly the oracle's result" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  sweep<float, float, float>(true, {}, true);
+}
+
+TEST_CASE("spmm bf16 and fp16 storage, fp32 accumulation" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  sweep<loom::bfloat16, loom::bfloat16, loom::bfloat16>(false, lt::tolerance_for<loom::bf16>(), false);
+  sweep<loom::half, loom::half, loom::half>(false, lt::tolerance_for<loom::fp16>(), false, false);
+  // 16-bit weights and activations, fp32 output: small integers stay exact
+  sweep<loom::bfloat16, loom::bfloat16, float>(true, {}, true, false);
+  sweep<loom::half, loom::half, float>(true, {}, true, false);
+}
+
+TEST_CASE("spmm: beta == 0 does not read C (NaN does not propagate)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  const index_t m = 9, k = 70, n = 5;
+  const auto a = make_matrix<float>(m, k, 0.5, true, 77);
+  const dense_operand<float> b(k, n, false, lt::small_integers<float>(k * n, -2, 2, 78));
+  const dense_operand<float> c0(
+      m, n, false, std::vector<float>(static_cast<std::size_t>(m * n), std::numeric_limits<float>::quiet_NaN()));
+  for (int f = 0; f < 3; ++f) {
+    const auto got = run(f, f == 2 ? ls::prune_n_m<2, 4>(loom::tensor_view<const float, 2>(a.data(), {m, k})) : a, m, k,
+                         b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+    for (double x : got) REQUIRE(std::isfinite(x));
+  }
+}
+
+TEST_CASE("spmm: B = identity reproduces A, so every nonzero lands once in its place" LOOM_BACKEND_TAG,
+          "[sparse][spmm]") {
+  const index_t m = 70, k = 130;
+  const auto a = make_matrix<float>(m, k, 0.7, true, 91);
+  std::vector<float> eye(static_cast<std::size_t>(k * k), 0.0f);
+  for (index_t i = 0; i < k; ++i) eye[i * k + i] = 1.0f;
+  const dense_operand<float> b(k, k, false, eye);
+  const dense_operand<float> c0(m, k, false, std::vector<float>(static_cast<std::size_t>(m * k), 0.0f));
+  const auto a24 = ls::prune_n_m<2, 4>(loom::tensor_view<const float, 2>(a.data(), {m, k}));
+  for (int f = 0; f < 3; ++f) {
+    const auto& am = f == 2 ? a24 : a;
+    const auto got = run(f, am, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+    for (index_t i = 0; i < m * k; ++i) REQUIRE(got[i] == static_cast<double>(am[i]));
+  }
+}
+
+#if !defined(LOOM_TEST_BACKEND_CUDA)
+namespace {
+struct counting_hook {
+  int* counts;
+  void operator()(index_t p) const { std::atomic_ref<int>(counts[p]).fetch_add(1, std::memory_order_relaxed); }
+};
+}  // namespace
+
+TEST_CASE("spmm coverage: every stored nonzero is read exactly once per 64-column chunk" LOOM_BACKEND_TAG,
+          "[sparse][spmm]") {
+  const auto b_ = make_backend();
+  const index_t m = 83, k = 200;
+  const auto a = make_matrix<float>(m, k, 0.8, true, 5);
+  const auto a24 = ls::prune_n_m<2, 4>(loom::tensor_view<const float, 2>(a.data(), {m, k}));
+  const loom::tensor_view<const float, 2> av(a.data(), {m, k}), a24v(a24.data(), {m, k});
+  for (index_t n : {index_t{1}, index_t{7}, index_t{64}, index_t{130}}) {
+    const auto bvals = lt::small_integers<float>(k * n, -2, 2, 6);
+    std::vector<float> c(static_cast<std::size_t>(m * n));
+    const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
+    const loom::tensor_view<float, 2> cv(c.data(), {m, n});
+    const int chunks = static_cast<int>((n + 63) / 64);
+    auto check = [&](const auto& view, index_t stored, const char* what) {
+      INFO(what);
+      std::vector<int> counts(static_cast<std::size_t>(stored), 0);
+      const loom::tensor_view<const float, 1>* none = nullptr;
+      ls::detail::spmm_impl(b_, view, bv, cv, 1.0, 0.0, none, counting_hook{counts.data()});
+      return counts;
+    };
+    INFO("N = " << n);
+    const auto csr = ls::to_csr(av);
+    for (int x : check(csr.view(), csr.nnz(), "csr")) REQUIRE(x == chunks);
+    const auto bm = ls::to_bitmap(av);
+    for (int x : check(bm.view(), bm.nnz(), "bitmap")) REQUIRE(x == chunks);
+    const auto nm = ls::to_n_m<2, 4>(a24v);
+    const auto counts = check(nm.view(), nm.slots(), "n_m");
+    for (index_t s = 0; s < nm.slots(); ++s) REQUIRE(counts[s] == chunks);  // K % 4 == 0: every slot is read
+  }
+}
+
+TEST_CASE("spmm: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  const index_t m = 67, k = 300, n = 19;
+  const auto a = make_matrix<float>(m, k, 0.6, false, 8);
+  const auto bm = ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k}));
+  const auto bvals = lt::uniform<float>(k * n, -1, 1, 9);
+  std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
+  const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
+  ls::spmm(make_backend(), bm, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
+  ls::spmm(loom::serial{}, bm, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
+  REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
+}
+#endif
+
+TEST_CASE("spmm rejects a B whose rows are not A's columns" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  const ls::csr_view<float, space> a{4, 5, nullptr, nullptr, nullptr};
+  buffer<float> b(30), c(24);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {6, 5});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("B must have A.cols = 5 rows"));
+}
+
+TEST_CASE("spmm rejects a C that is not M x N" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  const ls::csr_view<float, space> a{4, 5, nullptr, nullptr, nullptr};
+  buffer<float> b(30), c(30);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {5, 6});
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("C must be 4 x 6"));
+}
+
+TEST_CASE("spmm rejects a bias that does not hold M values" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  const ls::csr_view<float, space> a{4, 5, nullptr, nullptr, nullptr};
+  buffer<float> b(30), c(24), bias(3);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
+  const loom::tensor_view<const float, 1, space> biasv(bias.data(), {3});
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv, 1.0, 0.0, biasv),
+                      Catch::Contains("bias must hold A.rows = 4 values"));
+}
+
+TEST_CASE("spmm rejects a B with no unit stride" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  const ls::csr_view<float, space> a{4, 5, nullptr, nullptr, nullptr};
+  buffer<float> b(60), c(24);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6}, {12, 2});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("B must be row-major"));
+}
