@@ -1,0 +1,300 @@
+// Ring attention over comm::local: every variant (pass_kv, pass_q, all_gather_kv, bidirectional)
+// with every sharding (contiguous, zigzag, per_document), forward and backward, against the fp64
+// oracle; balance, communication counts, determinism and rejections.
+
+#include <loom/attention/bidirectional.hpp>
+#include <loom/attention/ring.hpp>
+#include <loom/backend/serial.hpp>
+#include <loom/comm/local.hpp>
+
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "oracle.hpp"
+
+using loom::index_t;
+namespace la = loom::attention;
+namespace lr = loom::attention::ring;
+namespace lt = loom::test;
+namespace shard = loom::shard;
+
+namespace {
+
+// A communicator that forwards to comm::local and counts point-to-point messages and bytes.
+struct counters {
+  std::atomic<long> sends{0}, bytes{0};
+};
+struct counting {
+  using request = loom::comm::local::request;
+  loom::comm::local* inner;
+  std::shared_ptr<counters> n;
+  int rank() const { return inner->rank(); }
+  int size() const { return inner->size(); }
+  template <class T>
+  request isend(std::span<T> s, int dest, int tag) {
+    ++n->sends;
+    n->bytes += static_cast<long>(s.size_bytes());
+    return inner->isend(s, dest, tag);
+  }
+  template <class T>
+  request irecv(std::span<T> r, int src, int tag) {
+    return inner->irecv(r, src, tag);
+  }
+  void wait(request& r) { inner->wait(r); }
+  template <class S, class R>
+  void sendrecv(std::span<S> s, int dest, std::span<R> r, int src, int tag) {
+    ++n->sends;
+    inner->sendrecv(s, dest, r, src, tag);
+  }
+  template <class S, class R>
+  void all_gather(std::span<S> s, std::span<R> r) {
+    inner->all_gather(s, r);
+  }
+  template <class S, class R>
+  void all_to_all(std::span<S> s, std::span<R> r) {
+    inner->all_to_all(s, r);
+  }
+  template <class S, class R>
+  void all_to_allv(std::span<S> s, std::span<const std::size_t> sc, std::span<const std::size_t> sd, std::span<R> r,
+                   std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    inner->all_to_allv(s, sc, sd, r, rc, rd);
+  }
+  template <class S, class R>
+  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    inner->all_reduce(s, r, op);
+  }
+  template <class S, class R>
+  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    inner->reduce_scatter(s, r, op);
+  }
+  template <class T>
+  void broadcast(std::span<T> d, int root) {
+    inner->broadcast(d, root);
+  }
+  void barrier() { inner->barrier(); }
+  counting split(int, int) { throw loom::error(loom::errc::unsupported, "counting::split"); }
+};
+static_assert(loom::comm::communicator<counting>);
+
+struct global_inputs {
+  lt::attn_shape s;
+  std::vector<index_t> cu;
+  std::vector<double> q, k, v, dout;
+  lt::attn_result want;
+};
+
+global_inputs make_global(lt::attn_shape s, std::vector<index_t> cu, std::uint64_t seed) {
+  s.tq = s.tk = cu.back();
+  global_inputs g{s,
+                  cu,
+                  lt::uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed),
+                  lt::uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1),
+                  lt::uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2),
+                  lt::uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3),
+                  {}};
+  const auto c = lt::packed(cu);
+  g.want = lt::attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
+  return g;
+}
+
+template <class T>
+std::vector<T> rows_of(const shard::plan& plan, int r, const std::vector<double>& global, index_t row) {
+  std::vector<double> local(static_cast<std::size_t>(plan.rank(r).tokens * row));
+  plan.scatter<double>(r, global, row, local);
+  std::vector<T> out(local.size());
+  for (std::size_t i = 0; i < local.size(); ++i) out[i] = static_cast<T>(local[i]);
+  return out;
+}
+
+struct ring_result {
+  std::vector<double> out, lse, dq, dk, dv;
+  long sends_per_rank = 0;
+};
+
+// Runs variant V (and its backward when `bwd`) on P in-process ranks; gathers global results.
+template <class V, class T = double>
+ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
+  using Acc = la::accum_t<T>;
+  const auto& s = g.s;
+  ring_result res;
+  res.out.assign(g.want.out.size(), 0.0);
+  res.lse.assign(g.want.lse.size(), 0.0);
+  res.dq.assign(g.q.size(), 0.0);
+  res.dk.assign(g.k.size(), 0.0);
+  res.dv.assign(g.v.size(), 0.0);
+  std::mutex mu;
+  std::vector<long> sends(static_cast<std::size_t>(p));
+  const la::options opt{s.causal, s.window, s.scale};
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    counting comm{&lc, std::make_shared<counters>()};
+    const int r = comm.rank();
+    const index_t n = plan.rank(r).tokens;
+    auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
+         v = rows_of<T>(plan, r, g.v, s.hkv * s.dv), dout = rows_of<T>(plan, r, g.dout, s.hq * s.dv);
+    std::vector<T> out(static_cast<std::size_t>(n * s.hq * s.dv)), dq(q.size()), dk(k.size()), dv(v.size());
+    std::vector<Acc> lse(static_cast<std::size_t>(n * s.hq));
+    const loom::tensor_view<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
+        vv(v.data(), {n, s.hkv, s.dv});
+    lr::forward(loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
+                loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), opt);
+    sends[static_cast<std::size_t>(r)] = comm.n->sends;
+    if (bwd) {
+      using BV = std::conditional_t<std::is_same_v<V, lr::bidirectional_kv>, lr::pass_kv, V>;
+      lr::backward(
+          loom::serial{}, comm, BV{}, plan, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
+          loom::tensor_view<const Acc, 2>(lse.data(), {n, s.hq}),
+          loom::tensor_view<const T, 3>(dout.data(), {n, s.hq, s.dv}),
+          loom::tensor_view<T, 3>(dq.data(), {n, s.hq, s.dk}), loom::tensor_view<T, 3>(dk.data(), {n, s.hkv, s.dk}),
+          loom::tensor_view<T, 3>(dv.data(), {n, s.hkv, s.dv}), opt);
+    }
+    auto widen = [](const auto& x) { return std::vector<double>(x.begin(), x.end()); };
+    std::lock_guard<std::mutex> lock(mu);
+    plan.gather<double>(r, widen(out), s.hq * s.dv, res.out);
+    plan.gather<double>(r, widen(lse), s.hq, res.lse);
+    if (bwd) {
+      plan.gather<double>(r, widen(dq), s.hq * s.dk, res.dq);
+      plan.gather<double>(r, widen(dk), s.hkv * s.dk, res.dk);
+      plan.gather<double>(r, widen(dv), s.hkv * s.dv, res.dv);
+    }
+  });
+  res.sends_per_rank = sends[0];
+  return res;
+}
+
+void check(const ring_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
+  INFO(what);
+  lt::require_close(got.out, g.want.out, tol, "out");
+  std::vector<double> a = got.lse, b = g.want.lse;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::isinf(b[i])) {
+      REQUIRE(std::isinf(a[i]));
+      a[i] = b[i] = 0;
+    }
+  lt::require_close(a, b, tol, "lse");
+  if (!bwd) return;
+  lt::require_close(got.dq, g.want.dq, tol, "dq");
+  lt::require_close(got.dk, g.want.dk, tol, "dk");
+  lt::require_close(got.dv, g.want.dv, tol, "dv");
+}
+
+template <class S>
+shard::plan plan_of(const std::vector<index_t>& cu, int p) {
+  return shard::make_plan(std::span<const index_t>(cu), p, S{});
+}
+
+}  // namespace
+
+TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P = 1..8", "[attention][ring]") {
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};  // lengths 1, 7, 130, 3, 1000
+  const auto g = make_global({0, 0, 4, 2, 32, 24, true}, docs, 100);
+  const lt::tolerance tol{1e-10, 1e-10};
+  for (int p : {1, 2, 3, 4, 5, 8}) {
+    for (int strategy = 0; strategy < 3; ++strategy) {
+      const auto plan = strategy == 0   ? plan_of<shard::contiguous>(docs, p)
+                        : strategy == 1 ? plan_of<shard::zigzag>(docs, p)
+                                        : plan_of<shard::per_document>(docs, p);
+      INFO("P = " << p << ", strategy " << strategy);
+      const auto kv = run_ring<lr::pass_kv>(g, p, plan, true);
+      check(kv, g, true, tol, "pass_kv");
+      CHECK(kv.sends_per_rank == 2 * (p - 1));  // forward: P - 1 K/V block transfers per rank
+      check(run_ring<lr::pass_q>(g, p, plan, true), g, true, tol, "pass_q");
+      check(run_ring<lr::all_gather_kv>(g, p, plan, true), g, true, tol, "all_gather_kv");
+      const auto bi = run_ring<lr::bidirectional_kv>(g, p, plan, false);
+      check(bi, g, false, tol, "bidirectional_kv");
+      CHECK(bi.sends_per_rank == 2 * (p - 1));  // the same blocks in half the steps, both directions
+    }
+  }
+}
+
+TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, full and causal", "[attention][ring]") {
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};
+  for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}}) {
+    const auto g = make_global({0, 0, 8, hkv, 64, 64, true}, docs, 200 + static_cast<std::uint64_t>(hkv));
+    check(run_ring<lr::pass_kv>(g, 3, plan_of<shard::per_document>(docs, 3), true), g, true, {1e-10, 1e-10}, "causal");
+  }
+  const auto full = make_global({0, 0, 8, 2, 96, 96, false}, {0, 131, 1021}, 210);
+  check(run_ring<lr::pass_q>(full, 4, plan_of<shard::zigzag>({0, 131, 1021}, 4), true), full, true, {1e-10, 1e-10},
+        "full");
+  // fp32 and bf16 storage: the tolerances against the fp64 oracle of the rounded inputs
+  // are looser than rounding the inputs themselves, so the oracle sees the unrounded ones here.
+  const auto f = make_global({0, 0, 4, 2, 64, 64, true}, docs, 220);
+  check(run_ring<lr::pass_kv, float>(f, 4, plan_of<shard::zigzag>(docs, 4), true), f, true, {2e-5, 2e-5}, "fp32");
+  check(run_ring<lr::pass_kv, loom::bfloat16>(f, 4, plan_of<shard::per_document>(docs, 4), false), f, false,
+        {2e-2, 2e-2}, "bf16");
+}
+
+TEST_CASE("ring attention: balance of the plans, determinism", "[attention][ring]") {
+  // One causal document: zigzag and per_document give every rank the same causal pairs within 1%
+  // (far inside the "1% plus one chunk").
+  for (int p : {2, 3, 4, 8}) {
+    const std::vector<index_t> one{0, 8191};
+    for (int strategy : {1, 2}) {
+      const auto plan = strategy == 1 ? plan_of<shard::zigzag>(one, p) : plan_of<shard::per_document>(one, p);
+      double total = 0, worst = 0;
+      for (int r = 0; r < p; ++r) total += static_cast<double>(plan.rank(r).causal_pairs);
+      const double mean = total / p;
+      for (int r = 0; r < p; ++r)
+        worst = std::max(worst, std::abs(static_cast<double>(plan.rank(r).causal_pairs) - mean));
+      INFO("P = " << p << " strategy " << strategy);
+      CHECK(worst <= 0.01 * mean + 8191.0);  // 1% plus one token's row of keys
+    }
+  }
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};
+  const auto g = make_global({0, 0, 2, 1, 32, 32, true}, docs, 300);
+  const auto plan = plan_of<shard::zigzag>(docs, 5);
+  const auto a = run_ring<lr::pass_kv, float>(g, 5, plan, true), b = run_ring<lr::pass_kv, float>(g, 5, plan, true);
+  REQUIRE(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(double)) == 0);
+  REQUIRE(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(double)) == 0);
+}
+
+TEST_CASE("ring attention: rejections on every rank", "[attention][ring][errors]") {
+  const std::vector<index_t> docs{0, 40};
+  const auto plan = plan_of<shard::contiguous>(docs, 2);
+  std::atomic<int> refused{0};
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const index_t n = plan.rank(comm.rank()).tokens;
+    // Rank 1 claims 4 kv heads, rank 0 claims 2: both ranks must refuse.
+    const index_t hkv = comm.rank() == 0 ? 2 : 4;
+    std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), k(static_cast<std::size_t>(n * hkv * 8)), out(q.size()),
+        lse(static_cast<std::size_t>(n * 4));
+    try {
+      lr::forward(loom::serial{}, comm, lr::pass_kv{}, plan, loom::tensor_view<const double, 3>(q.data(), {n, 4, 8}),
+                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
+                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
+                  loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
+                  loom::tensor_view<double, 2>(lse.data(), {n, 4}));
+    } catch (const loom::error& e) {
+      if (std::string(e.what()).find("ranks disagree on the shapes") != std::string::npos) ++refused;
+    }
+  });
+  CHECK(refused == 2);
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    std::vector<double> q(5 * 2 * 8), out(q.size()), lse(10);
+    CHECK_THROWS_WITH(
+        lr::forward(loom::serial{}, comm, lr::pass_kv{}, plan, loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
+                    loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
+                    loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
+                    loom::tensor_view<double, 3>(out.data(), {5, 2, 8}),
+                    loom::tensor_view<double, 2>(lse.data(), {5, 2})),
+        Catch::Contains("q holds 5 tokens but the plan gives rank"));
+  });
+  const auto plan3 = plan_of<shard::contiguous>(docs, 3);
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    std::vector<double> q(20 * 2 * 8), out(q.size()), lse(40);
+    CHECK_THROWS_WITH(
+        lr::forward(loom::serial{}, comm, lr::pass_q{}, plan3, loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
+                    loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
+                    loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
+                    loom::tensor_view<double, 3>(out.data(), {20, 2, 8}),
+                    loom::tensor_view<double, 2>(lse.data(), {20, 2})),
+        Catch::Contains("the plan is for 3 ranks but the communicator has 2"));
+  });
+}
