@@ -1,0 +1,188 @@
+// Sparse weight x dense activation: loom::sparse::spmm against OpenBLAS sgemm on the same (dense)
+// matrix and Eigen's SparseMatrix x dense, openmp 2 threads, fp32.
+//
+// sparse.bitmap/M:m/K:k/N:n/s:pct   loom spmm, tiled bitmap A (magnitude-pruned random weights,
+//     pct % zeros per row), B K x N row-major, C M x N row-major. Counters: GFLOP/s at the dense
+//     FLOP count 2 M K N (so rows compare directly with sgemm), bytes_ratio = bitmap bytes / dense
+//     fp32 bytes.
+// sparse.bitmap_colmajor/...        the same with B and C column-major (Y^T = W X^T layouts).
+// sparse.csr/...                    loom spmm, CSR A (same matrix).
+// sparse.eigen/...                  Eigen::SparseMatrix<float, RowMajor> * MatrixXf (OpenMP, 2 threads).
+// sparse.sgemm/M:m/K:k/N:n          cblas_sgemm on the dense (unpruned-shape) matrix, 2 threads.
+
+#include <loom/backend/openmp.hpp>
+#include <loom/sparse/convert.hpp>
+#include <loom/sparse/spmm.hpp>
+
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <Eigen/Core>
+#include <Eigen/SparseCore>
+#include <algorithm>
+#include <cblas.h>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+namespace {
+
+namespace ls = loom::sparse;
+using loom::index_t;
+constexpr int threads = 2;
+
+// The matrices of one (M, K, sparsity) cell, built once and reused by consecutive rows.
+struct cell {
+  index_t m = 0, k = 0;
+  int pct = -1;
+  std::vector<float> dense;  // the pruned matrix, row-major
+  ls::bitmap<float> bitmap;
+  ls::csr<float> csr;
+  Eigen::SparseMatrix<float, Eigen::RowMajor> eigen;
+};
+
+std::vector<float> random_dense(index_t m, index_t k) {
+  std::vector<float> d(static_cast<std::size_t>(m * k));
+  std::mt19937_64 g(42);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : d) x = u(g);
+  return d;
+}
+
+const cell& get(index_t m, index_t k, int pct) {
+  static std::unique_ptr<cell> c;
+  if (c && c->m == m && c->k == k && c->pct == pct) return *c;
+  c.reset();
+  c = std::make_unique<cell>();
+  c->m = m;
+  c->k = k;
+  c->pct = pct;
+  const auto d = random_dense(m, k);
+  c->dense = ls::prune_magnitude(loom::tensor_view<const float, 2>(d.data(), {m, k}), pct / 100.0);
+  const loom::tensor_view<const float, 2> v(c->dense.data(), {m, k});
+  c->bitmap = ls::to_bitmap(v);
+  c->csr = ls::to_csr(v);
+  std::vector<Eigen::Triplet<float>> t;
+  t.reserve(static_cast<std::size_t>(c->csr.nnz()));
+  for (index_t i = 0; i < m; ++i)
+    for (index_t e = c->csr.row_ptr()[i]; e < c->csr.row_ptr()[i + 1]; ++e)
+      t.emplace_back(static_cast<int>(i), c->csr.col_idx()[e], c->csr.values()[e]);
+  c->eigen.resize(static_cast<Eigen::Index>(m), static_cast<Eigen::Index>(k));
+  c->eigen.setFromTriplets(t.begin(), t.end());
+  c->eigen.makeCompressed();
+  return *c;
+}
+
+std::vector<float> activations(index_t k, index_t n) {
+  std::vector<float> b(static_cast<std::size_t>(k * n));
+  std::mt19937_64 g(7);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : b) x = u(g);
+  return b;
+}
+
+void rate(benchmark::State& state, index_t m, index_t k, index_t n) {
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * static_cast<double>(m * k * n) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <int Format>  // 0 bitmap row-major, 1 bitmap column-major, 2 csr
+void loom_spmm(benchmark::State& state) {
+  const index_t m = state.range(0), k = state.range(1), n = state.range(2);
+  const auto& c = get(m, k, static_cast<int>(state.range(3)));
+  const auto b = activations(k, n);
+  std::vector<float> out(static_cast<std::size_t>(m * n));
+  const bool col = Format == 1;
+  const loom::tensor_view<const float, 2> bv(b.data(), {k, n}, {col ? 1 : n, col ? k : 1});
+  const loom::tensor_view<float, 2> cv(out.data(), {m, n}, {col ? 1 : n, col ? m : 1});
+  const loom::openmp be{.threads = threads};
+  for (auto _ : state) {
+    if constexpr (Format == 2)
+      ls::spmm(be, c.csr, bv, cv);
+    else
+      ls::spmm(be, c.bitmap, bv, cv);
+    benchmark::DoNotOptimize(out.data());
+  }
+  rate(state, m, k, n);
+  state.counters["bytes_ratio"] =
+      static_cast<double>(Format == 2 ? c.csr.bytes() : c.bitmap.bytes()) / (4.0 * static_cast<double>(m * k));
+}
+
+void eigen_spmm(benchmark::State& state) {
+  const index_t m = state.range(0), k = state.range(1), n = state.range(2);
+  const auto& c = get(m, k, static_cast<int>(state.range(3)));
+  Eigen::setNbThreads(threads);
+  const Eigen::MatrixXf b = Eigen::MatrixXf::Random(static_cast<Eigen::Index>(k), static_cast<Eigen::Index>(n));
+  Eigen::MatrixXf out(static_cast<Eigen::Index>(m), static_cast<Eigen::Index>(n));
+  for (auto _ : state) {
+    out.noalias() = c.eigen * b;
+    benchmark::DoNotOptimize(out.data());
+  }
+  rate(state, m, k, n);
+}
+
+void sgemm(benchmark::State& state) {
+  const index_t m = state.range(0), k = state.range(1), n = state.range(2);
+  static std::vector<float> a;
+  static index_t am = 0, ak = 0;
+  if (am != m || ak != k) {
+    a = random_dense(m, k);
+    am = m;
+    ak = k;
+  }
+  const auto b = activations(k, n);
+  std::vector<float> out(static_cast<std::size_t>(m * n));
+  openblas_set_num_threads(threads);
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
+                static_cast<int>(k), 1.0f, a.data(), static_cast<int>(k), b.data(), static_cast<int>(n), 0.0f,
+                out.data(), static_cast<int>(n));
+    benchmark::DoNotOptimize(out.data());
+  }
+  rate(state, m, k, n);
+}
+
+const index_t shapes[][2] = {{4096, 4096}, {4096, 11008}};
+const int widths[] = {1, 8, 16, 32, 64};
+const int sparsities[] = {50, 70, 80, 90};
+
+// Rows are registered cell by cell so that each (M, K, sparsity) matrix is built once.
+const bool registered = [] {
+  for (const auto& s : shapes) {
+    for (int w : widths)
+      benchmark::RegisterBenchmark("sparse.sgemm", sgemm)
+          ->ArgNames({"M", "K", "N"})
+          ->Args({s[0], s[1], w})
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    for (int pct : sparsities)
+      for (int w : widths) {
+        const std::vector<std::int64_t> args{s[0], s[1], w, pct};
+        benchmark::RegisterBenchmark("sparse.bitmap", loom_spmm<0>)
+            ->ArgNames({"M", "K", "N", "s"})
+            ->Args(args)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        if (w == 16)
+          benchmark::RegisterBenchmark("sparse.bitmap_colmajor", loom_spmm<1>)
+              ->ArgNames({"M", "K", "N", "s"})
+              ->Args(args)
+              ->Unit(benchmark::kMillisecond)
+              ->UseRealTime();
+        benchmark::RegisterBenchmark("sparse.csr", loom_spmm<2>)
+            ->ArgNames({"M", "K", "N", "s"})
+            ->Args(args)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark("sparse.eigen", eigen_spmm)
+            ->ArgNames({"M", "K", "N", "s"})
+            ->Args(args)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+      }
+  }
+  return true;
+}();
+
+}  // namespace
