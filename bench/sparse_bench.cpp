@@ -22,21 +22,28 @@
 #include <algorithm>
 #include <cblas.h>
 #include <cstdint>
+#include <cstdlib>
+#include <map>
 #include <memory>
 #include <random>
+#include <tuple>
 #include <vector>
 
 namespace {
 
 namespace ls = loom::sparse;
 using loom::index_t;
-constexpr int threads = 2;
+// 2 threads (the setting); LOOM_BENCH_SPARSE_THREADS overrides it for experiments.
+const int threads = [] {
+  const char* e = std::getenv("LOOM_BENCH_SPARSE_THREADS");
+  return e ? std::atoi(e) : 2;
+}();
 
 // The matrices of one (M, K, sparsity) cell, built once and reused by consecutive rows.
 struct cell {
   index_t m = 0, k = 0;
   int pct = -1;
-  std::vector<float> dense;  // the pruned matrix, row-major
+  std::vector<float> dense;  // the pruned matrix, row-major (freed once converted)
   ls::bitmap<float> bitmap;
   ls::csr<float> csr;
   Eigen::SparseMatrix<float, Eigen::RowMajor> eigen;
@@ -50,10 +57,11 @@ std::vector<float> random_dense(index_t m, index_t k) {
   return d;
 }
 
+// Cells are kept (random interleaving of repetitions revisits them); about 2 GB for the grid.
 const cell& get(index_t m, index_t k, int pct) {
-  static std::unique_ptr<cell> c;
-  if (c && c->m == m && c->k == k && c->pct == pct) return *c;
-  c.reset();
+  static std::map<std::tuple<index_t, index_t, int>, std::unique_ptr<cell>> cache;
+  auto& c = cache[{m, k, pct}];
+  if (c) return *c;
   c = std::make_unique<cell>();
   c->m = m;
   c->k = k;
@@ -71,6 +79,7 @@ const cell& get(index_t m, index_t k, int pct) {
   c->eigen.resize(static_cast<Eigen::Index>(m), static_cast<Eigen::Index>(k));
   c->eigen.setFromTriplets(t.begin(), t.end());
   c->eigen.makeCompressed();
+  c->dense = {};
   return *c;
 }
 
@@ -124,13 +133,9 @@ void eigen_spmm(benchmark::State& state) {
 
 void sgemm(benchmark::State& state) {
   const index_t m = state.range(0), k = state.range(1), n = state.range(2);
-  static std::vector<float> a;
-  static index_t am = 0, ak = 0;
-  if (am != m || ak != k) {
-    a = random_dense(m, k);
-    am = m;
-    ak = k;
-  }
+  static std::map<std::pair<index_t, index_t>, std::vector<float>> cache;
+  auto& a = cache[{m, k}];
+  if (a.empty()) a = random_dense(m, k);
   const auto b = activations(k, n);
   std::vector<float> out(static_cast<std::size_t>(m * n));
   openblas_set_num_threads(threads);

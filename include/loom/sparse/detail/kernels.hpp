@@ -6,8 +6,8 @@
 //! n_block output columns). A work item keeps its tile_rows x n_block accumulators in L1, decodes
 //! one tile of A at a time into a (column, value) list in L1, then runs a micro-kernel whose inner
 //! loops are unit-stride over a row-major B panel (vectorised by the compiler, no intrinsics).
-//! For N == 1 the bitmap kernel instead expands each tile row into a dense 64-wide row and takes
-//! a lane-split dot product with B ("compute as dense").
+//! For N == 1 the bitmap kernel takes one FMA per decoded nonzero with B's element, into
+//! rotating partial sums.
 //! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
 //! no_hook compiles away.
 
@@ -18,7 +18,7 @@
 namespace loom::sparse::detail {
 
 inline constexpr index_t n_block = 64;  //!< output columns per work item
-inline constexpr int dot_lanes = 16;    //!< independent partial sums of the N == 1 dot product
+inline constexpr int dot_lanes = 4;     //!< independent partial sums per row for N == 1
 
 struct no_hook {
   LOOM_HD void operator()(index_t) const noexcept {}
@@ -64,13 +64,29 @@ LOOM_HD inline void axpy(Acc* __restrict__ acc, Acc v, const Acc* __restrict__ b
   }
 }
 
-//! Runs the list micro-kernel: rows r of the band, entries [end[r-1], end[r]) of (col, val).
+//! The list micro-kernel: for each row r of the band, acc[r] += sum over its entries
+//! [end[r-1], end[r]) of val[e] * row[e][0, nb), row[e] a row of the B panel. With NB fixed the
+//! row's sums live in registers, split in two interleaved partial sums (even and odd entries) so
+//! that consecutive FMAs do not wait on each other; the order is fixed, so results are the same
+//! bits on every backend.
 template <int NB, class Acc>
-LOOM_HD inline void list_kernel(Acc* acc, const int* end, const index_t* col, const Acc* val, const Acc* b, index_t ldb,
-                                index_t nb) {
+LOOM_HD inline void list_kernel(Acc* acc, const int* end, const Acc* const* row, const Acc* val, index_t nb) {
   int e = 0;
-  for (index_t r = 0; r < tile_rows; ++r)
-    for (; e < end[r]; ++e) axpy<NB>(acc + r * n_block, val[e], b + col[e] * ldb, nb);
+  for (index_t r = 0; r < tile_rows; ++r) {
+    Acc* out = acc + r * n_block;
+    if constexpr (NB > 0) {
+      Acc s0[NB], s1[NB];
+      for (int j = 0; j < NB; ++j) s0[j] = s1[j] = Acc(0);
+      for (; e + 1 < end[r]; e += 2) {
+        axpy<NB>(s0, val[e], row[e], nb);
+        axpy<NB>(s1, val[e + 1], row[e + 1], nb);
+      }
+      if (e < end[r]) axpy<NB>(s0, val[e], row[e], nb), ++e;
+      for (int j = 0; j < NB; ++j) out[j] += s0[j] + s1[j];
+    } else {
+      for (; e < end[r]; ++e) axpy<NB>(out, val[e], row[e], nb);
+    }
+  }
 }
 
 template <class Acc, class F>
@@ -122,7 +138,7 @@ struct bitmap_kernel {
 
   //! Decode each tile into a (column, value) list, then the unit-stride micro-kernel over nb.
   LOOM_HD void list_band(index_t band, index_t j0, index_t nb, Acc* acc) const {
-    index_t col[tile_rows * tile_cols];
+    const Acc* row[tile_rows * tile_cols];  // the B panel row of each decoded entry
     Acc val[tile_rows * tile_cols];
     int end[tile_rows];
     const index_t gc = a.grid_cols();
@@ -130,51 +146,43 @@ struct bitmap_kernel {
       const index_t t = band * gc + tc;
       index_t p = a.tile_offsets[t];
       if (a.tile_offsets[t + 1] == p) continue;  // empty tile
+      const Acc* bt = k.b + tc * tile_cols * k.ldb + j0;
       int e = 0;
       for (index_t r = 0; r < tile_rows; ++r) {
         const int start = e;
         decode_row(a.masks[t * tile_rows + r], a.values + p, [&](int j, const TA& v) {
           hook(p + (e - start));
-          col[e] = j;
+          row[e] = bt + j * k.ldb;
           val[e++] = to_acc<Acc>(v);
         });
         p += e - start;
         end[r] = e;
       }
-      const Acc* bt = k.b + tc * tile_cols * k.ldb + j0;
-      dispatch_width<Acc>(nb,
-                          [&](auto width) { list_kernel<decltype(width)::value>(acc, end, col, val, bt, k.ldb, nb); });
+      dispatch_width<Acc>(nb, [&](auto width) { list_kernel<decltype(width)::value>(acc, end, row, val, nb); });
     }
   }
 
-  //! N == 1: expand each tile row to 64 dense values in L1, then a lane-split dot product.
+  //! N == 1 (decoding): B is a unit-stride vector; each decoded nonzero is one FMA with the B
+  //! element of its column, into dot_lanes partial sums per row taken in rotation (no FMA waits on
+  //! the previous one). Summed in a fixed order at the end.
   LOOM_HD void dot_band(index_t band, Acc* acc) const {
-    Acc dense[tile_cols];
     Acc lanes[tile_rows][dot_lanes];
     for (index_t r = 0; r < tile_rows; ++r)
       for (int l = 0; l < dot_lanes; ++l) lanes[r][l] = Acc(0);
-    for (index_t j = 0; j < tile_cols; ++j) dense[j] = Acc(0);
     const index_t gc = a.grid_cols();
     for (index_t tc = 0; tc < gc; ++tc) {
       const index_t t = band * gc + tc;
       index_t p = a.tile_offsets[t];
       if (a.tile_offsets[t + 1] == p) continue;
-      const Acc* bt = k.b + tc * tile_cols;  // N == 1: B is a unit-stride vector
-      const bool full = (tc + 1) * tile_cols <= a.cols;
+      const Acc* bt = k.b + tc * tile_cols;
       for (index_t r = 0; r < tile_rows; ++r) {
-        const std::uint64_t m = a.masks[t * tile_rows + r];
-        if (m == 0) continue;
-        p += decode_row(m, a.values + p, [&](int j, const TA& v) {
-          hook(p + popcount64(m & ((std::uint64_t{1} << j) - 1)));
-          dense[j] = to_acc<Acc>(v);
+        Acc* lr = lanes[r];
+        int q = 0;
+        const index_t p0 = p;
+        p += decode_row(a.masks[t * tile_rows + r], a.values + p, [&](int j, const TA& v) {
+          hook(p0 + q);
+          lr[q++ % dot_lanes] += to_acc<Acc>(v) * bt[j];
         });
-        if (full) {
-          for (int j = 0; j < tile_cols; j += dot_lanes)
-            for (int l = 0; l < dot_lanes; ++l) lanes[r][l] += dense[j + l] * bt[j + l];
-        } else {
-          for (index_t j = 0; j < a.cols - tc * tile_cols; ++j) lanes[r][j % dot_lanes] += dense[j] * bt[j];
-        }
-        for (index_t j = 0; j < tile_cols; ++j) dense[j] = Acc(0);
       }
     }
     for (index_t r = 0; r < tile_rows; ++r) {
