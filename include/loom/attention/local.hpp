@@ -23,6 +23,7 @@
 #include <cmath>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 namespace loom::attention {
 
@@ -100,6 +101,30 @@ index_t slots_for(const B& b, index_t items) {
   return s < items ? (s > 0 ? s : 1) : (items > 0 ? items : 1);
 }
 
+//! The prepared K/V layouts of a call (see prepared_kv), in a temporary of B's memory.
+template <backend B, class Acc>
+struct prepared_layouts {
+  temporary_buffer<B, Acc> buf;
+  prepared_kv<Acc> layouts;
+  template <class K, class V>
+  prepared_layouts(const B& b, const problem& pb, const K& k, const V& v, bool kt, bool vt, bool kr, bool vr)
+      : buf(b, prepared_kv<Acc>::size(pb.hkv, pb.k_tiles() * tile_k, pb.dk, pb.dv, kt, vt, kr, vr)) {
+    const index_t pad = pb.k_tiles() * tile_k, per = pb.hkv * pad;
+    Acc* at = buf.data();
+    layouts.tk_pad = pad;
+    layouts.dk = pb.dk;
+    layouts.dv = pb.dv;
+    if (kt) layouts.kt = std::exchange(at, at + per * pb.dk);
+    if (vt) layouts.vt = std::exchange(at, at + per * pb.dv);
+    if (kr) layouts.kr = std::exchange(at, at + per * pb.dk);
+    if (vr) layouts.vr = std::exchange(at, at + per * pb.dv);
+    if (pb.tk > 0)
+      for_each_index(
+          b, pb.hkv * pb.k_tiles(),
+          prepare_kv_kernel<typename K::value_type, typename V::value_type, Acc>{pb, rows_of(k), rows_of(v), layouts});
+  }
+};
+
 //! (segment, offset) of every token of a packed sequence.
 struct coords_from_offsets {
   const index_t* offsets;
@@ -159,11 +184,11 @@ void forward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Sp
                                     typename O::value_type, Acc>;
   const index_t items = pb.q_tiles() * pb.hq;
   const index_t slots = detail::slots_for(b, items);
+  const detail::prepared_layouts<B, Acc> kv(b, pb, k, v, true, false, false, true);
   temporary_buffer<B, Acc> ws(b, slots * Kn::scratch(pb.dk, pb.dv));
-  for_each_index(
-      b, slots,
-      Kn{pb, detail::rows_of(q), detail::rows_of(k), detail::rows_of(v), detail::rows_of(out), detail::rows2_of(lse),
-         detail::coords_of(qc), detail::coords_of(kc), detail::scale_of<Acc>(opt, pb.dk), ws.data(), slots});
+  for_each_index(b, slots,
+                 Kn{pb, detail::rows_of(q), kv.layouts, detail::rows_of(out), detail::rows2_of(lse),
+                    detail::coords_of(qc), detail::coords_of(kc), detail::scale_of<Acc>(opt, pb.dk), ws.data(), slots});
   fence(b);
 }
 
@@ -210,6 +235,7 @@ void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<S
     for_each_index(b, pb.tq * pb.hq,
                    detail::delta_kernel<typename O::value_type, TD, Acc>{detail::rows_of(out), detail::rows_of(dout),
                                                                          delta.data(), pb.hq, pb.dv});
+  const detail::prepared_layouts<B, Acc> kv(b, pb, k, v, true, true, true, false);
   const detail::backward_args<TQ, TK, TV, TD, TG, Acc> args{pb,
                                                             detail::rows_of(q),
                                                             detail::rows_of(k),
@@ -223,7 +249,8 @@ void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<S
                                                             detail::coords_of(qc),
                                                             detail::coords_of(kc),
                                                             detail::scale_of<Acc>(opt, pb.dk),
-                                                            accumulate};
+                                                            accumulate,
+                                                            kv.layouts};
   using KV = detail::backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
   using QK = detail::backward_q_kernel<TQ, TK, TV, TD, TG, Acc>;
   const index_t kv_items = pb.k_tiles() * pb.hkv, q_items = pb.q_tiles() * pb.hq;

@@ -56,15 +56,73 @@ LOOM_HD void load_rows(const rows3<const T>& x, index_t r0, index_t n, index_t h
   }
 }
 
-//! Loads rows [r0, r0 + n) of head h transposed into [d][tile_k] (columns >= n are zero).
-template <class T, class Acc>
-LOOM_HD void load_cols(const rows3<const T>& x, index_t r0, index_t n, index_t h, index_t d, Acc* out) {
-  for (index_t c = 0; c < d; ++c)
-    for (index_t j = n; j < tile_k; ++j) out[c * tile_k + j] = Acc(0);
-  for (index_t j = 0; j < n; ++j) {
-    const T* row = x.at(r0 + j, h);
-    for (index_t c = 0; c < d; ++c) out[c * tile_k + j] = static_cast<Acc>(row[c]);
+//! K and V of every kv head in the layouts the tile products read, in the accumulation type,
+//! padded with zeros to whole key tiles: built once per call, so no (query tile, key tile) pair
+//! transposes or converts anything. Any of the four may be absent (null).
+//!   kt [hkv][dk][tk_pad]   vt [hkv][dv][tk_pad]   kr [hkv][tk_pad][dk]   vr [hkv][tk_pad][dv]
+template <class Acc>
+struct prepared_kv {
+  Acc *kt = nullptr, *vt = nullptr, *kr = nullptr, *vr = nullptr;
+  index_t tk_pad = 0, dk = 0, dv = 0;
+  LOOM_HD const Acc* kt_tile(index_t hk, index_t k0) const { return kt + hk * dk * tk_pad + k0; }
+  LOOM_HD const Acc* vt_tile(index_t hk, index_t k0) const { return vt + hk * dv * tk_pad + k0; }
+  LOOM_HD const Acc* kr_tile(index_t hk, index_t k0) const { return kr + (hk * tk_pad + k0) * dk; }
+  LOOM_HD const Acc* vr_tile(index_t hk, index_t k0) const { return vr + (hk * tk_pad + k0) * dv; }
+  //! Elements needed for the layouts selected.
+  LOOM_HD static index_t size(index_t hkv, index_t tk_pad, index_t dk, index_t dv, bool t, bool vt_, bool r, bool vr_) {
+    return hkv * tk_pad * ((t ? dk : 0) + (vt_ ? dv : 0) + (r ? dk : 0) + (vr_ ? dv : 0));
   }
+};
+
+//! Fills one key tile of one kv head in every selected layout (one item per (kv head, key tile)).
+template <class TK, class TV, class Acc>
+struct prepare_kv_kernel {
+  problem pb;
+  rows3<const TK> k;
+  rows3<const TV> v;
+  prepared_kv<Acc> out;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t hk = item / pb.k_tiles(), k0 = (item % pb.k_tiles()) * tile_k;
+    const index_t p = out.tk_pad;
+    for (index_t j = 0; j < tile_k; ++j) {
+      const index_t t = k0 + j;
+      const bool in = t < pb.tk;
+      for (index_t c = 0; c < pb.dk; ++c) {
+        const Acc x = in ? static_cast<Acc>(k.at(t, hk)[c]) : Acc(0);
+        if (out.kt) out.kt[(hk * pb.dk + c) * p + t] = x;
+        if (out.kr) out.kr[(hk * p + t) * pb.dk + c] = x;
+      }
+      for (index_t c = 0; c < pb.dv; ++c) {
+        const Acc x = in ? static_cast<Acc>(v.at(t, hk)[c]) : Acc(0);
+        if (out.vt) out.vt[(hk * pb.dv + c) * p + t] = x;
+        if (out.vr) out.vr[(hk * p + t) * pb.dv + c] = x;
+      }
+    }
+  }
+};
+
+//! max(init, row[0..tile_k)) and sum(row[0..tile_k)) over `lanes` interleaved partial results, so
+//! the loops vectorise (a plain float reduction would not without reassociation); the order is
+//! fixed, so results do not depend on the machine.
+inline constexpr index_t lanes = 16;
+template <class Acc>
+LOOM_HD Acc row_max(const Acc* row, Acc init) {
+  Acc part[lanes];
+  for (index_t u = 0; u < lanes; ++u) part[u] = init;
+  for (index_t j0 = 0; j0 < tile_k; j0 += lanes)
+    for (index_t u = 0; u < lanes; ++u) part[u] = row[j0 + u] > part[u] ? row[j0 + u] : part[u];
+  Acc mx = part[0];
+  for (index_t u = 1; u < lanes; ++u) mx = part[u] > mx ? part[u] : mx;
+  return mx;
+}
+template <class Acc>
+LOOM_HD Acc row_sum(const Acc* row) {
+  Acc part[lanes] = {};
+  for (index_t j0 = 0; j0 < tile_k; j0 += lanes)
+    for (index_t u = 0; u < lanes; ++u) part[u] += row[j0 + u];
+  Acc sum = Acc(0);
+  for (index_t u = 0; u < lanes; ++u) sum += part[u];
+  return sum;
 }
 
 //! Sets masked scores to -inf (partial tiles only).
@@ -82,8 +140,7 @@ template <class TQ, class TK, class TV, class TO, class Acc>
 struct forward_kernel {
   problem pb;
   rows3<const TQ> q;
-  rows3<const TK> k;
-  rows3<const TV> v;
+  prepared_kv<Acc> kv;  //!< kt and vr
   rows3<TO> o;
   rows2<Acc> lse;
   token_coords qc, kc;
@@ -92,7 +149,7 @@ struct forward_kernel {
   index_t slots;
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + dk * tile_k + tile_k * dv + tile_q * tile_k + tile_q * dv + 2 * tile_q;
+    return tile_q * dk + tile_q * tile_k + tile_q * dv + 2 * tile_q;
   }
   LOOM_HD index_t items() const { return pb.q_tiles() * pb.hq; }
 
@@ -105,8 +162,7 @@ struct forward_kernel {
     const index_t h = item / pb.q_tiles(), qt = item % pb.q_tiles(), hk = h / pb.group();
     const index_t q0 = qt * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *kt = qs + tile_q * dk, *vs = kt + dk * tile_k, *s = vs + tile_k * dv, *acc = s + tile_q * tile_k,
-        *m = acc + tile_q * dv, *l = m + tile_q;
+    Acc *qs = w, *s = qs + tile_q * dk, *acc = s + tile_q * tile_k, *m = acc + tile_q * dv, *l = m + tile_q;
     load_rows(q, q0, nq, h, dk, scale, qs);
     for (index_t i = 0; i < nq; ++i) {
       m[i] = neg_inf<Acc>();
@@ -118,32 +174,25 @@ struct forward_kernel {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
       const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.window);
       if (kind == tile_kind::skip) continue;
-      load_cols(k, k0, nk, hk, dk, kt);
-      load_rows(v, k0, nk, hk, dv, Acc(1), vs);
-      gemm<false>(nq, tile_k, dk, qs, dk, kt, tile_k, s, tile_k, false);
+      gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
       if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
       for (index_t i = 0; i < nq; ++i) {
         Acc* row = s + i * tile_k;
-        Acc mx = m[i];
-        for (index_t j = 0; j < nk; ++j) mx = row[j] > mx ? row[j] : mx;
+        for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
+        const Acc mx = row_max(row, m[i]);
         if (mx == neg_inf<Acc>()) {  // nothing visible in this row yet
           for (index_t j = 0; j < tile_k; ++j) row[j] = Acc(0);
           continue;
         }
         const Acc alpha = fast_exp(m[i] - mx);
-        Acc sum = Acc(0);
-        for (index_t j = 0; j < nk; ++j) {
-          const Acc p = fast_exp(row[j] - mx);
-          row[j] = p;
-          sum += p;
-        }
-        for (index_t j = nk; j < tile_k; ++j) row[j] = Acc(0);
+        for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
+        const Acc sum = row_sum(row);
         l[i] = l[i] * alpha + sum;
         m[i] = mx;
         Acc* arow = acc + i * dv;
         for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
       }
-      gemm<false>(nq, dv, nk, s, tile_k, vs, dv, acc, dv, true);
+      gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
     }
     for (index_t i = 0; i < nq; ++i) {
       const bool any = l[i] > Acc(0);
@@ -177,11 +226,11 @@ struct delta_kernel {
 template <class Acc>
 LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const token_coords& kc, tile_kind kind,
                              index_t q0, index_t nq, index_t k0, index_t nk, const Acc* qs, const Acc* kt,
-                             const Acc* dos, const Acc* vt, const Acc* lse_rows, const Acc* delta_rows, Acc* s,
-                             Acc* dp) {
-  gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, tile_k, s, tile_k, false);
+                             const Acc* dos, const Acc* vt, index_t ld, const Acc* lse_rows, const Acc* delta_rows,
+                             Acc* s, Acc* dp) {
+  gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, ld, s, tile_k, false);
   if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
-  gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, tile_k, dp, tile_k, false);
+  gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, ld, dp, tile_k, false);
   for (index_t i = 0; i < nq; ++i) {
     Acc* srow = s + i * tile_k;
     Acc* drow = dp + i * tile_k;
@@ -220,7 +269,8 @@ struct backward_args {
   rows3<TG> dq, dk, dv;
   token_coords qc, kc;
   Acc scale;
-  bool accumulate;  //!< add into dq, dk, dv instead of overwriting them
+  bool accumulate;      //!< add into dq, dk, dv instead of overwriting them
+  prepared_kv<Acc> kv;  //!< kt, vt and kr
 
   //! lse and delta of rows [q0, q0 + nq) of head h, and the query and dO tiles.
   LOOM_HD void load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow, Acc* drow) const {
@@ -241,8 +291,7 @@ struct backward_kv_kernel {
   index_t slots;
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + tile_q * dv + dk * tile_k + dv * tile_k + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv +
-           2 * tile_q;
+    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv + 2 * tile_q;
   }
   LOOM_HD index_t items() const { return a.pb.k_tiles() * a.pb.hkv; }
   LOOM_HD void operator()(index_t slot) const {
@@ -254,11 +303,9 @@ struct backward_kv_kernel {
     const index_t hk = item / pb.k_tiles(), ktile = item % pb.k_tiles();
     const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *dos = qs + tile_q * dk, *kt = dos + tile_q * dv, *vt = kt + dk * tile_k, *s = vt + dv * tile_k,
-        *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k, *gv = gk + tile_k * dk, *lrow = gv + tile_k * dv,
-        *drow = lrow + tile_q;
-    load_cols(a.k, k0, nk, hk, dk, kt);
-    load_cols(a.v, k0, nk, hk, dv, vt);
+    Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k,
+        *gv = gk + tile_k * dk, *lrow = gv + tile_k * dv, *drow = lrow + tile_q;
+    const Acc *kt = a.kv.kt_tile(hk, k0), *vt = a.kv.vt_tile(hk, k0);
     for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
     for (index_t e = 0; e < tile_k * dv; ++e) gv[e] = Acc(0);
     const tile_bounds kb = a.kc.bounds(k0, nk);
@@ -268,7 +315,7 @@ struct backward_kv_kernel {
         const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.window);
         if (kind == tile_kind::skip) continue;
         a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
-        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, lrow, drow, s, dp);
+        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.tk_pad, lrow, drow, s, dp);
         gemm<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true);  // dV += Pᵀ dO
         gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
       }
@@ -285,8 +332,7 @@ struct backward_q_kernel {
   index_t slots;
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + tile_q * dv + dk * tile_k + tile_k * dk + dv * tile_k + 2 * tile_q * tile_k + tile_q * dk +
-           2 * tile_q;
+    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_q * dk + 2 * tile_q;
   }
   LOOM_HD index_t items() const { return a.pb.q_tiles() * a.pb.hq; }
   LOOM_HD void operator()(index_t slot) const {
@@ -298,9 +344,8 @@ struct backward_q_kernel {
     const index_t h = item / pb.q_tiles(), qtile = item % pb.q_tiles(), hk = h / pb.group();
     const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *dos = qs + tile_q * dk, *kt = dos + tile_q * dv, *ks = kt + dk * tile_k, *vt = ks + tile_k * dk,
-        *s = vt + dv * tile_k, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k, *lrow = gq + tile_q * dk,
-        *drow = lrow + tile_q;
+    Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k,
+        *lrow = gq + tile_q * dk, *drow = lrow + tile_q;
     a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
     for (index_t e = 0; e < tile_q * dk; ++e) gq[e] = Acc(0);
     const tile_bounds qb = a.qc.bounds(q0, nq);
@@ -308,11 +353,9 @@ struct backward_q_kernel {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
       const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.window);
       if (kind == tile_kind::skip) continue;
-      load_cols(a.k, k0, nk, hk, dk, kt);
-      load_rows(a.k, k0, nk, hk, dk, Acc(1), ks);
-      load_cols(a.v, k0, nk, hk, dv, vt);
-      backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, lrow, drow, s, dp);
-      gemm<false>(nq, dk, nk, dp, tile_k, ks, dk, gq, dk, true);  // dQ += dS K
+      backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
+                      a.kv.tk_pad, lrow, drow, s, dp);
+      gemm<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true);  // dQ += dS K
     }
     store_rows(a.dq, q0, nq, h, dk, gq, a.scale, a.accumulate);
   }

@@ -51,12 +51,13 @@ LOOM_HD inline float fast_exp(float x) {
 LOOM_HD inline double fast_exp(double x) { return x == neg_inf<double>() ? 0.0 : std::exp(x); }
 
 //! C[i][j] (+)= sum_l A(i, l) B[l][j] for i < m, j < n, l < kd. A(i, l) = a[i * lda + l], or
-//! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 4 rows
-//! by 32 columns keep their sums in registers; the inner loop runs over contiguous j.
+//! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
+//! by 32 columns keep their sums in registers (16 vector registers of 16 floats with AVX-512); the
+//! inner loop runs over contiguous j.
 template <bool TransA, class Acc>
 LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
                   index_t ldc, bool accumulate) {
-  constexpr index_t rb = 4, cb = 32;
+  constexpr index_t rb = 8, cb = 32;
   const index_t m_full = m - m % rb, n_full = n - n % cb;
   auto at = [&](index_t i, index_t l) { return TransA ? a[l * lda + i] : a[i * lda + l]; };
   for (index_t i0 = 0; i0 < m_full; i0 += rb) {
@@ -66,13 +67,10 @@ LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, c
         for (index_t j = 0; j < cb; ++j) s[r][j] = accumulate ? c[(i0 + r) * ldc + j0 + j] : Acc(0);
       for (index_t l = 0; l < kd; ++l) {
         const Acc* brow = b + l * ldb + j0;
-        const Acc a0 = at(i0, l), a1 = at(i0 + 1, l), a2 = at(i0 + 2, l), a3 = at(i0 + 3, l);
-        for (index_t j = 0; j < cb; ++j) {
-          s[0][j] += a0 * brow[j];
-          s[1][j] += a1 * brow[j];
-          s[2][j] += a2 * brow[j];
-          s[3][j] += a3 * brow[j];
-        }
+        Acc av[rb];
+        for (index_t r = 0; r < rb; ++r) av[r] = at(i0 + r, l);
+        for (index_t r = 0; r < rb; ++r)
+          for (index_t j = 0; j < cb; ++j) s[r][j] += av[r] * brow[j];
       }
       for (index_t r = 0; r < rb; ++r)
         for (index_t j = 0; j < cb; ++j) c[(i0 + r) * ldc + j0 + j] = s[r][j];

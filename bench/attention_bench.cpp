@@ -1,0 +1,295 @@
+// Exact attention against its limits and baselines, in one run (fp32, 8 heads, dim 128):
+//   attention.sgemm          OpenBLAS sgemm 2048^3 on the same threads (the FLOP ceiling)
+//   attention.loom           loom::attention::forward, openmp, N = 8192, causal and full
+//   attention.materialised   OpenBLAS QKᵀ into an N x N score matrix per head, row softmax, PV
+//   attention.loom_backward  loom::attention::backward at the same shape
+//   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
+//                            P = 1 is the local kernel on one thread. Counter wait_fraction: the
+//                            share of each rank's time spent waiting on transfers.
+// GFLOP/s counts 4 d flops per visible (query, key) pair (QKᵀ and PV), for every implementation,
+// so the materialised baseline's rate is what it achieves on the useful work.
+
+#include <loom/attention/local.hpp>
+#include <loom/attention/ring.hpp>
+#include <loom/backend/openmp.hpp>
+#include <loom/backend/serial.hpp>
+#include <loom/comm/local.hpp>
+
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cblas.h>
+#include <chrono>
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace {
+
+namespace la = loom::attention;
+using loom::index_t;
+
+constexpr index_t heads = 8, dim = 128;
+
+std::vector<float> random_vector(std::size_t n, unsigned seed) {
+  std::mt19937 g(seed);
+  std::uniform_real_distribution<float> d(-1.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+struct qkv {
+  index_t n;
+  std::vector<float> q, k, v, out, dout, dq, dk, dv;
+  std::vector<float> lse;
+  explicit qkv(index_t n_)
+      : n(n_),
+        q(random_vector(static_cast<std::size_t>(n * heads * dim), 1)),
+        k(random_vector(q.size(), 2)),
+        v(random_vector(q.size(), 3)),
+        out(q.size()),
+        dout(random_vector(q.size(), 4)),
+        dq(q.size()),
+        dk(q.size()),
+        dv(q.size()),
+        lse(static_cast<std::size_t>(n * heads)) {}
+  loom::tensor_view<const float, 3> c(const std::vector<float>& x) const { return {x.data(), {n, heads, dim}}; }
+  loom::tensor_view<float, 3> m(std::vector<float>& x) const { return {x.data(), {n, heads, dim}}; }
+};
+
+qkv& data(index_t n) {
+  static qkv d(n);
+  return d;
+}
+
+double pairs(index_t n, bool causal) {
+  return causal ? static_cast<double>(n) * static_cast<double>(n + 1) / 2
+                : static_cast<double>(n) * static_cast<double>(n);
+}
+
+void set_flops(benchmark::State& state, double flops) {
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
+void sgemm(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  const index_t n = 2048;
+  const auto a = random_vector(static_cast<std::size_t>(n * n), 5), b = random_vector(a.size(), 6);
+  std::vector<float> c(a.size());
+  openblas_set_num_threads(threads);
+  for (auto _ : state)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(n),
+                static_cast<int>(n), 1.0f, a.data(), static_cast<int>(n), b.data(), static_cast<int>(n), 0.0f, c.data(),
+                static_cast<int>(n));
+  openblas_set_num_threads(1);
+  set_flops(state, 2.0 * n * n * n);
+}
+
+void loom_forward(benchmark::State& state) {
+  const bool causal = state.range(0) != 0;
+  const int threads = static_cast<int>(state.range(1));
+  auto& d = data(8192);
+  const std::vector<index_t> cu{0, d.n};
+  const loom::tensor_view<const index_t, 1> cuv(cu.data(), {2});
+  la::options opt;
+  opt.causal = causal;
+  for (auto _ : state)
+    la::forward(loom::openmp{threads}, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.m(d.out),
+                loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}), opt);
+  set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));
+}
+
+void loom_backward(benchmark::State& state) {
+  const bool causal = state.range(0) != 0;
+  const int threads = static_cast<int>(state.range(1));
+  auto& d = data(8192);
+  const std::vector<index_t> cu{0, d.n};
+  const loom::tensor_view<const index_t, 1> cuv(cu.data(), {2});
+  la::options opt;
+  opt.causal = causal;
+  const loom::openmp b{threads};
+  la::forward(b, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.m(d.out), loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}),
+              opt);
+  for (auto _ : state)
+    la::backward(b, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.c(d.out),
+                 loom::tensor_view<const float, 2>(d.lse.data(), {d.n, heads}), d.c(d.dout), d.m(d.dq), d.m(d.dk),
+                 d.m(d.dv), opt);
+  set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));  // the forward's count: time ratios read directly
+}
+
+// Materialised: per head, S = Q Kᵀ (N x N) by sgemm, masked row softmax, O = P V by sgemm.
+void materialised(benchmark::State& state) {
+  const bool causal = state.range(0) != 0;
+  const int threads = static_cast<int>(state.range(1));
+  auto& d = data(8192);
+  const index_t n = d.n;
+  std::vector<float> s(static_cast<std::size_t>(n * n));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
+  openblas_set_num_threads(threads);
+  const int ld = static_cast<int>(heads * dim);
+  for (auto _ : state) {
+    for (index_t h = 0; h < heads; ++h) {
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(n),
+                  static_cast<int>(dim), scale, d.q.data() + h * dim, ld, d.k.data() + h * dim, ld, 0.0f, s.data(),
+                  static_cast<int>(n));
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (index_t i = 0; i < n; ++i) {
+        float* row = s.data() + i * n;
+        const index_t end = causal ? i + 1 : n;
+        float mx = -INFINITY;
+        for (index_t j = 0; j < end; ++j) mx = std::max(mx, row[j]);
+        float sum = 0;
+        for (index_t j = 0; j < end; ++j) sum += (row[j] = std::exp(row[j] - mx));
+        const float inv = 1.0f / sum;
+        for (index_t j = 0; j < end; ++j) row[j] *= inv;
+        for (index_t j = end; j < n; ++j) row[j] = 0.0f;
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(dim),
+                  static_cast<int>(n), 1.0f, s.data(), static_cast<int>(n), d.v.data() + h * dim, ld, 0.0f,
+                  d.out.data() + h * dim, ld);
+    }
+  }
+  openblas_set_num_threads(1);
+  set_flops(state, 4.0 * dim * heads * pairs(n, causal));
+  state.counters["extra_MiB"] = static_cast<double>(n * n * 4) / (1 << 20);
+}
+
+// Wall time spent in comm.wait, per rank.
+struct timed {
+  using request = loom::comm::local::request;
+  loom::comm::local* c;
+  double* waited;
+  int rank() const { return c->rank(); }
+  int size() const { return c->size(); }
+  template <class T>
+  request isend(std::span<T> s, int d, int t) {
+    return c->isend(s, d, t);
+  }
+  template <class T>
+  request irecv(std::span<T> r, int s, int t) {
+    return c->irecv(r, s, t);
+  }
+  void wait(request& r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    c->wait(r);
+    *waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  template <class S, class R>
+  void sendrecv(std::span<S> s, int d, std::span<R> r, int src, int t) {
+    c->sendrecv(s, d, r, src, t);
+  }
+  template <class S, class R>
+  void all_gather(std::span<S> s, std::span<R> r) {
+    c->all_gather(s, r);
+  }
+  template <class S, class R>
+  void all_to_all(std::span<S> s, std::span<R> r) {
+    c->all_to_all(s, r);
+  }
+  template <class S, class R>
+  void all_to_allv(std::span<S> s, std::span<const std::size_t> a, std::span<const std::size_t> b, std::span<R> r,
+                   std::span<const std::size_t> x, std::span<const std::size_t> y) {
+    c->all_to_allv(s, a, b, r, x, y);
+  }
+  template <class S, class R>
+  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    c->all_reduce(s, r, op);
+  }
+  template <class S, class R>
+  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    c->reduce_scatter(s, r, op);
+  }
+  template <class T>
+  void broadcast(std::span<T> d, int root) {
+    c->broadcast(d, root);
+  }
+  void barrier() { c->barrier(); }
+  timed split(int, int) { throw loom::error(loom::errc::unsupported, "timed::split"); }
+};
+
+void ring(benchmark::State& state) {
+  const int p = static_cast<int>(state.range(0));
+  auto& d = data(8192);
+  const std::vector<index_t> cu{0, d.n};
+  const auto plan = loom::shard::make_plan(std::span<const index_t>(cu), p, loom::shard::zigzag{});
+  // Each rank's rows, prepared once.
+  std::vector<std::vector<float>> q(static_cast<std::size_t>(p)), k(q.size()), v(q.size()), o(q.size()), l(q.size());
+  for (int r = 0; r < p; ++r) {
+    const auto n = static_cast<std::size_t>(plan.rank(r).tokens);
+    q[r].resize(n * heads * dim);
+    k[r].resize(q[r].size());
+    v[r].resize(q[r].size());
+    o[r].resize(q[r].size());
+    l[r].resize(n * heads);
+    plan.scatter<float>(r, d.q, heads * dim, q[r]);
+    plan.scatter<float>(r, d.k, heads * dim, k[r]);
+    plan.scatter<float>(r, d.v, heads * dim, v[r]);
+  }
+  double waited = 0, busy = 0;
+  for (auto _ : state) {
+    std::vector<double> w(static_cast<std::size_t>(p)), t(w.size());
+    loom::comm::run_local(p, [&](loom::comm::local& lc) {
+      const int r = lc.rank();
+      timed comm{&lc, &w[static_cast<std::size_t>(r)]};
+      const index_t n = plan.rank(r).tokens;
+      const auto t0 = std::chrono::steady_clock::now();
+      la::ring::forward(loom::serial{}, comm, la::ring::pass_kv{}, plan,
+                        loom::tensor_view<const float, 3>(q[r].data(), {n, heads, dim}),
+                        loom::tensor_view<const float, 3>(k[r].data(), {n, heads, dim}),
+                        loom::tensor_view<const float, 3>(v[r].data(), {n, heads, dim}),
+                        loom::tensor_view<float, 3>(o[r].data(), {n, heads, dim}),
+                        loom::tensor_view<float, 2>(l[r].data(), {n, heads}));
+      t[static_cast<std::size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    });
+    for (int r = 0; r < p; ++r) {
+      waited += w[static_cast<std::size_t>(r)];
+      busy += t[static_cast<std::size_t>(r)];
+    }
+  }
+  set_flops(state, 4.0 * dim * heads * pairs(d.n, true));
+  state.counters["wait_fraction"] = busy > 0 ? waited / busy : 0;
+}
+
+}  // namespace
+
+BENCHMARK(sgemm)
+    ->Name("attention.sgemm")
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(loom_forward)
+    ->Name("attention.loom")
+    ->ArgNames({"causal", "threads"})
+    ->Args({1, 2})
+    ->Args({0, 2})
+    ->Args({1, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(materialised)
+    ->Name("attention.materialised")
+    ->ArgNames({"causal", "threads"})
+    ->Args({1, 2})
+    ->Args({0, 2})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(loom_backward)
+    ->Name("attention.loom_backward")
+    ->ArgNames({"causal", "threads"})
+    ->Args({1, 2})
+    ->Args({0, 2})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(ring)
+    ->Name("attention.ring")
+    ->ArgName("P")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
