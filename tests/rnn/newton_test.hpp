@@ -94,6 +94,18 @@ struct mislabelled_cell {
   }
 };
 
+// A user cell declaring block_diagonal<2> with an odd state size (rejected).
+struct odd_block {
+  using value_type = double;
+  using structure = loom::scan::block_diagonal<2>;
+  LOOM_HD index_t state_size() const { return 3; }
+  LOOM_HD index_t input_size() const { return 3; }
+  LOOM_HD index_t param_size() const { return 0; }
+  LOOM_HD void step(const double*, const double*, double*) const {}
+  LOOM_HD void linearize(const double*, const double*, double*, double*) const {}
+  LOOM_HD void vjp(const double*, const double*, const double*, double*, double*) const {}
+};
+
 // The problem of one test: parameters, inputs, packed offsets and initial states (host copies).
 struct problem {
   index_t n = 0, d = 0, m = 0, segs = 1;
@@ -477,16 +489,6 @@ TEST_CASE("rnn: rejections" LOOM_BACKEND_TAG, "[rnn][errors]") {
   }
   {  // a block-diagonal<2> cell whose state size is odd cannot exist: LSTM state is 2u; a user
      // cell declaring block_diagonal<2> with d = 3 is rejected
-    struct odd_block {
-      using value_type = double;
-      using structure = loom::scan::block_diagonal<2>;
-      LOOM_HD index_t state_size() const { return 3; }
-      LOOM_HD index_t input_size() const { return 3; }
-      LOOM_HD index_t param_size() const { return 0; }
-      LOOM_HD void step(const double*, const double*, double*) const {}
-      LOOM_HD void linearize(const double*, const double*, double*, double*) const {}
-      LOOM_HD void vjp(const double*, const double*, const double*, double*, double*) const {}
-    };
     buffer<double> x3(std::vector<double>(30, 0.0));
     expect(
         [&] {

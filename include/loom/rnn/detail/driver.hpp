@@ -31,6 +31,11 @@ struct plus_op {
   LOOM_HD T operator()(T a, T b) const { return a + b; }
 };
 
+struct read_rows {
+  const double* p;
+  LOOM_HD double operator()(index_t i) const { return p[i]; }
+};
+
 //! n values from the backend's memory space to the host.
 template <backend B, class T>
 std::vector<T> read_back(const B& b, const T* p, index_t n) {
@@ -196,10 +201,6 @@ class engine {
     ctx_.all_max(v);
     return v;
   }
-  struct read_rows {
-    const double* p;
-    LOOM_HD double operator()(index_t i) const { return p[i]; }
-  };
 
   index_t a_elems(method m) const {
     if (m == method::picard) return 1;
