@@ -24,10 +24,10 @@ namespace loom::sparse {
 
 //! Machine figures the chooser needs. Rates are for the whole team of threads.
 struct cost_model {
-  double bandwidth_gbs = 19.0;  //!< streaming read bandwidth for A (GB/s)
-  double gemm_gflops = 180.0;   //!< dense GEMM rate at large N (GFLOP/s)
-  double decode_ns = 0.9;       //!< bitmap decode per stored nonzero (ns, whole team)
-  double fma_ns = 0.12;         //!< one multiply-add row element per nonzero and column (ns, whole team)
+  double bandwidth_gbs = 17.5;  //!< streaming read bandwidth for A (GB/s)
+  double gemm_gflops = 60.0;    //!< dense GEMM rate at the skinny N of decoding (GFLOP/s)
+  double decode_ns = 0.95;      //!< bitmap decode per stored nonzero (ns, whole team)
+  double fma_ns = 0.2;          //!< one multiply-add row element per nonzero and column (ns, whole team)
 };
 
 //! What choose() picked, with both predicted times (seconds) for M x K x N.
