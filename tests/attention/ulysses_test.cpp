@@ -1,0 +1,269 @@
+// Ulysses and hybrid Ulysses x ring sequence parallel attention over comm::local, forward and
+// backward, against the fp64 oracle: uneven sequence shards (T = 1021), uneven head splits,
+// GQA/MQA with fewer kv heads than ranks, packed documents, causal and full, fp64/fp32/bf16;
+// communication volume through a counting communicator; the planner's tables; rejections.
+
+#include <loom/attention/ulysses.hpp>
+#include <loom/backend/serial.hpp>
+#include <loom/comm/local.hpp>
+
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "oracle.hpp"
+
+using loom::index_t;
+namespace la = loom::attention;
+namespace lu = loom::attention::ulysses;
+// namespace lh = loom::attention::hybrid;
+namespace lt = loom::test;
+namespace shard = loom::shard;
+
+namespace {
+
+// Forwards to comm::local and counts the payload bytes each rank sends to other ranks
+// (point-to-point and all-to-all); agreement checks (all_gather) are counted apart.
+struct counters {
+  std::atomic<long> bytes{0}, meta{0};
+};
+struct counting {
+  using request = loom::comm::local::request;
+  std::shared_ptr<loom::comm::local> inner;
+  std::shared_ptr<counters> n;
+  int rank() const { return inner->rank(); }
+  int size() const { return inner->size(); }
+  template <class T>
+  request isend(std::span<T> s, int dest, int tag) {
+    n->bytes += static_cast<long>(s.size_bytes());
+    return inner->isend(s, dest, tag);
+  }
+  template <class T>
+  request irecv(std::span<T> r, int src, int tag) {
+    return inner->irecv(r, src, tag);
+  }
+  void wait(request& r) { inner->wait(r); }
+  template <class S, class R>
+  void sendrecv(std::span<S> s, int dest, std::span<R> r, int src, int tag) {
+    n->bytes += static_cast<long>(s.size_bytes());
+    inner->sendrecv(s, dest, r, src, tag);
+  }
+  template <class S, class R>
+  void all_gather(std::span<S> s, std::span<R> r) {
+    n->meta += static_cast<long>(s.size_bytes());
+    inner->all_gather(s, r);
+  }
+  template <class S, class R>
+  void all_to_all(std::span<S> s, std::span<R> r) {
+    n->bytes += static_cast<long>(s.size_bytes() - s.size_bytes() / static_cast<std::size_t>(size()));
+    inner->all_to_all(s, r);
+  }
+  template <class S, class R>
+  void all_to_allv(std::span<S> s, std::span<const std::size_t> sc, std::span<const std::size_t> sd, std::span<R> r,
+                   std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
+    for (int j = 0; j < size(); ++j)
+      if (j != rank()) n->bytes += static_cast<long>(sc[static_cast<std::size_t>(j)] * sizeof(S));
+    inner->all_to_allv(s, sc, sd, r, rc, rd);
+  }
+  template <class S, class R>
+  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    inner->all_reduce(s, r, op);
+  }
+  template <class S, class R>
+  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
+    inner->reduce_scatter(s, r, op);
+  }
+  template <class T>
+  void broadcast(std::span<T> d, int root) {
+    inner->broadcast(d, root);
+  }
+  void barrier() { inner->barrier(); }
+  counting split(int color, int key) {  // the sub-communicator counts into the same counters
+    return {std::make_shared<loom::comm::local>(inner->split(color, key)), n};
+  }
+};
+static_assert(loom::comm::communicator<counting>);
+
+struct global_inputs {
+  lt::attn_shape s;
+  std::vector<index_t> cu;
+  std::vector<double> q, k, v, dout;
+  lt::attn_result want;
+};
+
+global_inputs make_global(lt::attn_shape s, std::vector<index_t> cu, std::uint64_t seed) {
+  s.tq = s.tk = cu.back();
+  global_inputs g{s,
+                  cu,
+                  lt::uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed),
+                  lt::uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1),
+                  lt::uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2),
+                  lt::uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3),
+                  {}};
+  const auto c = lt::packed(cu);
+  g.want = lt::attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
+  return g;
+}
+
+struct sp_result {
+  std::vector<double> out, lse, dq, dk, dv;
+  std::vector<long> fwd_bytes, bwd_bytes;  // per rank
+};
+
+// A method: tokens(r), scatter/gather of rows, and the calls on one rank.
+template <class T>
+struct rank_io {
+  index_t n;
+  std::vector<T> q, k, v, dout, out, dq, dk, dv;
+  std::vector<la::accum_t<T>> lse;
+};
+
+template <class T, class Plan>
+rank_io<T> take_rows(const Plan& plan, int r, const global_inputs& g) {
+  const auto& s = g.s;
+  rank_io<T> io;
+  io.n = plan.tokens(r);
+  auto rows = [&](const std::vector<double>& global, index_t row) {
+    std::vector<double> local(static_cast<std::size_t>(io.n * row));
+    plan.scatter(r, std::span<const double>(global), row, std::span<double>(local));
+    return std::vector<T>(local.begin(), local.end());
+  };
+  io.q = rows(g.q, s.hq * s.dk);
+  io.k = rows(g.k, s.hkv * s.dk);
+  io.v = rows(g.v, s.hkv * s.dv);
+  io.dout = rows(g.dout, s.hq * s.dv);
+  io.out.assign(static_cast<std::size_t>(io.n * s.hq * s.dv), T(0));
+  io.lse.assign(static_cast<std::size_t>(io.n * s.hq), 0);
+  io.dq.assign(io.q.size(), T(0));
+  io.dk.assign(io.k.size(), T(0));
+  io.dv.assign(io.v.size(), T(0));
+  return io;
+}
+
+// The shard::plan viewed through the interface of hybrid::plan (tokens, scatter, gather).
+struct seq_plan {
+  const shard::plan* p;
+  index_t tokens(int r) const { return p->rank(r).tokens; }
+  void scatter(int r, std::span<const double> g, index_t row, std::span<double> l) const { p->scatter(r, g, row, l); }
+  void gather(int r, std::span<const double> l, index_t row, std::span<double> g) const { p->gather(r, l, row, g); }
+};
+
+// Runs `fwd` and, when bwd, `bwd_fn` on p in-process ranks; gathers global results.
+template <class T, class Plan, class Fwd, class Bwd>
+sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd, Bwd bwd_fn) {
+  using Acc = la::accum_t<T>;
+  const auto& s = g.s;
+  sp_result res;
+  res.out.assign(g.want.out.size(), 0.0);
+  res.lse.assign(g.want.lse.size(), 0.0);
+  res.dq.assign(g.q.size(), 0.0);
+  res.dk.assign(g.k.size(), 0.0);
+  res.dv.assign(g.v.size(), 0.0);
+  res.fwd_bytes.assign(static_cast<std::size_t>(p), 0);
+  res.bwd_bytes.assign(static_cast<std::size_t>(p), 0);
+  std::mutex mu;
+  const la::options opt{s.causal, s.window, s.scale};
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    counting comm{std::make_shared<loom::comm::local>(lc), std::make_shared<counters>()};
+    const int r = comm.rank();
+    auto io = take_rows<T>(plan, r, g);
+    const index_t n = io.n;
+    const loom::tensor_view<const T, 3> qv(io.q.data(), {n, s.hq, s.dk}), kv(io.k.data(), {n, s.hkv, s.dk}),
+        vv(io.v.data(), {n, s.hkv, s.dv});
+    fwd(comm, qv, kv, vv, loom::tensor_view<T, 3>(io.out.data(), {n, s.hq, s.dv}),
+        loom::tensor_view<Acc, 2>(io.lse.data(), {n, s.hq}), opt);
+    res.fwd_bytes[static_cast<std::size_t>(r)] = comm.n->bytes;
+    if (bwd) {
+      bwd_fn(comm, qv, kv, vv, loom::tensor_view<const T, 3>(io.out.data(), {n, s.hq, s.dv}),
+             loom::tensor_view<const Acc, 2>(io.lse.data(), {n, s.hq}),
+             loom::tensor_view<const T, 3>(io.dout.data(), {n, s.hq, s.dv}),
+             loom::tensor_view<T, 3>(io.dq.data(), {n, s.hq, s.dk}),
+             loom::tensor_view<T, 3>(io.dk.data(), {n, s.hkv, s.dk}),
+             loom::tensor_view<T, 3>(io.dv.data(), {n, s.hkv, s.dv}), opt);
+      res.bwd_bytes[static_cast<std::size_t>(r)] = comm.n->bytes - res.fwd_bytes[static_cast<std::size_t>(r)];
+    }
+    auto widen = [](const auto& x) {
+      std::vector<double> w(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) w[i] = static_cast<double>(x[i]);
+      return w;
+    };
+    std::lock_guard<std::mutex> lock(mu);
+    plan.gather(r, widen(io.out), s.hq * s.dv, res.out);
+    plan.gather(r, widen(io.lse), s.hq, res.lse);
+    if (bwd) {
+      plan.gather(r, widen(io.dq), s.hq * s.dk, res.dq);
+      plan.gather(r, widen(io.dk), s.hkv * s.dk, res.dk);
+      plan.gather(r, widen(io.dv), s.hkv * s.dv, res.dv);
+    }
+  });
+  return res;
+}
+
+template <class T = double>
+sp_result run_ulysses(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
+  const lu::plan up(plan, {g.s.hq, g.s.hkv, g.s.dk, g.s.dv});
+  return run<T>(
+      g, p, seq_plan{&plan}, bwd,
+      [&](counting& c, auto q, auto k, auto v, auto o, auto l, const la::options& opt) {
+        std::vector<std::max_align_t> ws(up.workspace_bytes<T>() / sizeof(std::max_align_t) + 1);
+        lu::forward(loom::serial{}, c, up, q, k, v, o, l, opt, std::as_writable_bytes(std::span(ws)));
+      },
+      [&](counting& c, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
+          const la::options& opt) { lu::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, opt); });
+}
+
+void check(const sp_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
+  INFO(what);
+  lt::require_close(got.out, g.want.out, tol, "out");
+  std::vector<double> a = got.lse, b = g.want.lse;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::isinf(b[i])) {
+      REQUIRE(std::isinf(a[i]));
+      a[i] = b[i] = 0;
+    }
+  lt::require_close(a, b, tol, "lse");
+  if (!bwd) return;
+  lt::require_close(got.dq, g.want.dq, tol, "dq");
+  lt::require_close(got.dk, g.want.dk, tol, "dk");
+  lt::require_close(got.dv, g.want.dv, tol, "dv");
+}
+
+template <class S>
+shard::plan plan_of(const std::vector<index_t>& cu, int p) {
+  return shard::make_plan(std::span<const index_t>(cu), p, S{});
+}
+
+const std::vector<index_t> docs{0, 1, 8, 138, 141, 1021};  // lengths 1, 7, 130, 3, 880: T = 1021 (prime)
+
+}  // namespace
+
+TEST_CASE("ulysses: fp64 equals the oracle, P = 2..8, heads 8/12/5 with kv heads 1, 2, 4", "[attention][ulysses]") {
+  const lt::tolerance tol{1e-10, 1e-10};
+  struct cfg {
+    index_t hq, hkv;
+    bool causal;
+    std::vector<int> ps;
+  };
+  const std::vector<cfg> cfgs{{8, 2, true, {2, 3, 4, 6, 8}},
+                              {8, 1, false, {3, 8}},
+                              {12, 4, true, {2, 3, 4, 6, 8}},
+                              {5, 1, true, {2, 3, 4}},
+                              {12, 2, false, {8}}};
+  std::uint64_t seed = 400;
+  for (const auto& c : cfgs) {
+    const auto g = make_global({0, 0, c.hq, c.hkv, 8, 8, c.causal}, docs, seed += 10);
+    for (int p : c.ps) {
+      INFO("heads " << c.hq << "/" << c.hkv << ", P = " << p << ", causal " << c.causal);
+      const bool zig = p % 2 == 1;
+      const auto plan = zig ? plan_of<shard::zigzag>(docs, p) : plan_of<shard::contiguous>(docs, p);
+      check(run_ulysses(g, p, plan, true), g, true, tol, "ulysses");
+    }
+  }
+}
