@@ -13,6 +13,7 @@
 #include <loom/attention/ring.hpp>
 #include <loom/backend/openmp.hpp>
 #include <loom/backend/serial.hpp>
+#include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 
 #include <benchmark/benchmark.h>
@@ -158,59 +159,6 @@ void materialised(benchmark::State& state) {
   state.counters["extra_MiB"] = static_cast<double>(n * n * 4) / (1 << 20);
 }
 
-// Wall time spent in comm.wait, per rank.
-struct timed {
-  using request = loom::comm::local::request;
-  loom::comm::local* c;
-  double* waited;
-  int rank() const { return c->rank(); }
-  int size() const { return c->size(); }
-  template <class T>
-  request isend(std::span<T> s, int d, int t) {
-    return c->isend(s, d, t);
-  }
-  template <class T>
-  request irecv(std::span<T> r, int s, int t) {
-    return c->irecv(r, s, t);
-  }
-  void wait(request& r) {
-    const auto t0 = std::chrono::steady_clock::now();
-    c->wait(r);
-    *waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
-  template <class S, class R>
-  void sendrecv(std::span<S> s, int d, std::span<R> r, int src, int t) {
-    c->sendrecv(s, d, r, src, t);
-  }
-  template <class S, class R>
-  void all_gather(std::span<S> s, std::span<R> r) {
-    c->all_gather(s, r);
-  }
-  template <class S, class R>
-  void all_to_all(std::span<S> s, std::span<R> r) {
-    c->all_to_all(s, r);
-  }
-  template <class S, class R>
-  void all_to_allv(std::span<S> s, std::span<const std::size_t> a, std::span<const std::size_t> b, std::span<R> r,
-                   std::span<const std::size_t> x, std::span<const std::size_t> y) {
-    c->all_to_allv(s, a, b, r, x, y);
-  }
-  template <class S, class R>
-  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    c->all_reduce(s, r, op);
-  }
-  template <class S, class R>
-  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    c->reduce_scatter(s, r, op);
-  }
-  template <class T>
-  void broadcast(std::span<T> d, int root) {
-    c->broadcast(d, root);
-  }
-  void barrier() { c->barrier(); }
-  timed split(int, int) { throw loom::error(loom::errc::unsupported, "timed::split"); }
-};
-
 void ring(benchmark::State& state) {
   const int p = static_cast<int>(state.range(0));
   auto& d = data(8192);
@@ -234,7 +182,7 @@ void ring(benchmark::State& state) {
     std::vector<double> w(static_cast<std::size_t>(p)), t(w.size());
     loom::comm::run_local(p, [&](loom::comm::local& lc) {
       const int r = lc.rank();
-      timed comm{&lc, &w[static_cast<std::size_t>(r)]};
+      loom::comm::counting<loom::comm::local> comm(lc);
       const index_t n = plan.rank(r).tokens;
       const auto t0 = std::chrono::steady_clock::now();
       la::ring::forward(loom::serial{}, comm, la::ring::pass_kv{}, plan,
@@ -244,6 +192,7 @@ void ring(benchmark::State& state) {
                         loom::tensor_view<float, 3>(o[r].data(), {n, heads, dim}),
                         loom::tensor_view<float, 2>(l[r].data(), {n, heads}));
       t[static_cast<std::size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      w[static_cast<std::size_t>(r)] = comm.counts().wait_seconds();
     });
     for (int r = 0; r < p; ++r) {
       waited += w[static_cast<std::size_t>(r)];
@@ -283,6 +232,7 @@ BENCHMARK(loom_backward)
     ->ArgNames({"causal", "threads"})
     ->Args({1, 2})
     ->Args({0, 2})
+    ->Args({1, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(ring)

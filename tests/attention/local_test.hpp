@@ -24,12 +24,8 @@ namespace lt = loom::test;
 
 namespace {
 
-using space = loom::backend_traits<backend_under_test>::memory_space;
-
-template <class T, std::size_t R>
-loom::tensor_view<T, R, space> view(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
-  return loom::tensor_view<T, R, space>(b.data(), ext);
-}
+using loom::test::space;
+using loom::test::view_of;
 
 template <class T>
 std::vector<T> cast(const std::vector<double>& x) {
@@ -73,17 +69,17 @@ run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::v
   buffer<Acc> lse(static_cast<std::size_t>(s.tq * s.hq));
   buffer<index_t> cub(cu);
   const la::options opt{s.causal, s.window, s.scale};
-  const auto cuv = view<const index_t, 1>(cub, {static_cast<index_t>(cu.size())});
-  la::forward(b, view<const T, 3>(q, {s.tq, s.hq, s.dk}), view<const T, 3>(k, {s.tk, s.hkv, s.dk}),
-              view<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view<T, 3>(out, {s.tq, s.hq, s.dv}),
-              view<Acc, 2>(lse, {s.tq, s.hq}), opt);
+  const auto cuv = view_of<const index_t, 1>(cub, {static_cast<index_t>(cu.size())});
+  la::forward(b, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+              view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+              view_of<Acc, 2>(lse, {s.tq, s.hq}), opt);
   run_result<T> r{widen(out.to_host()), widen(lse.to_host()), {}, {}, {}};
   if (bwd) {
-    la::backward(b, view<const T, 3>(q, {s.tq, s.hq, s.dk}), view<const T, 3>(k, {s.tk, s.hkv, s.dk}),
-                 view<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view<const T, 3>(out, {s.tq, s.hq, s.dv}),
-                 view<const Acc, 2>(lse, {s.tq, s.hq}), view<const T, 3>(dout, {s.tq, s.hq, s.dv}),
-                 view<T, 3>(dq, {s.tq, s.hq, s.dk}), view<T, 3>(dk, {s.tk, s.hkv, s.dk}),
-                 view<T, 3>(dv, {s.tk, s.hkv, s.dv}), opt);
+    la::backward(b, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                 view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
+                 view_of<const Acc, 2>(lse, {s.tq, s.hq}), view_of<const T, 3>(dout, {s.tq, s.hq, s.dv}),
+                 view_of<T, 3>(dq, {s.tq, s.hq, s.dk}), view_of<T, 3>(dk, {s.tk, s.hkv, s.dk}),
+                 view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), opt);
     r.dq = widen(dq.to_host());
     r.dk = widen(dk.to_host());
     r.dv = widen(dv.to_host());
@@ -205,26 +201,26 @@ TEST_CASE("attention: rejections" LOOM_BACKEND_TAG, "[attention][errors]") {
       l(std::vector<float>(60));
   const std::vector<index_t> cu{0, 10};
   buffer<index_t> cub(cu);
-  const auto cuv = view<const index_t, 1>(cub, {2});
-  const auto qv = view<const float, 3>(q, {10, 6, 8});
-  const auto ov = view<float, 3>(o, {10, 6, 8});
-  const auto lv = view<float, 2>(l, {10, 6});
+  const auto cuv = view_of<const index_t, 1>(cub, {2});
+  const auto qv = view_of<const float, 3>(q, {10, 6, 8});
+  const auto ov = view_of<float, 3>(o, {10, 6, 8});
+  const auto lv = view_of<float, 2>(l, {10, 6});
   CHECK_THROWS_WITH(
-      la::forward(b, qv, view<const float, 3>(k, {10, 4, 8}), view<const float, 3>(v, {10, 4, 8}), cuv, ov, lv),
+      la::forward(b, qv, view_of<const float, 3>(k, {10, 4, 8}), view_of<const float, 3>(v, {10, 4, 8}), cuv, ov, lv),
       Catch::Contains("q heads (6) must be a multiple of kv heads (4)"));
   CHECK_THROWS_WITH(
-      la::forward(b, qv, view<const float, 3>(k, {10, 2, 16}), view<const float, 3>(v, {10, 2, 16}), cuv, ov, lv),
+      la::forward(b, qv, view_of<const float, 3>(k, {10, 2, 16}), view_of<const float, 3>(v, {10, 2, 16}), cuv, ov, lv),
       Catch::Contains("shape_mismatch") && Catch::Contains("k (dim must match q's) must be [10, 2, 8]"));
-  const auto kv = view<const float, 3>(k, {10, 2, 8});
-  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, view<float, 3>(o, {10, 6, 7}), lv),
+  const auto kv = view_of<const float, 3>(k, {10, 2, 8});
+  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, view_of<float, 3>(o, {10, 6, 7}), lv),
                     Catch::Contains("out must be [10, 6, 8]"));
-  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, view<float, 2>(l, {6, 10})),
+  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, view_of<float, 2>(l, {6, 10})),
                     Catch::Contains("lse must be [10, 6]"));
   if constexpr (space::host_accessible) {
     auto bad = [&](std::vector<index_t> c, const char* what) {
       buffer<index_t> cb(c);
       CHECK_THROWS_WITH(
-          la::forward(b, qv, kv, kv, view<const index_t, 1>(cb, {static_cast<index_t>(c.size())}), ov, lv),
+          la::forward(b, qv, kv, kv, view_of<const index_t, 1>(cb, {static_cast<index_t>(c.size())}), ov, lv),
           Catch::Contains("cu_seqlens") && Catch::Contains(what));
     };
     bad({0, 6, 4, 10}, "non-decreasing");

@@ -5,6 +5,7 @@
 #include <loom/attention/bidirectional.hpp>
 #include <loom/attention/ring.hpp>
 #include <loom/backend/serial.hpp>
+#include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 
 #include <support/random.hpp>
@@ -27,62 +28,6 @@ namespace lt = loom::test;
 namespace shard = loom::shard;
 
 namespace {
-
-// A communicator that forwards to comm::local and counts point-to-point messages and bytes.
-struct counters {
-  std::atomic<long> sends{0}, bytes{0};
-};
-struct counting {
-  using request = loom::comm::local::request;
-  loom::comm::local* inner;
-  std::shared_ptr<counters> n;
-  int rank() const { return inner->rank(); }
-  int size() const { return inner->size(); }
-  template <class T>
-  request isend(std::span<T> s, int dest, int tag) {
-    ++n->sends;
-    n->bytes += static_cast<long>(s.size_bytes());
-    return inner->isend(s, dest, tag);
-  }
-  template <class T>
-  request irecv(std::span<T> r, int src, int tag) {
-    return inner->irecv(r, src, tag);
-  }
-  void wait(request& r) { inner->wait(r); }
-  template <class S, class R>
-  void sendrecv(std::span<S> s, int dest, std::span<R> r, int src, int tag) {
-    ++n->sends;
-    inner->sendrecv(s, dest, r, src, tag);
-  }
-  template <class S, class R>
-  void all_gather(std::span<S> s, std::span<R> r) {
-    inner->all_gather(s, r);
-  }
-  template <class S, class R>
-  void all_to_all(std::span<S> s, std::span<R> r) {
-    inner->all_to_all(s, r);
-  }
-  template <class S, class R>
-  void all_to_allv(std::span<S> s, std::span<const std::size_t> sc, std::span<const std::size_t> sd, std::span<R> r,
-                   std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
-    inner->all_to_allv(s, sc, sd, r, rc, rd);
-  }
-  template <class S, class R>
-  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    inner->all_reduce(s, r, op);
-  }
-  template <class S, class R>
-  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    inner->reduce_scatter(s, r, op);
-  }
-  template <class T>
-  void broadcast(std::span<T> d, int root) {
-    inner->broadcast(d, root);
-  }
-  void barrier() { inner->barrier(); }
-  counting split(int, int) { throw loom::error(loom::errc::unsupported, "counting::split"); }
-};
-static_assert(loom::comm::communicator<counting>);
 
 struct global_inputs {
   lt::attn_shape s;
@@ -134,7 +79,7 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
   std::vector<long> sends(static_cast<std::size_t>(p));
   const la::options opt{s.causal, s.window, s.scale};
   loom::comm::run_local(p, [&](loom::comm::local& lc) {
-    counting comm{&lc, std::make_shared<counters>()};
+    loom::comm::counting<loom::comm::local> comm(lc);
     const int r = comm.rank();
     const index_t n = plan.rank(r).tokens;
     auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
@@ -145,7 +90,7 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
         vv(v.data(), {n, s.hkv, s.dv});
     lr::forward(loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
                 loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), opt);
-    sends[static_cast<std::size_t>(r)] = comm.n->sends;
+    sends[static_cast<std::size_t>(r)] = comm.counts().messages;
     if (bwd) {
       using BV = std::conditional_t<std::is_same_v<V, lr::bidirectional_kv>, lr::pass_kv, V>;
       lr::backward(

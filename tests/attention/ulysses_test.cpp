@@ -3,6 +3,8 @@
 // GQA/MQA with fewer kv heads than ranks, packed documents, causal and full, fp64/fp32/bf16;
 // communication volume through a counting communicator; the planner's tables; rejections.
 
+#include <loom/attention/hybrid.hpp>
+#include <loom/attention/planner.hpp>
 #include <loom/attention/ulysses.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/local.hpp>

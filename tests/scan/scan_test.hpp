@@ -26,12 +26,8 @@ namespace lt = loom::test;
 
 namespace {
 
-using space = loom::backend_traits<backend_under_test>::memory_space;
-
-template <class T, std::size_t R>
-loom::tensor_view<T, R, space> view(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
-  return loom::tensor_view<T, R, space>(b.data(), ext);
-}
+using loom::test::space;
+using loom::test::view_of;
 
 template <class T>
 bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
@@ -77,15 +73,15 @@ std::vector<typename M::value_type> run_scan(const B& b, const M& m, const std::
   buffer<T> in(x), out(x.size());
   buffer<index_t> off(offsets);
   ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, block};
-  auto vi = view<const T, 1>(in, {n});
-  auto vo = view<T, 1>(out, {n});
+  auto vi = view_of<const T, 1>(in, {n});
+  auto vo = view_of<T, 1>(out, {n});
   if (offsets.empty()) {
     if (exclusive)
       ls::exclusive_scan(b, m, vi, vo, init, opt);
     else
       ls::inclusive_scan(b, m, vi, vo, opt);
   } else {
-    auto vf = view<const index_t, 1>(off, {static_cast<index_t>(offsets.size())});
+    auto vf = view_of<const index_t, 1>(off, {static_cast<index_t>(offsets.size())});
     if (exclusive)
       ls::segmented_exclusive_scan(b, m, vi, vo, vf, init, opt);
     else
@@ -152,16 +148,16 @@ TEST_CASE("scan: plus in fp32 against the fp64 oracle; same bits as serial" LOOM
 TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
   const auto b = make_backend();
   buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(9));
-  const auto vi = view<const float, 1>(in, {10});
-  CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, view<float, 1>(out, {9})),
+  const auto vi = view_of<const float, 1>(in, {10});
+  CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, view_of<float, 1>(out, {9})),
                     Catch::Contains("shape_mismatch") && Catch::Contains("out must have 10 elements"));
   buffer<float> out10(std::vector<float>(10));
-  const auto vo = view<float, 1>(out10, {10});
+  const auto vo = view_of<float, 1>(out10, {10});
   if constexpr (space::host_accessible) {
     auto bad = [&](std::vector<index_t> o, const char* what) {
       buffer<index_t> off(o);
       CHECK_THROWS_WITH(ls::segmented_inclusive_scan(b, ls::plus<float>{}, vi, vo,
-                                                     view<const index_t, 1>(off, {static_cast<index_t>(o.size())})),
+                                                     view_of<const index_t, 1>(off, {static_cast<index_t>(o.size())})),
                         Catch::Contains("invalid_argument") && Catch::Contains(what));
     };
     bad({1, 10}, "offsets[0] must be 0");
@@ -225,25 +221,25 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence(
   buffer<index_t> ob(offsets);
   auto av = [&] {
     if constexpr (St::a_rank == 1)
-      return view<const T, 1>(ab, {n});
+      return view_of<const T, 1>(ab, {n});
     else if constexpr (St::a_rank == 2)
-      return view<const T, 2>(ab, {n, d});
+      return view_of<const T, 2>(ab, {n, d});
     else if constexpr (St::a_rank == 3)
-      return view<const T, 3>(ab, {n, d, d});
+      return view_of<const T, 3>(ab, {n, d, d});
     else
-      return view<const T, 4>(ab, {n, d / St::block, St::block, St::block});
+      return view_of<const T, 4>(ab, {n, d / St::block, St::block, St::block});
   }();
   const auto offv = offsets.empty() ? loom::tensor_view<const index_t, 1, space>{}
-                                    : view<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
-  const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view<const T, 2>(ib, {segs, d});
-  const auto finv = view<T, 2>(fb, {segs, d});
+                                    : view_of<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
+  const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view_of<const T, 2>(ib, {segs, d});
+  const auto finv = view_of<T, 2>(fb, {segs, d});
   ls::options opt;
   opt.block = block;
   if (!adjoint)
-    ls::linear_recurrence(b, St{}, av, view<const T, 2>(bb, {n, d}), view<T, 2>(hb, {n, d}),
+    ls::linear_recurrence(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}),
                           ls::segments<T, space>{offv, initv, finv}, opt);
   else
-    ls::linear_recurrence_adjoint(b, St{}, av, view<const T, 2>(bb, {n, d}), view<T, 2>(hb, {n, d}),
+    ls::linear_recurrence_adjoint(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}),
                                   ls::adjoint_segments<T, space>{offv, initv, finv}, opt);
   return {to_double(hb.to_host()), to_double(fb.to_host())};
 }
@@ -430,32 +426,33 @@ TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]
   const auto b = make_backend();
   const index_t n = 10, d = 6;
   buffer<float> ab(std::vector<float>(n * d * 4, 0.5f)), bb(std::vector<float>(n * d)), hb(std::vector<float>(n * d));
-  const auto bv = view<const float, 2>(bb, {n, d});
-  const auto hv = view<float, 2>(hb, {n, d});
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n - 1, d}), bv, hv),
+  const auto bv = view_of<const float, 2>(bb, {n, d});
+  const auto hv = view_of<float, 2>(hb, {n, d});
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n - 1, d}), bv, hv),
                     Catch::Contains("shape_mismatch") && Catch::Contains("A must have 10 time steps"));
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d + 1}), bv, hv),
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d + 1}), bv, hv),
                     Catch::Contains("diagonal A must be [T, 6]"));
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::block_diagonal<4>{}, view<const float, 4>(ab, {n, 1, 4, 4}), bv, hv),
-                    Catch::Contains("invalid_argument") && Catch::Contains("divisible by 4, got d = 6"));
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::dense{}, view<const float, 3>(ab, {n, d, 4}), bv, hv),
-                    Catch::Contains("dense A must be [T, 6, 6]"));
   CHECK_THROWS_WITH(
-      ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, view<float, 2>(hb, {n, d - 1})),
-      Catch::Contains("h must be [10, 6]"));
+      ls::linear_recurrence(b, ls::block_diagonal<4>{}, view_of<const float, 4>(ab, {n, 1, 4, 4}), bv, hv),
+      Catch::Contains("invalid_argument") && Catch::Contains("divisible by 4, got d = 6"));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::dense{}, view_of<const float, 3>(ab, {n, d, 4}), bv, hv),
+                    Catch::Contains("dense A must be [T, 6, 6]"));
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv,
+                                          view_of<float, 2>(hb, {n, d - 1})),
+                    Catch::Contains("h must be [10, 6]"));
   // Rows must be contiguous: a view with a gap between the elements of one row.
   const loom::tensor_view<const float, 2, space> gappy(ab.data(), {n, d}, {2 * d, 2});
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, gappy, bv, hv),
                     Catch::Contains("A must be contiguous within a time step"));
   buffer<float> ib(std::vector<float>(2 * d));
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, hv,
-                                          ls::segments<float, space>{{}, view<const float, 2>(ib, {2, d}), {}}),
+  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv,
+                                          ls::segments<float, space>{{}, view_of<const float, 2>(ib, {2, d}), {}}),
                     Catch::Contains("initial must be [1, 6] (one row per segment)"));
   if constexpr (space::host_accessible) {
     const std::vector<index_t> o{0, 11};
     buffer<index_t> ob(o);
-    CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view<const float, 2>(ab, {n, d}), bv, hv,
-                                            ls::segments<float, space>{view<const index_t, 1>(ob, {2}), {}, {}}),
+    CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv,
+                                            ls::segments<float, space>{view_of<const index_t, 1>(ob, {2}), {}, {}}),
                       Catch::Contains("must equal the sequence length 10, got 11"));
   }
 }

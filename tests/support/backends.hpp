@@ -10,6 +10,8 @@
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/serial.hpp>
 
+#include <array>
+#include <type_traits>
 #include <vector>
 
 #if defined(LOOM_TEST_BACKEND_SERIAL)
@@ -44,6 +46,9 @@ inline backend_under_test make_backend() { return {}; }
 #endif
 
 namespace loom::test {
+
+//! The memory space of the backend under test.
+using space = typename backend_traits<backend_under_test>::memory_space;
 
 //! n elements in the memory space of the backend under test, initialised from `init`.
 template <class T>
@@ -85,5 +90,11 @@ class buffer {
   T* ptr_ = nullptr;
   std::vector<T> host_;
 };
+
+//! A row-major view of a buffer with the given extents (T may be const).
+template <class T, std::size_t R>
+tensor_view<T, R, space> view_of(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
+  return tensor_view<T, R, space>(b.data(), ext);
+}
 
 }  // namespace loom::test

@@ -18,6 +18,7 @@
 #include <loom/attention/options.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
+#include <loom/core/segments.hpp>
 #include <loom/scan/detail/validate.hpp>
 
 #include <cmath>
@@ -132,14 +133,7 @@ struct coords_from_offsets {
   index_t* doc;
   index_t* pos;
   LOOM_HD void operator()(index_t t) const {
-    index_t lo = 0, hi = segments - 1;  // the last segment whose start is <= t
-    while (lo < hi) {
-      const index_t mid = lo + (hi - lo + 1) / 2;
-      if (offsets[mid] <= t)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
+    const index_t lo = segment_of(offsets, segments, t);
     doc[t] = lo;
     pos[t] = t - offsets[lo];
   }

@@ -43,6 +43,17 @@ problem check_forward(const Q& q, const K& k, const V& v, const O& out, const L&
   return pb;
 }
 
+template <class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
+problem check_backward(const Q& q, const K& k, const V& v, const O& out, const L& lse, const DO& dout, const DQ& dq,
+                       const DK& dk, const DV& dv, const options& opt, std::string_view call) {
+  const problem pb = check_forward(q, k, v, out, lse, opt, call);
+  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
+  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
+  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
+  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  return pb;
+}
+
 //! Posts the transfer of `cur` to the next rank and of the previous rank's block into `next`.
 template <comm::communicator C, class T>
 void post_shift(C& comm, std::vector<typename C::request>& reqs, const block3<T>& cur, block3<T>& next,
@@ -101,11 +112,7 @@ void backward(const B& b, C& comm, pass_kv, const shard::plan& plan, Q q, K k, V
               DV dv, const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::backward(pass_kv)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  const problem pb = check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call);
   check_agreement(comm, plan, pb, opt, call);
   using T = typename K::value_type;
   using Acc = accum_t<typename Q::value_type>;

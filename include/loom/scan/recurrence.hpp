@@ -16,6 +16,7 @@
 //! O(d²) dense (O(d³) per step inside block aggregates for dense). Deterministic: same bits on
 //! every backend and thread count for the same options.block.
 
+#include <loom/core/segments.hpp>
 #include <loom/scan/detail/engine.hpp>
 #include <loom/scan/detail/recurrence_kernel.hpp>
 #include <loom/scan/detail/validate.hpp>
@@ -211,14 +212,7 @@ struct transition_gradient_step {
   LOOM_HD double prev(index_t t, index_t c) const {
     index_t s = -1;  // the segment that starts at t, if one does
     if (offsets) {
-      index_t lo = 0, hi = segs;  // the last segment whose start is <= t
-      while (lo < hi) {
-        const index_t mid = lo + (hi - lo + 1) / 2;
-        if (offsets[mid] <= t)
-          lo = mid;
-        else
-          hi = mid - 1;
-      }
+      const index_t lo = segment_of(offsets, segs, t);
       if (offsets[lo] == t) s = lo;
     } else if (t == 0) {
       s = 0;

@@ -79,11 +79,7 @@ void backward(const B& b, C& comm, pass_q, const shard::plan& plan, Q q, K k, V 
               DV dv, const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::backward(pass_q)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  const problem pb = check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call);
   check_agreement(comm, plan, pb, opt, call);
   using T = typename Q::value_type;
   using Acc = accum_t<T>;
@@ -194,11 +190,7 @@ void backward(const B& b, C& comm, all_gather_kv, const shard::plan& plan, Q q, 
               DK dk, DV dv, const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::backward(all_gather_kv)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  const problem pb = check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call);
   check_agreement(comm, plan, pb, opt, call);
   using Acc = accum_t<typename Q::value_type>;
   const int p = comm.size();

@@ -6,6 +6,7 @@
 //! so the same code serves one device and one rank of a sequence-parallel solve.
 
 #include <loom/config.hpp>
+#include <loom/core/segments.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/rnn/detail/math.hpp>
 
@@ -20,16 +21,7 @@ struct row_map {
   index_t base = 0;  //!< global index of local row 0
   LOOM_HD index_t segment_of(index_t t) const {
     if (!offsets) return 0;
-    const index_t g = base + t;
-    index_t lo = 0, hi = segs - 1;  // the last sequence whose start is <= g
-    while (lo < hi) {
-      const index_t mid = lo + (hi - lo + 1) / 2;
-      if (offsets[mid] <= g)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
-    return lo;
+    return loom::segment_of(offsets, segs, base + t);
   }
   LOOM_HD bool starts(index_t t, index_t s) const { return offsets ? offsets[s] == base + t : base + t == 0; }
 };
