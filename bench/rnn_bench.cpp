@@ -69,7 +69,7 @@ void newton(benchmark::State& st) {
                            loom::tensor_view<const float, 2>{}, loom::tensor_view<float, 2>(p.h.data(), {p.n, p.d}),
                            solver_options());
   }
-  st.counters["iterations"] = rep.iterations;
+  st.counters["newton_iterations"] = rep.iterations;
   st.counters["converged"] = rep.all_converged() ? 1 : 0;
 }
 
@@ -87,7 +87,7 @@ void sp(benchmark::State& st) {
       if (comm.rank() == 0) iterations = rep.iterations;
     });
   }
-  st.counters["iterations"] = iterations;
+  st.counters["newton_iterations"] = iterations;
 }
 
 void sizes(benchmark::internal::Benchmark* bm, bool threads) {
