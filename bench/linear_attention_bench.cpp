@@ -145,6 +145,7 @@ BENCHMARK(chunked)
     ->ArgNames({"T", "threads"})
     ->Args({8192, 2})
     ->Args({32768, 2})
+    ->Args({32768, 1})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(recurrent)

@@ -105,6 +105,36 @@ run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o =
   return r;
 }
 
+//! Runs the plan form of the forward with the plan's path and head group set by hand.
+template <class P>
+run_result run_plan(const problem& p, index_t chunk, bool fused, index_t group) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const auto b = make_backend();
+  const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
+  buffer<S> q(cast<S>(p.q)), k(cast<S>(p.k)), v(cast<S>(p.v)), o(static_cast<std::size_t>(T * H * p.dv));
+  buffer<A> lg(cast<A>(p.lg)), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)),
+      fin(static_cast<std::size_t>(docs * H * sz));
+  la::operands<P, space> x{mk(static_cast<const S*>(q.data()), {T, H, p.dk}),
+                           mk(static_cast<const S*>(k.data()), {T, H, p.dk}),
+                           mk(static_cast<const S*>(v.data()), {T, H, p.dv})};
+  if (!p.init.empty()) x.initial_state = mk(static_cast<const A*>(init.data()), {docs, H, p.dk, p.dv});
+  auto pl = la::make_plan<P>(b, p.cu, H, p.dk, p.dv, {.chunk = chunk, .scale = p.scale});
+  pl.fused = fused;
+  pl.head_group = group;
+  buffer<std::byte> ws(pl.template forward_workspace_bytes<space>());
+  const std::span<std::byte> wsp(ws.data(), ws.size());
+  const auto fin_v = mk(fin.data(), {docs, H, p.dk, p.dv});
+  const auto o_v = mk(o.data(), {T, H, p.dv});
+  if (p.mode == gating::none)
+    la::forward(b, pl, la::no_decay{}, x, o_v, fin_v, wsp);
+  else if (p.mode == gating::fixed)
+    la::forward(b, pl, la::fixed_decay<A, space>{mk(static_cast<const A*>(hlg.data()), {H})}, x, o_v, fin_v, wsp);
+  else
+    la::forward(b, pl, la::scalar_gate<A, space>{mk(static_cast<const A*>(lg.data()), {T, H})}, x, o_v, fin_v, wsp);
+  return {widen(o.to_host()), widen(fin.to_host()), {}, {}, {}, {}, {}};
+}
+
 //! Tolerance of precision P, its absolute part scaled by the RMS of the oracle values: the
 //! outputs are sums of O(chunk + state) products, so their rounding scales with that magnitude.
 template <class P>
@@ -219,5 +249,46 @@ TEST_CASE("linear_attention::backward matches the analytic oracle", "[linear_att
     check_backward<loom::fp64>(p, chunk, what + " fp64");
     check_backward<loom::fp32>(p, chunk, what + " fp32");
     check_backward<loom::bf16>(p, chunk, what + " bf16");
+  }
+}
+
+TEST_CASE("linear_attention::forward: the fused and the chunk-parallel paths give the same bits for any head group",
+          "[linear_attention][forward][paths]" LOOM_BACKEND_TAG) {
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const index_t T = 301, H = 5;
+  const auto p = loom::test::la::make_problem(T, H, 8, 4, mode, loom::test::la::random_docs(T, 4, 9), true, 40);
+  for (index_t chunk : {index_t{7}, index_t{64}}) {
+    const auto ref = run_plan<loom::fp32>(p, chunk, false, 1);
+    for (bool fused : {false, true})
+      for (index_t group : {index_t{1}, index_t{2}, index_t{3}, index_t{5}}) {
+        INFO(name(mode) << " C=" << chunk << " fused=" << fused << " group=" << group);
+        const auto got = run_plan<loom::fp32>(p, chunk, fused, group);
+        REQUIRE(got.o == ref.o);
+        REQUIRE(got.fin == ref.fin);
+      }
+    check_forward<loom::fp32>(p, chunk, std::string(name(mode)) + " paths");
+  }
+}
+
+TEST_CASE("linear_attention::forward with strong gates (decay factors evaluated per element)",
+          "[linear_attention][forward][strong]" LOOM_BACKEND_TAG) {
+  const auto mode = GENERATE(gating::fixed, gating::scalar);
+  const index_t T = 200, H = 3;
+  auto p = loom::test::la::make_problem(T, H, 8, 4, mode, {0, 70, 200}, true, 50);
+  // Chunk log-decays far below -40: exp(b_i) exp(-b_j) would overflow, so every factor is an exp
+  // of a difference <= 0; a mild head keeps the factored form in the same run.
+  const auto strong = loom::test::uniform<double>(T * H, -6.0, -0.5, 51);
+  for (index_t h = 0; h < H; ++h) {
+    p.head_lg[static_cast<std::size_t>(h)] = h == 0 ? -0.01 : -1.5 * static_cast<double>(h);
+    for (index_t t = 0; t < T; ++t)
+      p.lg[static_cast<std::size_t>(t * H + h)] = mode == gating::fixed
+                                                      ? p.head_lg[static_cast<std::size_t>(h)]
+                                                      : (h == 0 ? -0.01 : strong[static_cast<std::size_t>(t * H + h)]);
+  }
+  for (index_t chunk : {index_t{16}, index_t{64}}) {
+    const std::string what = std::string(name(mode)) + " strong C=" + std::to_string(chunk);
+    check_forward<loom::fp64>(p, chunk, what + " fp64");
+    check_forward<loom::fp32>(p, chunk, what + " fp32");
+    check_backward<loom::fp64>(p, chunk, what + " fp64");
   }
 }

@@ -46,12 +46,14 @@ auto with_gating(const problem& p, index_t from, index_t to, F&& f) {
   return f(la::scalar_gate<double>{mk(p.lg.data() + from * p.H, {to - from, p.H})});
 }
 
-//! Tokens [from, to) of the problem through LASP-2 on one rank (fp64, openmp with 1 thread).
+//! Tokens [from, to) of the problem through LASP-2 on one rank (fp64, openmp with `threads`
+//! threads: with 1 the chunk states come from one scan per (document, head group), with 2 and a
+//! single document in the slice from the chunk-parallel phases).
 template <class C>
 void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::vector<double>& d_o,
-              const std::vector<double>& dfin, la::exchange ex, outputs& out, std::mutex& mu) {
+              const std::vector<double>& dfin, la::exchange ex, outputs& out, std::mutex& mu, int threads) {
   const index_t n = to - from, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
-  const loom::openmp b{.threads = 1};
+  const loom::openmp b{.threads = threads};
   la::operands<loom::fp64> x{mk(p.q.data() + from * H * dk, {n, H, dk}), mk(p.k.data() + from * H * dk, {n, H, dk}),
                              mk(p.v.data() + from * H * dv, {n, H, dv})};
   if (!p.init.empty()) x.initial_state = mk(p.init.data(), {docs, H, dk, dv});
@@ -82,7 +84,7 @@ void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::ve
 }
 
 outputs lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
-              const std::vector<double>& dfin, la::exchange ex) {
+              const std::vector<double>& dfin, la::exchange ex, int threads = 1) {
   outputs out{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
               std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
               std::vector<double>(p.init.size())};
@@ -90,7 +92,7 @@ outputs lasp2(const problem& p, const std::vector<index_t>& splits, const std::v
   const int P = static_cast<int>(splits.size()) - 1;
   loom::comm::run_local(P, [&](loom::comm::local& comm) {
     const auto r = static_cast<std::size_t>(comm.rank());
-    run_rank(comm, p, splits[r], splits[r + 1], d_o, dfin, ex, out, mu);
+    run_rank(comm, p, splits[r], splits[r + 1], d_o, dfin, ex, out, mu, threads);
   });
   return out;
 }
@@ -143,6 +145,7 @@ TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[li
   const int P = GENERATE(1, 2, 3, 4, 7);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
   const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const int threads = GENERATE(1, 2);
   const index_t T = 157;
   // Documents crossing ranks, a single-token and an empty document, and long ones.
   const std::vector<index_t> cu{0, 40, 41, 41, 100, 157};
@@ -151,8 +154,8 @@ TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[li
   const auto dfin = loom::test::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 42);
   const auto want = single(p, d_o, dfin, 64);
   for (const auto& splits : {even_splits(T, P, static_cast<std::uint64_t>(P)), even_splits(T, P, 99)}) {
-    const auto got = lasp2(p, splits, d_o, dfin, ex);
-    compare(got, want, {1e-11, 1e-11}, "P=" + std::to_string(P));
+    const auto got = lasp2(p, splits, d_o, dfin, ex, threads);
+    compare(got, want, {1e-11, 1e-11}, "P=" + std::to_string(P) + " threads=" + std::to_string(threads));
   }
 }
 

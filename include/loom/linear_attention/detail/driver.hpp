@@ -28,6 +28,14 @@ struct plan {
   using accum_type = typename P::accum_type;
   index_t tokens = 0, heads = 0, dk = 0, dv = 0, docs = 0, chunk = 0, lanes = 1;
   accum_type scale = accum_type(1);
+  //! The forward runs per (document, head), the state kept in the lane's scratch, instead of in
+  //! three launches over (chunk, head) items with a chunk-state buffer. make_plan chooses it when
+  //! the (document, head) items balance over the backend's threads; both give the same bits. Set
+  //! it before asking for the workspace size (the fused forward needs no chunk-state buffer).
+  bool fused = false;
+  //! Heads per forward work item (1 .. max_head_group; their rows are loaded together).
+  index_t head_group = 1;
+  index_t head_groups() const { return (heads + head_group - 1) / head_group; }
   detail::chunk_table table;
   std::vector<index_t> cu;
 
@@ -37,11 +45,11 @@ struct plan {
   struct blocks {
     detail::chunk_info* chunks;
     index_t *doc_chunk, *cu;
-    accum_type *states, *log_decay, *scratch, *adj, *db, *fin;
+    accum_type *states, *log_decay, *cum, *scratch, *adj, *db, *fin;
     std::size_t bytes;
   };
   template <class Space>
-  blocks carve(std::byte* base, bool backward) const {
+  blocks carve(std::byte* base, bool backward, bool incoming = false) const {
     detail::carver c(base);
     blocks w{};
     if constexpr (!Space::host_accessible) {
@@ -50,9 +58,11 @@ struct plan {
       w.cu = c.take<index_t>(docs + 1);
     }
     const index_t sz = dk * dv;
-    w.states = c.take<accum_type>(chunks() * heads * sz);
-    w.log_decay = c.take<accum_type>(chunks() * heads);
-    w.scratch = c.take<accum_type>(lanes * detail::lane_floats(chunk, dk, dv));
+    const bool buffered = backward || incoming || !fused;
+    w.states = c.take<accum_type>(buffered ? chunks() * heads * sz : 0);
+    w.log_decay = c.take<accum_type>(buffered ? chunks() * heads : 0);
+    w.cum = c.take<accum_type>(buffered ? chunks() * heads : 0);
+    w.scratch = c.take<accum_type>(lanes * detail::lane_floats(chunk, dk, dv, head_group));
     if (backward) {
       w.adj = c.take<accum_type>(chunks() * heads * sz);
       w.db = c.take<accum_type>(tokens * heads);
@@ -65,6 +75,11 @@ struct plan {
   template <class Space = host_memory>
   std::size_t forward_workspace_bytes() const {
     return carve<Space>(nullptr, false).bytes;
+  }
+  //! Bytes of workspace the forward with a state entering document 0 (LASP-2) needs.
+  template <class Space = host_memory>
+  std::size_t incoming_workspace_bytes() const {
+    return carve<Space>(nullptr, false, true).bytes;
   }
   //! Bytes of workspace backward needs.
   template <class Space = host_memory>
@@ -98,6 +113,37 @@ plan<P> make_plan(const B& b, std::span<const index_t> cu_seqlens, index_t heads
   p.chunk = opt.chunk;
   p.lanes = opt.lanes > 0 ? opt.lanes : 4 * static_cast<index_t>(backend_traits<B>::concurrency(b));
   if (p.lanes < 1) p.lanes = 1;
+  // Head groups: the largest that leaves every thread 4 (chunk, group) items. Fused (per document
+  // and group) with the largest group whose items, dealt round-robin to the lanes, balance over the
+  // threads; always on one thread.
+  const index_t threads = static_cast<index_t>(backend_traits<B>::concurrency(b)) > 1
+                              ? static_cast<index_t>(backend_traits<B>::concurrency(b))
+                              : 1;
+  const index_t gmax = heads < detail::max_head_group ? (heads > 1 ? heads : 1) : detail::max_head_group;
+  p.head_group = gmax;
+  while (p.head_group > 1 && p.chunks() * p.head_groups() < 4 * threads) --p.head_group;
+  for (index_t g = gmax; g >= 1 && heads > 0 && p.docs > 0; --g) {
+    const index_t groups = (heads + g - 1) / g, items = p.docs * groups;
+    const index_t lanes = items < p.lanes ? items : p.lanes;
+    bool ok = threads == 1;
+    if (!ok && lanes >= threads && (lanes % threads == 0 || lanes >= 4 * threads)) {
+      std::vector<index_t> load(static_cast<std::size_t>(lanes), 0);
+      index_t most = 0;
+      for (index_t it = 0; it < items; ++it) {
+        const index_t d = it / groups, h0 = it % groups * g;
+        index_t& x = load[static_cast<std::size_t>(it % lanes)];
+        x += (cu_seqlens[static_cast<std::size_t>(d) + 1] - cu_seqlens[static_cast<std::size_t>(d)]) *
+             (h0 + g < heads ? g : heads - h0);
+        most = x > most ? x : most;
+      }
+      ok = 4 * most * lanes <= 5 * p.tokens * heads;  // the busiest lane at most 1.25 x the mean
+    }
+    if (ok) {
+      p.fused = true;
+      p.head_group = g;
+      break;
+    }
+  }
   p.scale = static_cast<typename P::accum_type>(scale);
   p.cu.assign(cu_seqlens.begin(), cu_seqlens.end());
   return p;
@@ -122,16 +168,16 @@ void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
 //! Validates the workspace and builds the kernels' problem over it.
 template <class B, class P, class Gating, class Space>
 auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
-           bool backward) {
+           bool backward, bool incoming = false) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   check_operands(x, pl.tokens, pl.heads, pl.dk, pl.dv, pl.docs);
-  const auto need = pl.template carve<Space>(nullptr, backward).bytes;
+  const auto need = pl.template carve<Space>(nullptr, backward, incoming).bytes;
   LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, "workspace: expected at least ", need, " bytes, got ",
                ws.size());
   LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
                "workspace: expected an address aligned to ", alignof(std::max_align_t), " bytes");
-  auto w = pl.template carve<Space>(ws.data(), backward);
+  auto w = pl.template carve<Space>(ws.data(), backward, incoming);
   problem<S, A, Space> p;
   p.q = x.q;
   p.k = x.k;
@@ -158,7 +204,9 @@ auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P
   p.states = w.states;
   p.log_decay = w.log_decay;
   p.scratch = w.scratch;
-  p.lane_stride = lane_floats(pl.chunk, pl.dk, pl.dv);
+  p.lane_stride = lane_floats(pl.chunk, pl.dk, pl.dv, pl.head_group);
+  p.group = pl.head_group;
+  p.groups = pl.head_groups();
   return std::pair{p, w};
 }
 
@@ -170,30 +218,57 @@ void launch(const B& b, K k, index_t items, index_t lanes) {
   for_each_index(b, k.p.lanes, k);
 }
 
-struct no_op {
-  void operator()() const {}
-};
-
-//! The forward pass; `between` runs after the state pass (final states are written) and before
-//! the output kernel (LASP-2 posts its exchange there).
-template <class B, class P, class Gating, class Space, class Between = no_op>
+//! The forward pass: fused per (document, head) or in three launches, as the plan says.
+template <class B, class P, class Gating, class Space>
 void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                  tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
-                 std::span<std::byte> ws, Between&& between = {}) {
+                 std::span<std::byte> ws) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false);
   expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
   check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
-  const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
-  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
-  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), present(fin) ? fin.data() : nullptr}, doc_items,
-         pl.lanes);
-  if constexpr (!std::is_same_v<std::remove_cvref_t<Between>, no_op>) {
-    fence(b);
-    between();
+  const index_t chunk_items = pl.chunks() * pl.head_groups(), doc_items = pl.docs * pl.heads;
+  A* fin_p = present(fin) ? fin.data() : nullptr;
+  if (pl.fused) {
+    launch(b, fused_kernel<S, A, Space>{p, o, x.initial_state.data(), fin_p}, pl.docs * pl.head_groups(), pl.lanes);
+    return;
   }
-  launch(b, output_kernel<S, A, Space>{p, o}, chunk_items, pl.lanes);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, nullptr}, doc_items, pl.lanes);
+  launch(b, output_kernel<S, A, Space>{p, o, 0, pl.chunks()}, chunk_items, pl.lanes);
+}
+
+//! The forward with a state entering document 0 from outside (LASP-2): the chunk states (one scan
+//! per (document, head group) when the plan is fused, else phases 1 and 2), then post() (final
+//! states written), runs the output of documents 1.. (which do
+//! not depend on it), then finish(), which returns that incoming state [H, dk, dv] (or null),
+//! and runs the output of document 0 with it folded into the chunk states: S0 + exp(B) X.
+template <class B, class P, class Gating, class Space, class Post, class Finish>
+void run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                          tensor_view<typename P::storage_type, 3, Space> o,
+                          tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, Post&& post,
+                          Finish&& finish) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  auto [p, w] = setup(b, pl, gating, x, ws, false, true);
+  expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
+  check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
+  const index_t groups = pl.head_groups(), doc_items = pl.docs * pl.heads;
+  A* fin_p = present(fin) ? fin.data() : nullptr;
+  if (pl.fused) {
+    launch(b, state_scan_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, w.cum}, pl.docs * groups, pl.lanes);
+  } else {
+    launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes);
+    launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, w.cum}, doc_items, pl.lanes);
+  }
+  fence(b);
+  post();
+  const index_t split = pl.docs > 0 ? pl.table.doc_chunk[1] : 0;
+  launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes);
+  fence(b);
+  const A* incoming = finish();
+  launch(b, output_kernel<S, A, Space>{p, o, 0, split, incoming, w.cum}, split * groups, pl.lanes);
 }
 
 template <class B, class P, class Gating, class Space>
@@ -220,9 +295,9 @@ void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const ope
                  "d_log_gate: expected an empty view (only scalar_gate has a gate gradient)");
   const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
   const bool with_fin = gated && present(dfin);
-  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * pl.head_groups(), pl.lanes);
   A* fin = fin_out ? fin_out : with_fin ? w.fin : nullptr;
-  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin}, doc_items, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin, nullptr}, doc_items, pl.lanes);
   launch(b, adjoint_chunk_kernel<S, A, Space>{p, d_o, w.adj}, chunk_items, pl.lanes);
   launch(b, adjoint_pass_kernel<S, A, Space>{p, w.adj, dfin.data(), g.d_initial_state.data()}, doc_items, pl.lanes);
   launch(b, gradient_kernel<S, A, Space>{p, d_o, g.dq, g.dk, g.dv, w.adj, gated ? w.db : nullptr}, chunk_items,

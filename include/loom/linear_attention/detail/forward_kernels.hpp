@@ -6,7 +6,15 @@
 //! (inclusive, so b is non-increasing), a = exp(b_{n-1}) the chunk's decay, S0 the state before it:
 //!   o_i   = scale (exp(b_i) S0^T q_i + sum_{j<=i} exp(b_i - b_j) (q_i . k_j) v_j)
 //!   S_end = a S0 + L,   L = sum_j exp(b_{n-1} - b_j) k_j v_j^T
-//! Only differences b_i - b_j with j <= i (and b_i itself) are exponentiated: all are <= 0.
+//! Only values <= 0 are exponentiated, directly or as exp(b_i) exp(-b_j) when the chunk's total
+//! log-decay is small enough (>= -decay_split) that both factors stay well inside the range: no
+//! overflow for any log-gate magnitude.
+//!
+//! Every product is a small dense one, C (C x n) += A (C x K) B (K x n), done by tile_product on
+//! tile_rows x tile_cols tiles whose accumulators the compiler keeps in vector registers (unit
+//! stride over the tile's columns, the A element broadcast). The lane's scratch holds the chunk's
+//! operands zero-padded to multiples of tile_cols, so every tile is full and every loop is a
+//! fixed-trip, unit-stride one.
 
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
@@ -19,6 +27,16 @@ namespace loom::linear_attention::detail {
 LOOM_HD inline float exp_acc(float x) { return expf(x); }
 LOOM_HD inline double exp_acc(double x) { return exp(x); }
 
+//! S <- a S + L, the one expression every state pass uses (so the fused and the chunk-parallel
+//! paths produce the same bits).
+template <class A>
+LOOM_HD inline A decay_add(A a, A s, A l) {
+  return a * s + l;
+}
+
+//! The largest -b_{n-1} for which exp(b_i - b_j) is evaluated as exp(b_i) exp(-b_j).
+inline constexpr double decay_split = 40.0;
+
 //! Log-gate of token t, head h: 0 (no decay), log_gate[h] (fixed) or log_gate[t*st + h*sh].
 template <class A>
 struct gate_ref {
@@ -28,6 +46,37 @@ struct gate_ref {
   LOOM_HD A operator()(index_t t, index_t h) const { return log_gate ? log_gate[t * stride_t + h * stride_h] : A(0); }
 };
 
+//! c[R x W] (row stride ldc) = sum_{k < n1} a1(r, k) b1[k, :] + sum_{k < n2} a2(r, k) b2[k, :], with
+//! a(r, k) = a[r * ar + k * ak] and b rows of W contiguous elements (row stride ldb). Fixed loop
+//! order (k ascending, first term then second): the bits depend on nothing but the operands.
+template <class A>
+LOOM_HD inline void tile_product(A* c, index_t ldc, const A* a1, index_t ar1, index_t ak1, const A* b1, index_t ldb1,
+                                 index_t n1, const A* a2, index_t ar2, index_t ak2, const A* b2, index_t ldb2,
+                                 index_t n2) {
+  constexpr index_t R = tile_rows, W = tile_cols;
+  A acc[R][W];
+  for (index_t r = 0; r < R; ++r)
+    for (index_t x = 0; x < W; ++x) acc[r][x] = A(0);
+  for (index_t k = 0; k < n1; ++k) {
+    const A* bk = b1 + k * ldb1;
+    const A* ak = a1 + k * ak1;
+    for (index_t r = 0; r < R; ++r) {
+      const A av = ak[r * ar1];
+      for (index_t x = 0; x < W; ++x) acc[r][x] += av * bk[x];
+    }
+  }
+  for (index_t k = 0; k < n2; ++k) {
+    const A* bk = b2 + k * ldb2;
+    const A* ak = a2 + k * ak2;
+    for (index_t r = 0; r < R; ++r) {
+      const A av = ak[r * ar2];
+      for (index_t x = 0; x < W; ++x) acc[r][x] += av * bk[x];
+    }
+  }
+  for (index_t r = 0; r < R; ++r)
+    for (index_t x = 0; x < W; ++x) c[r * ldc + x] = acc[r][x];
+}
+
 //! Everything a chunk kernel reads or writes; copied by value into every functor.
 template <class S, class A, class Space>
 struct problem {
@@ -36,6 +85,7 @@ struct problem {
   const chunk_info* chunks = nullptr;
   const index_t* doc_chunk = nullptr;
   index_t n_chunks = 0, docs = 0, heads = 0, dk = 0, dv = 0, c = 0;
+  index_t group = 1, groups = 0;  //!< heads per forward work item (<= max_head_group), ceil(H / group)
   A scale = A(1);
   A* states = nullptr;     //!< [chunks, H, dk, dv]: L of each chunk, then the state before it
   A* log_decay = nullptr;  //!< [chunks, H]: b_{n-1} of each chunk
@@ -44,7 +94,8 @@ struct problem {
 
   LOOM_HD A* state(index_t chunk, index_t h) const { return states + (chunk * heads + h) * dk * dv; }
 
-  //! Loads the chunk into the lane's scratch: Q [n, dk], K^T [dk, C], V [n, dv], b [n].
+  //! Loads the chunk into the lane's scratch: Q [n, dk], K^T [dk, C], V [n, dv], b [n]. (The
+  //! backward kernels' layout.)
   LOOM_HD void load(const chunk_info& ci, index_t h, A* qs, A* kt, A* vs, A* b) const {
     const index_t n = ci.end - ci.begin;
     A acc = A(0);
@@ -59,43 +110,242 @@ struct problem {
   }
 };
 
-//! Phase 1, per (chunk, head): L and the chunk's log-decay. Independent of every incoming state.
+//! Copies row (t, h) of x, times f, into dst[0, m) and zeros dst[m, mp).
+template <class S, class A, class Space>
+LOOM_HD inline void load_row(A* dst, const tensor_view<const S, 3, Space>& x, index_t t, index_t h, index_t m,
+                             index_t mp, A f) {
+  const S* src = x.data() + t * x.stride(0) + h * x.stride(1);
+  const index_t st = x.stride(2);
+  if (st == 1)
+    for (index_t d = 0; d < m; ++d) dst[d] = static_cast<A>(src[d]) * f;
+  else
+    for (index_t d = 0; d < m; ++d) dst[d] = static_cast<A>(src[d * st]) * f;
+  for (index_t d = m; d < mp; ++d) dst[d] = A(0);
+}
+
+//! One lane's scratch for the forward kernels on a group of g <= max_head_group heads of one
+//! chunk; every block padded: cp = C, kp = dk, vp = dv rounded up to tile_cols. Shared by the group:
+//!   pm [cp, cp]  the masked, decayed scores (then the chunk-state weights)
+//!   lt [kp, vp]  the chunk's own state L
+//! and per head slot s:
+//!   qs [cp, kp]  queries times scale (and exp(b_i) once the scores are done)
+//!   kt [kp, cp]  keys transposed; scaled in place by exp(b_{n-1} - b_j) for the chunk state
+//!   vs [cp, vp]  values        os [cp, vp]  the output tile        s0 [kp, vp]  the state before
+//!   b, u, w [cp] cumulative log-gate, exp(b), exp(-b)     ks [cp, kp]  keys as loaded
+//! The group's rows are staged token by token (consecutive heads are contiguous in memory), so the
+//! loads of a chunk stream through memory instead of striding over it.
+template <class A>
+struct lane_tiles {
+  index_t cp, kp, vp, slot;
+  A *pm, *lt, *slots;
+
+  LOOM_HD lane_tiles(A* base, index_t c, index_t dk, index_t dv)
+      : cp(round_up(c, tile_cols)), kp(round_up(dk, tile_cols)), vp(round_up(dv, tile_cols)) {
+    slot = forward_slot_floats(c, dk, dv);
+    pm = base;
+    lt = pm + cp * cp;
+    slots = lt + kp * vp;
+  }
+  LOOM_HD A* qs(index_t s) const { return slots + s * slot; }
+  LOOM_HD A* kt(index_t s) const { return qs(s) + cp * kp; }
+  LOOM_HD A* vs(index_t s) const { return kt(s) + kp * cp; }
+  LOOM_HD A* os(index_t s) const { return vs(s) + cp * vp; }
+  LOOM_HD A* s0(index_t s) const { return os(s) + cp * vp; }
+  LOOM_HD A* b(index_t s) const { return s0(s) + kp * vp; }
+  LOOM_HD A* u(index_t s) const { return b(s) + cp; }
+  LOOM_HD A* w(index_t s) const { return u(s) + cp; }
+  LOOM_HD A* ks(index_t s) const { return b(s) + round_up(3 * cp, tile_cols); }
+};
+
+//! The forward steps on one chunk and a group of heads, shared by the chunk-parallel and the fused
+//! kernels. Slot s holds head h0 + s.
+template <class S, class A, class Space>
+struct chunk_steps {
+  const problem<S, A, Space>& p;
+  const lane_tiles<A>& l;
+  index_t* cached;  //!< [max_head_group] fixed decay: the head whose b, u, w a slot holds (-1: none)
+
+  //! 0: no decay; 1: exp(b_i - b_j) = u_i w_j; 2: evaluated per element.
+  LOOM_HD int gates(const chunk_info& ch, index_t s, index_t h) const {
+    const index_t n = ch.end - ch.begin;
+    if (!p.gate.log_gate) return 0;
+    const bool fixed = p.gate.stride_t == 0;
+    A *b = l.b(s), *u = l.u(s), *w = l.w(s);
+    if (!fixed || cached[s] != h) {
+      // A fixed decay gives the same b for every chunk of the head: computed once for C tokens.
+      const index_t m = fixed ? p.c : n;
+      A acc = A(0);
+      for (index_t i = 0; i < m; ++i) {
+        acc += p.gate(ch.begin + i, h);
+        b[i] = acc;
+      }
+      const bool split = -static_cast<double>(b[m - 1]) <= decay_split;
+      for (index_t i = 0; i < m; ++i) u[i] = exp_acc(b[i]);
+      if (split)
+        for (index_t i = 0; i < m; ++i) w[i] = exp_acc(-b[i]);
+      cached[s] = fixed ? h : index_t(-1);
+    }
+    // For a fixed decay the split test of the first C tokens covers any shorter chunk.
+    return -static_cast<double>(b[fixed ? p.c - 1 : n - 1]) <= decay_split ? 1 : 2;
+  }
+
+  //! Stages heads h0 .. h0 + g - 1 of the chunk, token by token: K^T and V, and Q (times scale,
+  //! and exp(b_i) in mode 1) when `with_q`. Rows / columns past n are zero.
+  LOOM_HD void stage(const chunk_info& ch, index_t h0, index_t g, const int* mode, bool with_q) const {
+    const index_t n = ch.end - ch.begin, cp = l.cp, kp = l.kp, vp = l.vp;
+    for (index_t i = 0; i < n; ++i) {
+      const index_t t = ch.begin + i;
+      for (index_t s = 0; s < g; ++s) {
+        if (with_q) load_row(l.qs(s) + i * kp, p.q, t, h0 + s, p.dk, kp, mode[s] == 1 ? p.scale * l.u(s)[i] : p.scale);
+        load_row(l.ks(s) + i * kp, p.k, t, h0 + s, p.dk, kp, A(1));
+        load_row(l.vs(s) + i * vp, p.v, t, h0 + s, p.dv, vp, A(1));
+      }
+    }
+    for (index_t s = 0; s < g; ++s) {
+      for (index_t i = n; i < cp; ++i) {
+        if (with_q)
+          for (index_t d = 0; d < kp; ++d) l.qs(s)[i * kp + d] = A(0);
+        for (index_t e = 0; e < vp; ++e) l.vs(s)[i * vp + e] = A(0);
+      }
+      A *kt = l.kt(s), *ks = l.ks(s);
+      for (index_t i = n; i < cp; ++i)
+        for (index_t d = 0; d < kp; ++d) ks[i * kp + d] = A(0);
+      for (index_t i0 = 0; i0 < cp; i0 += tile_rows)
+        for (index_t d0 = 0; d0 < kp; d0 += tile_rows)
+          for (index_t i = i0; i < i0 + tile_rows; ++i)
+            for (index_t d = d0; d < d0 + tile_rows; ++d) kt[d * cp + i] = ks[i * kp + d];
+    }
+  }
+
+  //! The chunk's own state L = sum_j exp(b_{n-1} - b_j) k_j v_j^T of slot s into lt [kp, vp].
+  //! Scales kt(s) in place; uses pm as scratch.
+  LOOM_HD void chunk_state(index_t n, index_t s, int mode) const {
+    A* kt = l.kt(s);
+    if (mode != 0) {
+      const A *b = l.b(s), *u = l.u(s), *w = l.w(s);
+      A* f = l.pm;
+      const A last = b[n - 1], un = u[n - 1];
+      for (index_t j = 0; j < n; ++j) f[j] = mode == 1 ? un * w[j] : exp_acc(last - b[j]);
+      for (index_t d = 0; d < l.kp; ++d)
+        for (index_t j = 0; j < n; ++j) kt[d * l.cp + j] *= f[j];
+    }
+    for (index_t d0 = 0; d0 < l.kp; d0 += tile_rows)
+      for (index_t e0 = 0; e0 < l.vp; e0 += tile_cols)
+        tile_product(l.lt + d0 * l.vp + e0, l.vp, kt + d0 * l.cp, l.cp, index_t(1), l.vs(s) + e0, l.vp, n, kt, 0, 0,
+                     l.vs(s), 0, 0);
+  }
+
+  //! The masked decayed scores of slot s into pm; afterwards qs(s) rows carry scale exp(b_i).
+  LOOM_HD void scores(const chunk_info& ch, index_t s, int mode) const {
+    const index_t n = ch.end - ch.begin, cp = l.cp, kp = l.kp;
+    A *qs = l.qs(s), *pm = l.pm;
+    const A *b = l.b(s), *w = l.w(s);
+    for (index_t i0 = 0; i0 < n; i0 += tile_rows) {
+      const index_t jn = i0 + tile_rows < n ? i0 + tile_rows : n;  // columns the P V product reads
+      for (index_t j0 = 0; j0 < jn; j0 += tile_cols)
+        tile_product(pm + i0 * cp + j0, cp, qs + i0 * kp, kp, index_t(1), l.kt(s) + j0, cp, p.dk, qs, 0, 0, qs, 0, 0);
+      for (index_t i = i0; i < jn; ++i) {
+        A* row = pm + i * cp;
+        if (mode == 1) {
+          for (index_t j = 0; j <= i; ++j) row[j] *= w[j];
+        } else if (mode == 2) {
+          const A bi = b[i];
+          for (index_t j = 0; j <= i; ++j) row[j] *= exp_acc(bi - b[j]);
+        }
+        for (index_t j = i + 1; j < jn; ++j) row[j] = A(0);
+      }
+    }
+    if (mode == 2)
+      for (index_t i = 0; i < n; ++i) {
+        const A f = l.u(s)[i];
+        for (index_t d = 0; d < kp; ++d) qs[i * kp + d] *= f;
+      }
+  }
+
+  //! os(s) = P V + Q' S0 for the chunk's rows.
+  LOOM_HD void output(index_t n, index_t s) const {
+    const index_t cp = l.cp, kp = l.kp, vp = l.vp;
+    for (index_t i0 = 0; i0 < n; i0 += tile_rows) {
+      const index_t jn = i0 + tile_rows < n ? i0 + tile_rows : n;
+      for (index_t e0 = 0; e0 < vp; e0 += tile_cols)
+        tile_product(l.os(s) + i0 * vp + e0, vp, l.pm + i0 * cp, cp, index_t(1), l.vs(s) + e0, vp, jn,
+                     l.qs(s) + i0 * kp, kp, index_t(1), l.s0(s) + e0, vp, p.dk);
+    }
+  }
+
+  //! Writes the output tiles of heads h0 .. h0 + g - 1 to `o` (storage type), token by token.
+  LOOM_HD void write(const chunk_info& ch, index_t h0, index_t g, const tensor_view<S, 3, Space>& o) const {
+    const index_t st = o.stride(2);
+    for (index_t i = 0; i < ch.end - ch.begin; ++i)
+      for (index_t s = 0; s < g; ++s) {
+        S* dst = o.data() + (ch.begin + i) * o.stride(0) + (h0 + s) * o.stride(1);
+        const A* src = l.os(s) + i * l.vp;
+        if (st == 1)
+          for (index_t e = 0; e < p.dv; ++e) dst[e] = static_cast<S>(src[e]);
+        else
+          for (index_t e = 0; e < p.dv; ++e) dst[e * st] = static_cast<S>(src[e]);
+      }
+  }
+
+  //! s0(s) [kp, vp] from a dense [dk, dv] state (null: zero), plus f x (x null: nothing).
+  LOOM_HD void set_state(index_t s, const A* src, const A* x, A f) const {
+    for (index_t d = 0; d < l.kp; ++d) {
+      A* row = l.s0(s) + d * l.vp;
+      if (d < p.dk && src) {
+        const A* sr = src + d * p.dv;
+        if (x) {
+          const A* xr = x + d * p.dv;
+          for (index_t e = 0; e < p.dv; ++e) row[e] = sr[e] + f * xr[e];
+        } else {
+          for (index_t e = 0; e < p.dv; ++e) row[e] = sr[e];
+        }
+        for (index_t e = p.dv; e < l.vp; ++e) row[e] = A(0);
+      } else {
+        for (index_t e = 0; e < l.vp; ++e) row[e] = A(0);
+      }
+    }
+  }
+};
+
+//! Phase 1, per (chunk, head group): L and the chunk's log-decay. Independent of every incoming
+//! state.
 template <class S, class A, class Space>
 struct chunk_state_kernel {
   problem<S, A, Space> p;
   LOOM_HD void operator()(index_t lane) const {
-    A* base = p.scratch + lane * p.lane_stride;
-    A *qs = base, *kt = qs + p.c * p.dk, *vs = kt + p.dk * p.c, *b = vs + p.c * p.dv, *w = b + p.c;
-    for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
-      const index_t ci = item / p.heads, h = item % p.heads;
+    const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
+    index_t cached[max_head_group];
+    int mode[max_head_group];
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    const chunk_steps<S, A, Space> st{p, l, cached};
+    for (index_t item = lane; item < p.n_chunks * p.groups; item += p.lanes) {
+      const index_t ci = item / p.groups, h0 = item % p.groups * p.group;
+      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;
-      p.load(ch, h, qs, kt, vs, b);
-      const A last = b[n - 1];
-      for (index_t j = 0; j < n; ++j) w[j] = p.gate.log_gate ? exp_acc(last - b[j]) : A(1);
-      A* l = p.state(ci, h);
-      for (index_t x = 0; x < p.dk * p.dv; ++x) l[x] = A(0);
-      for (index_t d = 0; d < p.dk; ++d) {
-        A* row = l + d * p.dv;
-        for (index_t j = 0; j < n; ++j) {
-          const A kw = kt[d * p.c + j] * w[j];
-          const A* vj = vs + j * p.dv;
-          for (index_t e = 0; e < p.dv; ++e) row[e] += kw * vj[e];
-        }
+      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+      st.stage(ch, h0, g, mode, false);
+      for (index_t s = 0; s < g; ++s) {
+        st.chunk_state(n, s, mode[s]);
+        A* out = p.state(ci, h0 + s);
+        for (index_t d = 0; d < p.dk; ++d)
+          for (index_t e = 0; e < p.dv; ++e) out[d * p.dv + e] = l.lt[d * l.vp + e];
+        p.log_decay[ci * p.heads + h0 + s] = mode[s] == 0 ? A(0) : l.b(s)[n - 1];
       }
-      p.log_decay[ci * p.heads + h] = last;
     }
   }
 };
 
 //! Phase 2, per (document, head): the sequential pass over the document's chunks. Replaces each
 //! chunk's L by the state before the chunk; writes the document's final state when asked.
-//! init/fin: [docs, H, dk, dv] or null (a zero initial state; no final state).
+//! init/fin: [docs, H, dk, dv] or null (a zero initial state; no final state). cum (or null):
+//! [chunks, H], for the chunks of document 0, the log-decay from the document's start to the chunk.
 template <class S, class A, class Space>
 struct state_pass_kernel {
   problem<S, A, Space> p;
   const A* init = nullptr;
   A* fin = nullptr;
+  A* cum = nullptr;
   LOOM_HD void operator()(index_t lane) const {
     const index_t sz = p.dk * p.dv;
     A* run = p.scratch + lane * p.lane_stride;
@@ -103,13 +353,18 @@ struct state_pass_kernel {
       const index_t d = item / p.heads, h = item % p.heads;
       const A* s0 = init ? init + item * sz : nullptr;
       for (index_t x = 0; x < sz; ++x) run[x] = s0 ? s0[x] : A(0);
+      A before = A(0);
       for (index_t ci = p.doc_chunk[d]; ci < p.doc_chunk[d + 1]; ++ci) {
         A* l = p.state(ci, h);
         const A a = p.gate.log_gate ? exp_acc(p.log_decay[ci * p.heads + h]) : A(1);
+        if (cum && d == 0) {
+          cum[ci * p.heads + h] = before;
+          before += p.log_decay[ci * p.heads + h];
+        }
         for (index_t x = 0; x < sz; ++x) {
           const A tmp = l[x];
           l[x] = run[x];
-          run[x] = a * run[x] + tmp;
+          run[x] = decay_add(a, run[x], tmp);
         }
       }
       if (fin)
@@ -118,48 +373,137 @@ struct state_pass_kernel {
   }
 };
 
-//! Phase 3, per (chunk, head): o = intra-chunk masked product + inter-chunk Q S0, written once.
+//! Phase 3, per (chunk, head group) for chunks [first, last): o = intra-chunk masked product +
+//! inter-chunk Q S0, written once. incoming (or null): [H, dk, dv], a state entering document 0
+//! from outside (LASP-2), added to S0 of document 0's chunks with the decay cum [chunks, H] (see
+//! state_pass_kernel).
 template <class S, class A, class Space>
 struct output_kernel {
   problem<S, A, Space> p;
   tensor_view<S, 3, Space> o;
+  index_t first = 0, last = 0;
+  const A* incoming = nullptr;
+  const A* cum = nullptr;
   LOOM_HD void operator()(index_t lane) const {
-    A* base = p.scratch + lane * p.lane_stride;
-    A *qs = base, *kt = qs + p.c * p.dk, *vs = kt + p.dk * p.c, *b = vs + p.c * p.dv, *pr = b + p.c,
-      *os = pr + p.c * p.c;
-    for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
-      const index_t ci = item / p.heads, h = item % p.heads;
+    const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
+    index_t cached[max_head_group];
+    int mode[max_head_group];
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    const chunk_steps<S, A, Space> st{p, l, cached};
+    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+      const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
+      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;
-      p.load(ch, h, qs, kt, vs, b);
-      const A* s0 = p.state(ci, h);
-      for (index_t i = 0; i < n; ++i) {
-        A* row = pr + i * p.c;
-        for (index_t j = 0; j <= i; ++j) row[j] = A(0);
-        for (index_t d = 0; d < p.dk; ++d) {
-          const A qd = qs[i * p.dk + d];
-          const A* kd = kt + d * p.c;
-          for (index_t j = 0; j <= i; ++j) row[j] += qd * kd[j];
-        }
-        if (p.gate.log_gate)
-          for (index_t j = 0; j <= i; ++j) row[j] *= p.scale * exp_acc(b[i] - b[j]);
-        else
-          for (index_t j = 0; j <= i; ++j) row[j] *= p.scale;
-        A* orow = os + i * p.dv;
-        for (index_t e = 0; e < p.dv; ++e) orow[e] = A(0);
-        for (index_t j = 0; j <= i; ++j) {
-          const A pj = row[j];
-          const A* vj = vs + j * p.dv;
-          for (index_t e = 0; e < p.dv; ++e) orow[e] += pj * vj[e];
-        }
-        const A qscale = p.scale * (p.gate.log_gate ? exp_acc(b[i]) : A(1));
-        for (index_t d = 0; d < p.dk; ++d) {
-          const A qd = qs[i * p.dk + d] * qscale;
-          const A* sd = s0 + d * p.dv;
-          for (index_t e = 0; e < p.dv; ++e) orow[e] += qd * sd[e];
-        }
-        for (index_t e = 0; e < p.dv; ++e) o(ch.begin + i, h, e) = static_cast<S>(orow[e]);
+      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+      st.stage(ch, h0, g, mode, true);
+      for (index_t s = 0; s < g; ++s) {
+        const index_t h = h0 + s;
+        st.scores(ch, s, mode[s]);
+        const bool in = incoming && ch.doc == 0;
+        st.set_state(s, p.state(ci, h), in ? incoming + h * p.dk * p.dv : nullptr,
+                     in ? (cum ? exp_acc(cum[ci * p.heads + h]) : A(1)) : A(0));
+        st.output(n, s);
       }
+      st.write(ch, h0, g, o);
+    }
+  }
+};
+
+//! Phases 1 and 2 in one pass, per (document, head group), when those items fill the threads: the
+//! chunks in order, each chunk's incoming state written to the chunk-state buffer, the running
+//! state kept in the lane's scratch. The same arithmetic as the two phases, so the same bits.
+template <class S, class A, class Space>
+struct state_scan_kernel {
+  problem<S, A, Space> p;
+  const A* init = nullptr;
+  A* fin = nullptr;
+  A* cum = nullptr;  //!< as in state_pass_kernel
+  LOOM_HD void operator()(index_t lane) const {
+    const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
+    index_t cached[max_head_group];
+    int mode[max_head_group];
+    A before[max_head_group];
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    const chunk_steps<S, A, Space> st{p, l, cached};
+    const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
+    for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
+      const index_t d = item / p.groups, h0 = item % p.groups * p.group;
+      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      for (index_t s = 0; s < g; ++s) {
+        st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
+        before[s] = A(0);
+      }
+      for (index_t ci = p.doc_chunk[d]; ci < p.doc_chunk[d + 1]; ++ci) {
+        const chunk_info ch = p.chunks[ci];
+        const index_t n = ch.end - ch.begin;
+        for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+        st.stage(ch, h0, g, mode, false);
+        for (index_t s = 0; s < g; ++s) {
+          const index_t h = h0 + s;
+          A* s0 = l.s0(s);
+          A* out = p.state(ci, h);
+          for (index_t dd = 0; dd < p.dk; ++dd)
+            for (index_t e = 0; e < p.dv; ++e) out[dd * p.dv + e] = s0[dd * l.vp + e];
+          const A lg = mode[s] == 0 ? A(0) : l.b(s)[n - 1];
+          if (cum && d == 0) {
+            cum[ci * p.heads + h] = before[s];
+            before[s] += lg;
+          }
+          st.chunk_state(n, s, mode[s]);
+          const A a = mode[s] != 0 ? exp_acc(lg) : A(1);
+          for (index_t x = 0; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
+        }
+      }
+      if (fin)
+        for (index_t s = 0; s < g; ++s)
+          for (index_t dd = 0; dd < p.dk; ++dd)
+            for (index_t e = 0; e < p.dv; ++e)
+              fin[(d * p.heads + h0 + s) * sz + dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
+    }
+  }
+};
+
+//! The fused forward, per (document, head group): the chunks in order, the states kept in the
+//! lane's scratch (no chunk-state buffer). Same arithmetic as phases 1-3, so the same bits.
+template <class S, class A, class Space>
+struct fused_kernel {
+  problem<S, A, Space> p;
+  tensor_view<S, 3, Space> o;
+  const A* init = nullptr;
+  A* fin = nullptr;
+  LOOM_HD void operator()(index_t lane) const {
+    const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
+    index_t cached[max_head_group];
+    int mode[max_head_group];
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    const chunk_steps<S, A, Space> st{p, l, cached};
+    const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
+    for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
+      const index_t d = item / p.groups, h0 = item % p.groups * p.group;
+      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      for (index_t s = 0; s < g; ++s)
+        st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
+      for (index_t ci = p.doc_chunk[d]; ci < p.doc_chunk[d + 1]; ++ci) {
+        const chunk_info ch = p.chunks[ci];
+        const index_t n = ch.end - ch.begin;
+        for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+        st.stage(ch, h0, g, mode, true);
+        for (index_t s = 0; s < g; ++s) {
+          st.scores(ch, s, mode[s]);
+          st.output(n, s);
+          st.chunk_state(n, s, mode[s]);
+          const A a = mode[s] != 0 ? exp_acc(l.b(s)[n - 1]) : A(1);
+          A* s0 = l.s0(s);
+          for (index_t x = 0; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
+        }
+        st.write(ch, h0, g, o);
+      }
+      if (fin)
+        for (index_t s = 0; s < g; ++s)
+          for (index_t dd = 0; dd < p.dk; ++dd)
+            for (index_t e = 0; e < p.dv; ++e)
+              fin[(d * p.heads + h0 + s) * sz + dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
     }
   }
 };
