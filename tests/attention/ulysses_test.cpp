@@ -4,7 +4,6 @@
 // communication volume through a counting communicator; the planner's tables; rejections.
 
 #include <loom/attention/hybrid.hpp>
-#include <loom/attention/planner.hpp>
 #include <loom/attention/ulysses.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/local.hpp>
@@ -25,7 +24,7 @@
 using loom::index_t;
 namespace la = loom::attention;
 namespace lu = loom::attention::ulysses;
-// namespace lh = loom::attention::hybrid;
+namespace lh = loom::attention::hybrid;
 namespace lt = loom::test;
 namespace shard = loom::shard;
 
@@ -197,12 +196,16 @@ sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd
       return w;
     };
     std::lock_guard<std::mutex> lock(mu);
-    plan.gather(r, widen(io.out), s.hq * s.dv, res.out);
-    plan.gather(r, widen(io.lse), s.hq, res.lse);
+    auto put = [&](const auto& x, index_t row, std::vector<double>& global) {
+      const auto w = widen(x);
+      plan.gather(r, std::span<const double>(w), row, std::span<double>(global));
+    };
+    put(io.out, s.hq * s.dv, res.out);
+    put(io.lse, s.hq, res.lse);
     if (bwd) {
-      plan.gather(r, widen(io.dq), s.hq * s.dk, res.dq);
-      plan.gather(r, widen(io.dk), s.hkv * s.dk, res.dk);
-      plan.gather(r, widen(io.dv), s.hkv * s.dv, res.dv);
+      put(io.dq, s.hq * s.dk, res.dq);
+      put(io.dk, s.hkv * s.dk, res.dk);
+      put(io.dv, s.hkv * s.dv, res.dv);
     }
   });
   return res;
@@ -219,6 +222,22 @@ sp_result run_ulysses(const global_inputs& g, int p, const shard::plan& plan, bo
       },
       [&](counting& c, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
           const la::options& opt) { lu::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, opt); });
+}
+
+template <class T = double, class S = shard::zigzag>
+sp_result run_hybrid(const global_inputs& g, lh::grid gd, bool bwd, const lh::plan** out_plan = nullptr) {
+  static std::vector<std::unique_ptr<lh::plan>> keep;
+  keep.push_back(
+      std::make_unique<lh::plan>(std::span<const index_t>(g.cu), gd, S{}, lu::shape{g.s.hq, g.s.hkv, g.s.dk, g.s.dv}));
+  const lh::plan& hp = *keep.back();
+  if (out_plan) *out_plan = &hp;
+  return run<T>(
+      g, gd.ulysses * gd.ring, hp, bwd,
+      [&](counting& c, auto q, auto k, auto v, auto o, auto l, const la::options& opt) {
+        lh::forward(loom::serial{}, c, hp, q, k, v, o, l, opt);
+      },
+      [&](counting& c, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
+          const la::options& opt) { lh::backward(loom::serial{}, c, hp, q, k, v, o, l, d, dq, dk, dv, opt); });
 }
 
 void check(const sp_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
@@ -268,4 +287,165 @@ TEST_CASE("ulysses: fp64 equals the oracle, P = 2..8, heads 8/12/5 with kv heads
       check(run_ulysses(g, p, plan, true), g, true, tol, "ulysses");
     }
   }
+}
+
+TEST_CASE("hybrid: fp64 equals the oracle, U x R in {2x2, 2x3, 4x2, 3x2}, every ring sharding", "[attention][hybrid]") {
+  const lt::tolerance tol{1e-10, 1e-10};
+  const auto g8 = make_global({0, 0, 8, 2, 8, 8, true}, docs, 500);
+  const auto g12 = make_global({0, 0, 12, 4, 8, 8, false}, docs, 510);
+  const auto g5 = make_global({0, 0, 5, 1, 8, 8, true}, docs, 520);
+  for (lh::grid gd : {lh::grid{2, 2}, lh::grid{2, 3}, lh::grid{4, 2}, lh::grid{3, 2}}) {
+    INFO("U x R = " << gd.ulysses << " x " << gd.ring);
+    const lh::plan* hp = nullptr;
+    const auto r8 = run_hybrid(g8, gd, true, &hp);
+    check(r8, g8, true, tol, "8/2 heads causal zigzag");
+    for (int r = 0; r < gd.ulysses * gd.ring; ++r) {  // the sum of the parts
+      const auto want = hp->bytes_sent(r, sizeof(double), sizeof(double), sizeof(double));
+      CHECK(r8.fwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(want.forward));
+      CHECK(r8.bwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(want.backward));
+    }
+    check(run_hybrid<double, shard::per_document>(g12, gd, true), g12, true, tol, "12/4 heads full per_document");
+    if (gd.ulysses <= 5)
+      check(run_hybrid<double, shard::contiguous>(g5, gd, true), g5, true, tol, "5/1 heads causal contiguous");
+  }
+}
+
+TEST_CASE("ulysses and hybrid: fp32 and bf16 storage", "[attention][ulysses][hybrid]") {
+  const auto g = make_global({0, 0, 8, 2, 16, 16, true}, docs, 600);
+  check(run_ulysses<float>(g, 4, plan_of<shard::contiguous>(docs, 4), true), g, true, {2e-5, 2e-5}, "fp32 ulysses");
+  check(run_ulysses<loom::bfloat16>(g, 3, plan_of<shard::zigzag>(docs, 3), true), g, true, {2e-2, 2e-2},
+        "bf16 ulysses");
+  check(run_hybrid<float>(g, {2, 2}, true), g, true, {2e-5, 2e-5}, "fp32 hybrid");
+  check(run_hybrid<loom::bfloat16>(g, {2, 3}, false), g, false, {2e-2, 2e-2}, "bf16 hybrid");
+}
+
+TEST_CASE("ulysses: bytes moved follow the documented formula", "[attention][ulysses]") {
+  // P | Hq, P | Hkv, P | T: every rank sends (P - 1) / P^2 T (Hq Dqk + Hkv (Dqk + Dv) + Hq Dv) b
+  // plus (P - 1) / P^2 T Hq A of lse in the forward.
+  const std::vector<index_t> even{0, 1000, 1024};
+  const index_t hq = 8, hkv = 4, dk = 8, dv = 16, t = 1024;
+  const int p = 4;
+  const auto g = make_global({0, 0, hq, hkv, dk, dv, true}, even, 700);
+  const auto plan = plan_of<shard::contiguous>(even, p);
+  const auto res = run_ulysses<float>(g, p, plan, true);
+  const long unit = (p - 1) * t / (p * p);
+  const long fwd = unit * (hq * dk + hkv * (dk + dv) + hq * dv) * 4 + unit * hq * 4;
+  const long bwd =
+      unit * (hq * (dk + 2 * dv) + hkv * (dk + dv)) * 4 + unit * hq * 4 + unit * (hq * dk + hkv * (dk + dv)) * 4;
+  const lu::plan up(plan, {hq, hkv, dk, dv});
+  for (int r = 0; r < p; ++r) {
+    CHECK(res.fwd_bytes[static_cast<std::size_t>(r)] == fwd);
+    CHECK(res.bwd_bytes[static_cast<std::size_t>(r)] == bwd);
+    CHECK(up.bytes_sent(r, 4, 4, 4).forward == static_cast<std::size_t>(fwd));
+  }
+  // Uneven: T = 1021 over 3 ranks, 5 q heads and 1 kv head (replicated on every rank).
+  const auto g5 = make_global({0, 0, 5, 1, 8, 8, true}, docs, 710);
+  const auto plan3 = plan_of<shard::zigzag>(docs, 3);
+  const auto r5 = run_ulysses<double>(g5, 3, plan3, true);
+  check(r5, g5, true, {1e-10, 1e-10}, "5/1 heads on 3 ranks");
+  const lu::plan up3(plan3, {5, 1, 8, 8});
+  for (int r = 0; r < 3; ++r) {
+    const auto n = plan3.rank(r).tokens;
+    const long q_other = 5 - up3.heads().q_count(r), hq_r = up3.heads().q_count(r);
+    // q to the others' heads, the single kv head to both others, out and lse back
+    const long want = n * (q_other * 8 + 2 * (8 + 8)) * 8 + (1021 - n) * hq_r * (8 * 8 + 8);
+    CHECK(r5.fwd_bytes[static_cast<std::size_t>(r)] == want);
+    CHECK(r5.bwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(up3.bytes_sent(r, 8, 8, 8).backward));
+  }
+}
+
+TEST_CASE("ulysses and hybrid: deterministic run to run", "[attention][ulysses]") {
+  const auto g = make_global({0, 0, 8, 1, 8, 8, true}, docs, 800);
+  const auto plan = plan_of<shard::zigzag>(docs, 6);
+  const auto a = run_ulysses<float>(g, 6, plan, true), b = run_ulysses<float>(g, 6, plan, true);
+  REQUIRE(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(double)) == 0);
+  REQUIRE(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(double)) == 0);
+}
+
+TEST_CASE("ulysses and hybrid: rejections", "[attention][ulysses][hybrid][errors]") {
+  const std::vector<index_t> cu{0, 40};
+  auto throws_with = [](auto f, loom::errc code, const std::string& text) {
+    try {
+      f();
+    } catch (const loom::error& e) {
+      CHECK(e.code() == code);
+      CHECK_THAT(e.what(), Catch::Contains(text));
+      return;
+    }
+    FAIL("no loom::error: " << text);
+  };
+  const auto plan2 = plan_of<shard::contiguous>(cu, 2);
+  throws_with(
+      [&] {
+        lu::plan(plan2, {6, 4, 8, 8});
+      },
+      loom::errc::invalid_argument, "heads_q (6) must be a multiple of heads_kv (4)");
+  throws_with(
+      [&] {
+        lu::plan(plan_of<shard::contiguous>(cu, 8), {4, 1, 8, 8});
+      },
+      loom::errc::invalid_argument, "needs ranks <= heads_q, got 8 ranks");
+  throws_with(
+      [&] {
+        lh::plan(std::span<const index_t>(cu), {0, 2}, shard::zigzag{}, {4, 1, 8, 8});
+      },
+      loom::errc::invalid_argument, "grid dimensions must be >= 1");
+  // U x R != P
+  const lh::plan hp(std::span<const index_t>(cu), {2, 3}, shard::zigzag{}, {4, 1, 8, 8});
+  std::atomic<int> refused{0};
+  loom::comm::run_local(4, [&](loom::comm::local& comm) {
+    try {
+      (void)lh::split(comm, hp);
+    } catch (const loom::error& e) {
+      if (e.code() == loom::errc::invalid_argument &&
+          std::string(e.what()).find("U x R = 2 x 3 = 6 must equal the communicator's size, 4") != std::string::npos)
+        ++refused;
+    }
+  });
+  CHECK(refused == 4);
+  // ranks disagreeing on shapes: every rank refuses
+  refused = 0;
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const index_t n = plan2.rank(comm.rank()).tokens, hkv = comm.rank() == 0 ? 2 : 4;
+    std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), k(static_cast<std::size_t>(n * hkv * 8)), out(q.size()),
+        lse(static_cast<std::size_t>(n * 4));
+    try {
+      lu::forward(loom::serial{}, comm, plan2, loom::tensor_view<const double, 3>(q.data(), {n, 4, 8}),
+                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
+                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
+                  loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
+                  loom::tensor_view<double, 2>(lse.data(), {n, 4}));
+    } catch (const loom::error& e) {
+      if (e.code() == loom::errc::invalid_argument &&
+          std::string(e.what()).find("ranks disagree on the shapes") != std::string::npos)
+        ++refused;
+    }
+  });
+  CHECK(refused == 2);
+  // views not matching the plan, a short workspace
+  const lu::plan up(plan2, {4, 2, 8, 8});
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const index_t n = plan2.rank(comm.rank()).tokens;
+    std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), out(q.size()), lse(static_cast<std::size_t>(n * 4));
+    std::vector<std::max_align_t> ws(2);
+    const loom::tensor_view<const double, 3> qv(q.data(), {n, 4, 8});
+    std::string msg;
+    try {
+      lu::forward(loom::serial{}, comm, up, qv, qv, qv, loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
+                  loom::tensor_view<double, 2>(lse.data(), {n, 4}), {}, std::as_writable_bytes(std::span(ws)));
+    } catch (const loom::error& e) {
+      msg = e.what();
+    }
+    if (comm.rank() == 0 && msg.find("the plan is for heads 4/2") == std::string::npos)
+      throw std::runtime_error("expected a plan mismatch, got: " + msg);
+    const lu::plan up4(plan2, {4, 4, 8, 8});
+    try {
+      lu::forward(loom::serial{}, comm, up4, qv, qv, qv, loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
+                  loom::tensor_view<double, 2>(lse.data(), {n, 4}), {}, std::as_writable_bytes(std::span(ws)));
+    } catch (const loom::error& e) {
+      msg = e.what();
+    }
+    if (msg.find("the workspace holds 64 bytes, expected at least") == std::string::npos)
+      throw std::runtime_error("expected a short workspace, got: " + msg);
+  });
 }
