@@ -4,6 +4,7 @@
 // communication volume through a counting communicator; the planner's tables; rejections.
 
 #include <loom/attention/hybrid.hpp>
+#include <loom/attention/planner.hpp>
 #include <loom/attention/ulysses.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/local.hpp>
@@ -448,4 +449,52 @@ TEST_CASE("ulysses and hybrid: rejections", "[attention][ulysses][hybrid][errors
     if (msg.find("the workspace holds 64 bytes, expected at least") == std::string::npos)
       throw std::runtime_error("expected a short workspace, got: " + msg);
   });
+}
+
+namespace lp = loom::attention::planner;
+
+TEST_CASE("planner: Meta's pass-KV / pass-Q criterion with cached tokens", "[attention][planner]") {
+  // Hq 128, Hkv 8 (threshold 2 Hkv / Hq = 12.5%), CP4, 128K tokens in all; F / BW = 25600 flop/byte
+  // puts pass-KV's overlap point at T = P F Hkv e / (2 Hq BW) = 6400.
+  const lp::machine m{400e12, 15.625e9};
+  auto pick = [&](index_t t, const lp::machine& mm) {
+    return lp::choose({t, 131072 - t, 128, 8, 128, 128, 4, 2, true}, mm);
+  };
+  CHECK(pick(3200, m).best.kind == lp::strategy::ring_pass_q);       // 2.5% miss: no overlap, Q smaller
+  CHECK(pick(12800, m).best.kind == lp::strategy::ring_pass_kv);     // 10%: pass-KV hides behind compute
+  const lp::machine fast{4000e12, 15.625e9};                         // overlap point 64000
+  CHECK(pick(12800, fast).best.kind == lp::strategy::ring_pass_q);   // 9.8% < 12.5%
+  CHECK(pick(20000, fast).best.kind == lp::strategy::ring_pass_kv);  // 15% > 12.5%: K/V smaller
+  const auto c = pick(3200, m);
+  CHECK_THAT(c.explain(), Catch::Contains("rule 1 (Meta CP)") && Catch::Contains("pass-Q because"));
+}
+
+TEST_CASE("planner: training shapes (ring, Ulysses, hybrid)", "[attention][planner]") {
+  const lp::machine m{100e12, 25e9};
+  // 128K tokens, GQA 32/8, P = 8: every ring step hides behind 22 ms of compute; Ulysses' all-to-all
+  // (about 12 ms) does not.
+  const auto a = lp::choose({131072, 0, 32, 8, 128, 128, 8, 2, true}, m);
+  CHECK(a.best.kind == lp::strategy::ring_pass_kv);
+  // 8K tokens, MHA 32/32: a ring step moves 16.8 MB (0.67 ms) against 86 us of compute; Ulysses
+  // moves 29 MB once (1.2 ms).
+  const auto b = lp::choose({8192, 0, 32, 32, 128, 128, 8, 2, true}, m);
+  CHECK(b.best.kind == lp::strategy::ulysses);
+  // 4 heads on 8 ranks: Ulysses cannot (P > heads_q); hybrid 4 x 2 moves the least exposed bytes.
+  const auto c = lp::choose({8192, 0, 4, 4, 128, 128, 8, 2, true}, m);
+  CHECK(c.best.kind == lp::strategy::hybrid);
+  CHECK(c.best.ulysses == 4);
+  CHECK(c.best.ring == 2);
+  CHECK_THAT(c.explain(), Catch::Contains("P > heads_q"));
+  // rejections
+  CHECK_THROWS_WITH(lp::choose({8192, 0, 6, 4, 128, 128, 8, 2, true}, m),
+                    Catch::Contains("heads_q (6) must be a positive multiple of heads_kv (4)"));
+  CHECK_THROWS_WITH(lp::choose({8192, 0, 8, 4, 128, 128, 8, 2, true}, lp::machine{}),
+                    Catch::Contains("the machine needs flops > 0 and link_bandwidth > 0"));
+  // the measuring helper gives positive figures on every rank
+  std::atomic<int> ok{0};
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const auto mm = lp::measure(loom::serial{}, comm, 1 << 16);
+    if (mm.flops > 0 && mm.link_bandwidth > 0) ++ok;
+  });
+  CHECK(ok == 2);
 }

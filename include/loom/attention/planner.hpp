@@ -1,1 +1,275 @@
 #pragma once
+
+//! @file
+//! Automatic choice of the sequence parallel strategy for one attention layer: ring pass-KV,
+//! ring pass-Q, all-gather-KV, Ulysses, or hybrid Ulysses x ring (U x R = P), from the shapes
+//! and a machine model. The choice comes with every candidate's modelled time and the rule that
+//! decided, printable with explain().
+//!
+//! Model (per rank, per layer forward; e = bytes per element, F = FLOP/s, BW = link bytes/s):
+//!   compute      W = 2 (Dqk + Dv) Hq pairs / P / F, pairs = T (T + 1) / 2 + T C when causal
+//!                (T new tokens, C cached), T (T + C) when full; Ulysses multiplies W by its head
+//!                imbalance ceil(Hq / U) U / Hq.
+//!   ring pass-KV P - 1 steps, each moving (T + C) / P Hkv (Dqk + Dv) e bytes and overlapped with a
+//!                step of compute W / P: time W + (P - 1) max(0, comm_step - W / P).
+//!   ring pass-Q  steps move T / P Hq Dqk e (Q) overlapped likewise, plus one all-to-all of the
+//!                partial outputs, (P - 1) / P T / P Hq (Dv e + 4) bytes, not overlapped.
+//!   all-gather   (P - 1) (T + C) / P Hkv (Dqk + Dv) e bytes before the compute (not overlapped).
+//!   Ulysses      needs U <= Hq; the all-to-alls of ulysses.hpp (q, k, v in, out and lse back),
+//!                not overlapped.
+//!   hybrid U x R Ulysses inside groups of U consecutive ranks on (T + C) / R tokens, ring pass-KV
+//!                over R groups on ceil(Hkv / U) kv heads.
+//! Links: a collective among ranks of one node (machine.node_ranks consecutive ranks) runs at
+//! node_bandwidth, otherwise at link_bandwidth.
+//! Rules:
+//!   1. With cached tokens (partial prefill, decode): Meta's criterion (Yang et al., "Context
+//!      Parallelism for Scalable Million-Token Inference", eqs. 1-3): pass-KV when its transfer
+//!      hides behind compute, T >= P F Hkv e / (2 Hq BW), or when K/V are the smaller message,
+//!      T / (T + C) > 2 Hkv / Hq; otherwise pass-Q.
+//!   2. Without a cache (training, full prefill): the smallest modelled time among ring pass-KV,
+//!      all-gather, Ulysses (P <= Hq: DeepSpeed-Ulysses' degree limit by heads) and every hybrid
+//!      split U x R with 1 < U < P, U | P, U <= Hq; ties go to the earlier in that order.
+
+#include <loom/attention/local.hpp>
+#include <loom/comm/communicator.hpp>
+#include <loom/core/error.hpp>
+#include <loom/core/tensor_view.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace loom::attention::planner {
+
+//! One layer's shapes.
+struct workload {
+  index_t new_tokens = 0;     //!< T: tokens whose queries are computed (the whole sequence in training)
+  index_t cached_tokens = 0;  //!< C: keys/values already cached (0 for training and full prefill)
+  index_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
+  int ranks = 1;             //!< P
+  double element_bytes = 2;  //!< e: bf16 by default
+  bool causal = true;
+};
+
+//! The machine: FLOP rate of one rank's attention kernel and link bandwidths (bytes/s, per rank).
+struct machine {
+  double flops = 0;           //!< F
+  double link_bandwidth = 0;  //!< BW between nodes (or the only link)
+  int node_ranks = 1;         //!< ranks that share the faster link
+  double node_bandwidth = 0;  //!< bandwidth inside a node (0: link_bandwidth)
+};
+
+enum class strategy { ring_pass_kv, ring_pass_q, all_gather_kv, ulysses, hybrid };
+
+inline const char* to_string(strategy s) {
+  constexpr const char* names[] = {"ring pass_kv", "ring pass_q", "all_gather_kv", "ulysses", "hybrid"};
+  return names[static_cast<int>(s)];
+}
+
+//! A modelled candidate.
+struct candidate {
+  strategy kind = strategy::ring_pass_kv;
+  int ulysses = 1, ring = 1;  //!< grid (U, R); ring variants: (1, P), Ulysses: (P, 1)
+  double seconds = 0, compute_seconds = 0, exposed_comm_seconds = 0;
+  double bytes_per_rank = 0;  //!< bytes one rank sends
+  bool feasible = true;
+  std::string note;
+};
+
+//! The planner's answer.
+struct choice {
+  candidate best;
+  std::vector<candidate> candidates;
+  std::string rule;  //!< the rule that decided (file comment)
+  //! A printable explanation: the rule and every candidate's modelled time.
+  [[nodiscard]] std::string explain() const {
+    std::string s = std::string("chose ") + to_string(best.kind);
+    char buf[256];
+    if (best.kind == strategy::hybrid) {
+      std::snprintf(buf, sizeof buf, " %d x %d", best.ulysses, best.ring);
+      s += buf;
+    }
+    s += ": " + rule + "\n";
+    for (const auto& c : candidates) {
+      std::snprintf(buf, sizeof buf,
+                    "  %-14s U=%-3d R=%-3d %s %10.4g s (compute %.4g s, exposed comm %.4g s, %.4g MB sent)%s%s\n",
+                    to_string(c.kind), c.ulysses, c.ring, c.feasible ? "  " : "no", c.seconds, c.compute_seconds,
+                    c.exposed_comm_seconds, c.bytes_per_rank * 1e-6, c.note.empty() ? "" : " ", c.note.c_str());
+      s += buf;
+    }
+    return s;
+  }
+};
+
+namespace detail {
+
+inline candidate make(strategy k, int u, int r) {
+  candidate c;
+  c.kind = k;
+  c.ulysses = u;
+  c.ring = r;
+  return c;
+}
+
+inline double pairs(const workload& w) {
+  const double t = static_cast<double>(w.new_tokens), c = static_cast<double>(w.cached_tokens);
+  return w.causal ? t * (t + 1) / 2 + t * c : t * (t + c);
+}
+
+inline double bw(const machine& m, bool inside_node) {
+  return inside_node && m.node_bandwidth > 0 ? m.node_bandwidth : m.link_bandwidth;
+}
+
+// Ulysses on U ranks over n tokens (bytes one rank sends, forward): q, k, v to the other U - 1
+// ranks' heads, out and lse back.
+inline double ulysses_bytes(const workload& w, int u, double n) {
+  const double hq = static_cast<double>(w.heads_q), dk = static_cast<double>(w.dim_qk),
+               dv = static_cast<double>(w.dim_v);
+  const double kv_heads_sent = std::max(static_cast<double>(w.heads_kv), static_cast<double>(u));  // replication
+  const double f = static_cast<double>(u - 1) / (static_cast<double>(u) * u);
+  return f * n * (hq * dk + kv_heads_sent * (dk + dv) + hq * dv) * w.element_bytes + f * n * hq * 4;
+}
+
+inline candidate ring_kv(const workload& w, const machine& m, double compute, int r, double kv_heads, bool node) {
+  candidate c = make(strategy::ring_pass_kv, 1, r);
+  const double n = static_cast<double>(w.new_tokens + w.cached_tokens) / r;
+  const double step = n * kv_heads * static_cast<double>(w.dim_qk + w.dim_v) * w.element_bytes;
+  c.compute_seconds = compute;
+  c.exposed_comm_seconds = (r - 1) * std::max(0.0, step / bw(m, node) - compute / r);
+  c.bytes_per_rank = (r - 1) * step;
+  c.seconds = c.compute_seconds + c.exposed_comm_seconds;
+  return c;
+}
+
+}  // namespace detail
+
+//! Picks the strategy for w on m. @throws loom::error(invalid_argument) for non-positive shapes,
+//! heads_q not a multiple of heads_kv, or a machine without FLOP rate or bandwidth.
+inline choice choose(const workload& w, const machine& m) {
+  constexpr const char* call = "planner::choose";
+  LOOM_EXPECTS(w.new_tokens >= 1 && w.cached_tokens >= 0 && w.ranks >= 1, errc::invalid_argument, call,
+               ": new_tokens and ranks must be >= 1 and cached_tokens >= 0, got ", w.new_tokens, ", ", w.ranks, ", ",
+               w.cached_tokens);
+  LOOM_EXPECTS(w.heads_q >= 1 && w.heads_kv >= 1 && w.heads_q % w.heads_kv == 0, errc::invalid_argument, call,
+               ": heads_q (", w.heads_q, ") must be a positive multiple of heads_kv (", w.heads_kv, ")");
+  LOOM_EXPECTS(w.dim_qk >= 1 && w.dim_v >= 1 && w.element_bytes > 0, errc::invalid_argument, call,
+               ": dims and element_bytes must be positive");
+  LOOM_EXPECTS(m.flops > 0 && m.link_bandwidth > 0, errc::invalid_argument, call,
+               ": the machine needs flops > 0 and link_bandwidth > 0, got ", m.flops, ", ", m.link_bandwidth);
+  const int p = w.ranks;
+  const double hq = static_cast<double>(w.heads_q), hkv = static_cast<double>(w.heads_kv);
+  const double dk = static_cast<double>(w.dim_qk), dv = static_cast<double>(w.dim_v);
+  const double t = static_cast<double>(w.new_tokens), cache = static_cast<double>(w.cached_tokens);
+  const double compute = 2 * (dk + dv) * hq * detail::pairs(w) / p / m.flops;
+  const bool whole_node = p <= m.node_ranks;
+  choice out;
+  auto& cs = out.candidates;
+  cs.push_back(detail::ring_kv(w, m, compute, p, hkv, whole_node));
+  {  // pass-Q
+    candidate c = detail::make(strategy::ring_pass_q, 1, p);
+    const double step = t / p * hq * dk * w.element_bytes;
+    const double a2a = static_cast<double>(p - 1) / p * (t / p) * hq * (dv * w.element_bytes + 4);
+    c.compute_seconds = compute;
+    c.exposed_comm_seconds =
+        (p - 1) * std::max(0.0, step / detail::bw(m, whole_node) - compute / p) + a2a / detail::bw(m, whole_node);
+    c.bytes_per_rank = (p - 1) * step + a2a;
+    c.seconds = c.compute_seconds + c.exposed_comm_seconds;
+    cs.push_back(c);
+  }
+  {
+    candidate c = detail::make(strategy::all_gather_kv, 1, p);
+    c.bytes_per_rank = (p - 1) * (t + cache) / p * hkv * (dk + dv) * w.element_bytes;
+    c.compute_seconds = compute;
+    c.exposed_comm_seconds = c.bytes_per_rank / detail::bw(m, whole_node);
+    c.seconds = c.compute_seconds + c.exposed_comm_seconds;
+    cs.push_back(c);
+  }
+  auto imbalance = [&](int u) { return std::ceil(hq / u) * u / hq; };
+  {
+    candidate c = detail::make(strategy::ulysses, p, 1);
+    c.feasible = p <= w.heads_q && w.cached_tokens == 0;
+    if (p > w.heads_q) c.note = "P > heads_q (Ulysses' degree limit)";
+    if (w.cached_tokens > 0) c.note = "cached tokens: not modelled for Ulysses";
+    c.compute_seconds = compute * imbalance(p);
+    c.bytes_per_rank = detail::ulysses_bytes(w, p, t);
+    c.exposed_comm_seconds = c.bytes_per_rank / detail::bw(m, whole_node);
+    c.seconds = c.compute_seconds + c.exposed_comm_seconds;
+    cs.push_back(c);
+  }
+  for (int u = 2; u < p; ++u) {
+    if (p % u != 0) continue;
+    const int r = p / u;
+    candidate c = detail::make(strategy::hybrid, u, r);
+    c.feasible = u <= w.heads_q && w.cached_tokens == 0;
+    if (u > w.heads_q) c.note = "U > heads_q";
+    const double ub = detail::ulysses_bytes(w, u, t / r);
+    const candidate ring = detail::ring_kv(w, m, compute * imbalance(u), r, std::ceil(hkv / u), false);
+    c.compute_seconds = compute * imbalance(u);
+    c.bytes_per_rank = ub + ring.bytes_per_rank;
+    c.exposed_comm_seconds = ub / detail::bw(m, u <= m.node_ranks) + ring.exposed_comm_seconds;
+    c.seconds = c.compute_seconds + c.exposed_comm_seconds;
+    cs.push_back(c);
+  }
+  if (w.cached_tokens > 0) {
+    const double miss = t / (t + cache), threshold = 2 * hkv / hq;
+    const double overlap_t = p * m.flops * hkv * w.element_bytes / (2 * hq * detail::bw(m, whole_node));
+    char buf[320];
+    if (t >= overlap_t || miss > threshold) {
+      out.best = cs[0];
+      std::snprintf(buf, sizeof buf,
+                    "rule 1 (Meta CP): cached tokens; pass-KV because %s (T = %.0f, overlap needs T >= %.0f; miss rate "
+                    "%.3g, K/V smaller above %.3g)",
+                    t >= overlap_t ? "its transfer hides behind compute" : "K/V are the smaller message", t, overlap_t,
+                    miss, threshold);
+    } else {
+      out.best = cs[1];
+      std::snprintf(buf, sizeof buf,
+                    "rule 1 (Meta CP): cached tokens; pass-Q because pass-KV would not overlap (T = %.0f < %.0f) and Q "
+                    "is the smaller message (miss rate %.3g <= %.3g)",
+                    t, overlap_t, miss, threshold);
+    }
+    out.rule = buf;
+    return out;
+  }
+  const candidate* best = nullptr;
+  for (const auto& c : cs)
+    if (c.feasible && c.kind != strategy::ring_pass_q && (!best || c.seconds < best->seconds)) best = &c;
+  out.best = *best;
+  out.rule = "rule 2: no cache; the smallest modelled time (pass-Q, made for a large cache, is listed only)";
+  return out;
+}
+
+//! Measures a machine model on this communicator (collective): the FLOP rate of the local kernel
+//! on backend b (fp32, 1024 tokens, 4 heads, dim 64, full) and the bandwidth of one ring step of
+//! `bytes` bytes to the next rank; the slowest rank's figures, on every rank. node_ranks = P.
+template <backend B, comm::communicator C>
+machine measure(const B& b, C& comm, std::size_t bytes = std::size_t{1} << 22) {
+  const index_t n = 1024, h = 4, d = 64;
+  std::vector<float> x(static_cast<std::size_t>(n * h * d), 0.5f), o(x.size()), l(static_cast<std::size_t>(n * h));
+  const tensor_view<const float, 3> xv(x.data(), {n, h, d});
+  const std::vector<index_t> cu{0, n};
+  options opt;
+  opt.causal = false;
+  auto t0 = std::chrono::steady_clock::now();
+  attention::forward(b, xv, xv, xv, tensor_view<const index_t, 1>(cu.data(), {2}),
+                     tensor_view<float, 3>(o.data(), {n, h, d}), tensor_view<float, 2>(l.data(), {n, h}), opt);
+  const double fsec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<float> s(bytes / sizeof(float)), r(s.size());
+  const int p = comm.size(), me = comm.rank();
+  comm.barrier();
+  t0 = std::chrono::steady_clock::now();
+  if (p > 1) comm.sendrecv(std::span<const float>(s), (me + 1) % p, std::span<float>(r), (me + p - 1) % p, 0);
+  const double csec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::array<double, 2> worst{fsec, csec};
+  comm.all_reduce(std::span<const double>(worst), std::span<double>(worst), comm::reduce_op::max);
+  machine m;
+  m.flops = 4.0 * d * h * static_cast<double>(n) * n / std::max(worst[0], 1e-9);
+  m.link_bandwidth = static_cast<double>(s.size() * sizeof(float)) / std::max(worst[1], 1e-9);
+  m.node_ranks = p;
+  return m;
+}
+
+}  // namespace loom::attention::planner
