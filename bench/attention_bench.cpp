@@ -11,6 +11,7 @@
 
 #include <loom/attention/local.hpp>
 #include <loom/attention/ring.hpp>
+#include <loom/attention/ulysses.hpp>
 #include <loom/backend/openmp.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/counting.hpp>
@@ -243,3 +244,99 @@ BENCHMARK(ring)
     ->Arg(4)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+
+// Sequence parallel (sp.*): Ulysses and ring pass_kv at P = 2 on comm::local (one thread per
+// rank, loom::serial inside each), against the local kernel on one thread; fp32, N = 8192,
+// 16 heads, dim 128, causal. Speedup = sp.local time / sp.<impl> time.
+namespace {
+
+constexpr index_t sp_heads = 16;
+
+struct sp_data {
+  index_t n = 8192;
+  std::vector<float> q, k, v;
+  sp_data()
+      : q(random_vector(static_cast<std::size_t>(n * sp_heads * dim), 11)),
+        k(random_vector(q.size(), 12)),
+        v(random_vector(q.size(), 13)) {}
+};
+const sp_data& sp_inputs() {
+  static const sp_data d;
+  return d;
+}
+
+// Each rank's rows of q, k, v under a plan, and room for out and lse.
+struct sp_shards {
+  std::vector<std::vector<float>> q, k, v, o, l;
+  sp_shards(const loom::shard::plan& plan, const sp_data& d) {
+    const int p = plan.ranks();
+    for (auto* x : {&q, &k, &v, &o, &l}) x->resize(static_cast<std::size_t>(p));
+    for (int r = 0; r < p; ++r) {
+      const auto n = static_cast<std::size_t>(plan.rank(r).tokens), row = static_cast<std::size_t>(sp_heads * dim);
+      for (auto* x : {&q, &k, &v, &o}) (*x)[static_cast<std::size_t>(r)].resize(n * row);
+      l[static_cast<std::size_t>(r)].resize(n * static_cast<std::size_t>(sp_heads));
+      plan.scatter<float>(r, d.q, sp_heads * dim, q[static_cast<std::size_t>(r)]);
+      plan.scatter<float>(r, d.k, sp_heads * dim, k[static_cast<std::size_t>(r)]);
+      plan.scatter<float>(r, d.v, sp_heads * dim, v[static_cast<std::size_t>(r)]);
+    }
+  }
+  loom::tensor_view<const float, 3> in(const std::vector<std::vector<float>>& x, int r, index_t n) const {
+    return {x[static_cast<std::size_t>(r)].data(), {n, sp_heads, dim}};
+  }
+};
+
+void sp_local(benchmark::State& state) {
+  const auto& d = sp_inputs();
+  const std::vector<index_t> cu{0, d.n};
+  std::vector<float> out(d.q.size()), lse(static_cast<std::size_t>(d.n * sp_heads));
+  for (auto _ : state)
+    la::forward(loom::serial{}, loom::tensor_view<const float, 3>(d.q.data(), {d.n, sp_heads, dim}),
+                loom::tensor_view<const float, 3>(d.k.data(), {d.n, sp_heads, dim}),
+                loom::tensor_view<const float, 3>(d.v.data(), {d.n, sp_heads, dim}),
+                loom::tensor_view<const index_t, 1>(cu.data(), {2}),
+                loom::tensor_view<float, 3>(out.data(), {d.n, sp_heads, dim}),
+                loom::tensor_view<float, 2>(lse.data(), {d.n, sp_heads}));
+  set_flops(state, 4.0 * dim * sp_heads * pairs(d.n, true));
+}
+
+void sp_parallel(benchmark::State& state, bool ulysses) {
+  const int p = static_cast<int>(state.range(0));
+  const auto& d = sp_inputs();
+  const std::vector<index_t> cu{0, d.n};
+  const auto plan = ulysses ? loom::shard::make_plan(std::span<const index_t>(cu), p, loom::shard::contiguous{})
+                            : loom::shard::make_plan(std::span<const index_t>(cu), p, loom::shard::zigzag{});
+  sp_shards s(plan, d);
+  const la::ulysses::plan up(plan, {sp_heads, sp_heads, dim, dim});
+  std::vector<std::vector<std::max_align_t>> ws(static_cast<std::size_t>(p));
+  for (auto& w : ws) w.resize(up.workspace_bytes<float>() / sizeof(std::max_align_t) + 1);
+  for (auto _ : state)
+    loom::comm::run_local(p, [&](loom::comm::local& comm) {
+      const int r = comm.rank();
+      const index_t n = plan.rank(r).tokens;
+      const loom::tensor_view<float, 3> o(s.o[static_cast<std::size_t>(r)].data(), {n, sp_heads, dim});
+      const loom::tensor_view<float, 2> l(s.l[static_cast<std::size_t>(r)].data(), {n, sp_heads});
+      if (ulysses)
+        la::ulysses::forward(loom::serial{}, comm, up, s.in(s.q, r, n), s.in(s.k, r, n), s.in(s.v, r, n), o, l, {},
+                             std::as_writable_bytes(std::span(ws[static_cast<std::size_t>(r)])));
+      else
+        la::ring::forward(loom::serial{}, comm, la::ring::pass_kv{}, plan, s.in(s.q, r, n), s.in(s.k, r, n),
+                          s.in(s.v, r, n), o, l);
+    });
+  set_flops(state, 4.0 * dim * sp_heads * pairs(d.n, true));
+}
+void sp_ulysses(benchmark::State& state) { sp_parallel(state, true); }
+void sp_ring(benchmark::State& state) { sp_parallel(state, false); }
+
+}  // namespace
+
+BENCHMARK(sp_local)->Name("sp.local")->Iterations(1)->Repetitions(3)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(sp_ulysses)
+    ->Name("sp.ulysses")
+    ->ArgName("P")
+    ->Arg(2)
+    ->Iterations(1)
+    ->Repetitions(3)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(sp_ring)->Name("sp.ring")->ArgName("P")->Arg(2)->Iterations(1)->Repetitions(3)->UseRealTime()->Unit(
+    benchmark::kMillisecond);
