@@ -114,34 +114,37 @@ plan<P> make_plan(const B& b, std::span<const index_t> cu_seqlens, index_t heads
   p.lanes = opt.lanes > 0 ? opt.lanes : 4 * static_cast<index_t>(backend_traits<B>::concurrency(b));
   if (p.lanes < 1) p.lanes = 1;
   // Head groups: the largest that leaves every thread 4 (chunk, group) items. Fused (per document
-  // and group) with the largest group whose items, dealt round-robin to the lanes, balance over the
-  // threads; always on one thread.
+  // and head group) with the group whose items, dealt round-robin to the lanes and the lanes in
+  // contiguous blocks to the threads, load the busiest thread least (ties: the larger group),
+  // provided that is at most 1.25 x the mean; always on one thread.
   const index_t threads = static_cast<index_t>(backend_traits<B>::concurrency(b)) > 1
                               ? static_cast<index_t>(backend_traits<B>::concurrency(b))
                               : 1;
   const index_t gmax = heads < detail::max_head_group ? (heads > 1 ? heads : 1) : detail::max_head_group;
   p.head_group = gmax;
   while (p.head_group > 1 && p.chunks() * p.head_groups() < 4 * threads) --p.head_group;
-  for (index_t g = gmax; g >= 1 && heads > 0 && p.docs > 0; --g) {
+  if (threads == 1 && heads > 0 && p.docs > 0) {
+    p.fused = true;
+    p.head_group = gmax;
+  }
+  index_t best = -1;
+  for (index_t g = gmax; g >= 1 && threads > 1 && heads > 0 && p.docs > 0; --g) {
     const index_t groups = (heads + g - 1) / g, items = p.docs * groups;
     const index_t lanes = items < p.lanes ? items : p.lanes;
-    bool ok = threads == 1;
-    if (!ok && lanes >= threads && (lanes % threads == 0 || lanes >= 4 * threads)) {
-      std::vector<index_t> load(static_cast<std::size_t>(lanes), 0);
-      index_t most = 0;
-      for (index_t it = 0; it < items; ++it) {
-        const index_t d = it / groups, h0 = it % groups * g;
-        index_t& x = load[static_cast<std::size_t>(it % lanes)];
-        x += (cu_seqlens[static_cast<std::size_t>(d) + 1] - cu_seqlens[static_cast<std::size_t>(d)]) *
-             (h0 + g < heads ? g : heads - h0);
-        most = x > most ? x : most;
-      }
-      ok = 4 * most * lanes <= 5 * p.tokens * heads;  // the busiest lane at most 1.25 x the mean
+    if (lanes < threads) continue;
+    std::vector<index_t> load(static_cast<std::size_t>(threads), 0);
+    for (index_t it = 0; it < items; ++it) {
+      const index_t d = it / groups, h0 = it % groups * g;
+      load[static_cast<std::size_t>(it % lanes * threads / lanes)] +=
+          (cu_seqlens[static_cast<std::size_t>(d) + 1] - cu_seqlens[static_cast<std::size_t>(d)]) *
+          (h0 + g < heads ? g : heads - h0);
     }
-    if (ok) {
+    index_t most = 0;
+    for (index_t x : load) most = x > most ? x : most;
+    if (4 * most * threads <= 5 * p.tokens * heads && (best < 0 || most < best)) {
+      best = most;
       p.fused = true;
       p.head_group = g;
-      break;
     }
   }
   p.scale = static_cast<typename P::accum_type>(scale);

@@ -110,33 +110,43 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
       st.copy_state(zero ? nullptr : init + (d * H + h) * sz, init_loc.data() + (g * H + h) * sz);
     }
   operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, st.dk, st.dv})};
-  const auto bytes = st.pl.incoming_workspace_bytes();
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
-  state_exchange<C, A> ex(comm, H, sz, posted);
-  const bool reset = !(s.continues_left && segs == 1) && st.tokens > 0;
   std::vector<A> xin(static_cast<std::size_t>(H * sz), A(0));
-  // The exchange runs after the state pass; the output of the slice's later documents does not
-  // wait for it, and the incoming state X is folded into the chunk states of the first document.
-  run_forward_incoming(
-      b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}), std::span<std::byte>(ws.data(), bytes),
-      [&] {
-        for (index_t h = 0; h < H; ++h) {
-          ex.a()[h] = reset ? A(0) : exp_acc(st.log_gate_sum(0, st.tokens, h));
-          st.copy_state(fin_loc.data() + ((segs - 1) * H + h) * sz, ex.m(H) + h * sz);
-        }
-        ex.post();
-      },
-      [&]() -> const A* {
-        const auto& all = ex.finish();
-        // X = fold over the ranks before this one, in rank order.
-        const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
-        for (int q = 0; q < comm.rank(); ++q) {
-          const A* blk = all.data() + m * static_cast<std::size_t>(q);
-          for (index_t h = 0; h < H; ++h)
-            for (index_t e = 0; e < sz; ++e) xin[h * sz + e] = blk[h] * xin[h * sz + e] + blk[H + h * sz + e];
-        }
-        return s.continues_left ? xin.data() : nullptr;
-      });
+  if (comm.size() == 1) {
+    // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
+    // when the plan says so, without a chunk-state buffer).
+    const auto bytes = st.pl.forward_workspace_bytes();
+    temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
+    run_forward(b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
+                std::span<std::byte>(ws.data(), bytes));
+  } else {
+    const auto bytes = st.pl.incoming_workspace_bytes();
+    temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
+    state_exchange<C, A> ex(comm, H, sz, posted);
+    const bool reset = !(s.continues_left && segs == 1) && st.tokens > 0;
+    // The exchange runs after the state pass; the output of the slice's later documents does not
+    // wait for it, and the incoming state X is folded into the chunk states of the first document.
+    run_forward_incoming(
+        b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
+        std::span<std::byte>(ws.data(), bytes),
+        [&] {
+          for (index_t h = 0; h < H; ++h) {
+            ex.a()[h] = reset ? A(0) : exp_acc(st.log_gate_sum(0, st.tokens, h));
+            st.copy_state(fin_loc.data() + ((segs - 1) * H + h) * sz, ex.m(H) + h * sz);
+          }
+          ex.post();
+        },
+        [&]() -> const A* {
+          const auto& all = ex.finish();
+          // X = fold over the ranks before this one, in rank order.
+          const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
+          for (int q = 0; q < comm.rank(); ++q) {
+            const A* blk = all.data() + m * static_cast<std::size_t>(q);
+            for (index_t h = 0; h < H; ++h)
+              for (index_t e = 0; e < sz; ++e) xin[h * sz + e] = blk[h] * xin[h * sz + e] + blk[H + h * sz + e];
+          }
+          return s.continues_left ? xin.data() : nullptr;
+        });
+  }
   if (present(incoming)) std::copy(xin.begin(), xin.end(), incoming.data());
   if (s.continues_left) {
     const index_t n0 = s.local_cu[1];
