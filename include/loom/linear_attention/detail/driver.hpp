@@ -49,7 +49,7 @@ struct plan {
     std::size_t bytes;
   };
   template <class Space>
-  blocks carve(std::byte* base, bool backward, bool incoming = false) const {
+  blocks carve(std::byte* base, bool backward) const {
     detail::carver c(base);
     blocks w{};
     if constexpr (!Space::host_accessible) {
@@ -58,7 +58,7 @@ struct plan {
       w.cu = c.take<index_t>(docs + 1);
     }
     const index_t sz = dk * dv;
-    const bool buffered = backward || incoming || !fused;
+    const bool buffered = backward || !fused;
     w.states = c.take<accum_type>(buffered ? chunks() * heads * sz : 0);
     w.log_decay = c.take<accum_type>(buffered ? chunks() * heads : 0);
     w.cum = c.take<accum_type>(buffered ? chunks() * heads : 0);
@@ -75,11 +75,6 @@ struct plan {
   template <class Space = host_memory>
   std::size_t forward_workspace_bytes() const {
     return carve<Space>(nullptr, false).bytes;
-  }
-  //! Bytes of workspace the forward with a state entering document 0 (LASP-2) needs.
-  template <class Space = host_memory>
-  std::size_t incoming_workspace_bytes() const {
-    return carve<Space>(nullptr, false, true).bytes;
   }
   //! Bytes of workspace backward needs.
   template <class Space = host_memory>
@@ -171,16 +166,16 @@ void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
 //! Validates the workspace and builds the kernels' problem over it.
 template <class B, class P, class Gating, class Space>
 auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
-           bool backward, bool incoming = false) {
+           bool backward) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   check_operands(x, pl.tokens, pl.heads, pl.dk, pl.dv, pl.docs);
-  const auto need = pl.template carve<Space>(nullptr, backward, incoming).bytes;
+  const auto need = pl.template carve<Space>(nullptr, backward).bytes;
   LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, "workspace: expected at least ", need, " bytes, got ",
                ws.size());
   LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
                "workspace: expected an address aligned to ", alignof(std::max_align_t), " bytes");
-  auto w = pl.template carve<Space>(ws.data(), backward, incoming);
+  auto w = pl.template carve<Space>(ws.data(), backward);
   problem<S, A, Space> p;
   p.q = x.q;
   p.k = x.k;
@@ -234,7 +229,8 @@ void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const oper
   const index_t chunk_items = pl.chunks() * pl.head_groups(), doc_items = pl.docs * pl.heads;
   A* fin_p = present(fin) ? fin.data() : nullptr;
   if (pl.fused) {
-    launch(b, fused_kernel<S, A, Space>{p, o, x.initial_state.data(), fin_p}, pl.docs * pl.head_groups(), pl.lanes);
+    launch(b, fused_kernel<S, A, Space>{p, o, x.initial_state.data(), fin_p, 0, pl.docs}, pl.docs * pl.head_groups(),
+           pl.lanes);
     return;
   }
   launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
@@ -242,29 +238,39 @@ void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const oper
   launch(b, output_kernel<S, A, Space>{p, o, 0, pl.chunks()}, chunk_items, pl.lanes);
 }
 
-//! The forward with a state entering document 0 from outside (LASP-2): the chunk states (one scan
-//! per (document, head group) when the plan is fused, else phases 1 and 2), then post() (final
-//! states written), runs the output of documents 1.. (which do
-//! not depend on it), then finish(), which returns that incoming state [H, dk, dv] (or null),
-//! and runs the output of document 0 with it folded into the chunk states: S0 + exp(B) X.
+//! The forward with a state X entering document 0 from outside (LASP-2). First the chunk states
+//! with a zero X (final states written), then post(); the output of documents 1.. (independent of
+//! X); then finish(), which returns X [H, dk, dv] (or null) and, for a fused plan, has written it
+//! into x.initial_state's document 0; then the output of document 0 with X.
+//! Fused plan: one scan per (document, head group) for the final states only, then the fused
+//! forward (document 0 from X: its final state includes X). Otherwise phases 1 and 2, and X folded
+//! into the chunk states of document 0, S0 + exp(B) X (its final state does not include X).
+//! Returns whether document 0's final state includes X.
 template <class B, class P, class Gating, class Space, class Post, class Finish>
-void run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                           tensor_view<typename P::storage_type, 3, Space> o,
                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, Post&& post,
                           Finish&& finish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  auto [p, w] = setup(b, pl, gating, x, ws, false, true);
+  auto [p, w] = setup(b, pl, gating, x, ws, false);
   expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
   check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
   const index_t groups = pl.head_groups(), doc_items = pl.docs * pl.heads;
   A* fin_p = present(fin) ? fin.data() : nullptr;
+  const A* init = x.initial_state.data();
   if (pl.fused) {
-    launch(b, state_scan_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, w.cum}, pl.docs * groups, pl.lanes);
-  } else {
-    launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes);
-    launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, w.cum}, doc_items, pl.lanes);
+    launch(b, state_scan_kernel<S, A, Space>{p, init, fin_p, nullptr, false}, pl.docs * groups, pl.lanes);
+    fence(b);
+    post();
+    launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, 1, pl.docs}, (pl.docs - 1) * groups, pl.lanes);
+    fence(b);
+    finish();
+    launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, 0, 1}, groups, pl.lanes);
+    return true;
   }
+  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes);
   fence(b);
   post();
   const index_t split = pl.docs > 0 ? pl.table.doc_chunk[1] : 0;
@@ -272,6 +278,7 @@ void run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
   fence(b);
   const A* incoming = finish();
   launch(b, output_kernel<S, A, Space>{p, o, 0, split, incoming, w.cum}, split * groups, pl.lanes);
+  return false;
 }
 
 template <class B, class P, class Gating, class Space>

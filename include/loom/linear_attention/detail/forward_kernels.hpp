@@ -125,13 +125,14 @@ LOOM_HD inline void load_row(A* dst, const tensor_view<const S, 3, Space>& x, in
 
 //! One lane's scratch for the forward kernels on a group of g <= max_head_group heads of one
 //! chunk; every block padded: cp = C, kp = dk, vp = dv rounded up to tile_cols. Shared by the group:
-//!   pm [cp, cp]  the masked, decayed scores (then the chunk-state weights)
+//!   pm [cp, cp]  the masked, decayed scores
 //!   lt [kp, vp]  the chunk's own state L
 //! and per head slot s:
 //!   qs [cp, kp]  queries times scale (and exp(b_i) once the scores are done)
-//!   kt [kp, cp]  keys transposed; scaled in place by exp(b_{n-1} - b_j) for the chunk state
+//!   kt [kp, cp]  keys transposed (only when the scores are needed)
 //!   vs [cp, vp]  values        os [cp, vp]  the output tile        s0 [kp, vp]  the state before
-//!   b, u, w [cp] cumulative log-gate, exp(b), exp(-b)     ks [cp, kp]  keys as loaded
+//!   b, u, w [cp] cumulative log-gate, exp(b), exp(-b)
+//!   ks [cp, kp]  keys; scaled in place by exp(b_{n-1} - b_j) for the chunk state
 //! The group's rows are staged token by token (consecutive heads are contiguous in memory), so the
 //! loads of a chunk stream through memory instead of striding over it.
 template <class A>
@@ -210,29 +211,30 @@ struct chunk_steps {
       A *kt = l.kt(s), *ks = l.ks(s);
       for (index_t i = n; i < cp; ++i)
         for (index_t d = 0; d < kp; ++d) ks[i * kp + d] = A(0);
-      for (index_t i0 = 0; i0 < cp; i0 += tile_rows)
-        for (index_t d0 = 0; d0 < kp; d0 += tile_rows)
-          for (index_t i = i0; i < i0 + tile_rows; ++i)
-            for (index_t d = d0; d < d0 + tile_rows; ++d) kt[d * cp + i] = ks[i * kp + d];
+      if (with_q)  // K^T, the B operand of the scores
+        for (index_t i0 = 0; i0 < cp; i0 += tile_rows)
+          for (index_t d0 = 0; d0 < kp; d0 += tile_rows)
+            for (index_t i = i0; i < i0 + tile_rows; ++i)
+              for (index_t d = d0; d < d0 + tile_rows; ++d) kt[d * cp + i] = ks[i * kp + d];
     }
   }
 
   //! The chunk's own state L = sum_j exp(b_{n-1} - b_j) k_j v_j^T of slot s into lt [kp, vp].
-  //! Scales kt(s) in place; uses pm as scratch.
+  //! Scales ks(s) in place.
   LOOM_HD void chunk_state(index_t n, index_t s, int mode) const {
-    A* kt = l.kt(s);
+    A* ks = l.ks(s);
     if (mode != 0) {
       const A *b = l.b(s), *u = l.u(s), *w = l.w(s);
-      A* f = l.pm;
       const A last = b[n - 1], un = u[n - 1];
-      for (index_t j = 0; j < n; ++j) f[j] = mode == 1 ? un * w[j] : exp_acc(last - b[j]);
-      for (index_t d = 0; d < l.kp; ++d)
-        for (index_t j = 0; j < n; ++j) kt[d * l.cp + j] *= f[j];
+      for (index_t j = 0; j < n; ++j) {
+        const A f = mode == 1 ? un * w[j] : exp_acc(last - b[j]);
+        for (index_t d = 0; d < l.kp; ++d) ks[j * l.kp + d] *= f;
+      }
     }
     for (index_t d0 = 0; d0 < l.kp; d0 += tile_rows)
       for (index_t e0 = 0; e0 < l.vp; e0 += tile_cols)
-        tile_product(l.lt + d0 * l.vp + e0, l.vp, kt + d0 * l.cp, l.cp, index_t(1), l.vs(s) + e0, l.vp, n, kt, 0, 0,
-                     l.vs(s), 0, 0);
+        tile_product(l.lt + d0 * l.vp + e0, l.vp, ks + d0, index_t(1), l.kp, l.vs(s) + e0, l.vp, n, ks, 0, 0, l.vs(s),
+                     0, 0);
   }
 
   //! The masked decayed scores of slot s into pm; afterwards qs(s) rows carry scale exp(b_i).
@@ -411,14 +413,16 @@ struct output_kernel {
 };
 
 //! Phases 1 and 2 in one pass, per (document, head group), when those items fill the threads: the
-//! chunks in order, each chunk's incoming state written to the chunk-state buffer, the running
-//! state kept in the lane's scratch. The same arithmetic as the two phases, so the same bits.
+//! chunks in order, the running state kept in the lane's scratch, each chunk's incoming state
+//! written to the chunk-state buffer when `store`. The same arithmetic as the two phases (and as
+//! the fused kernel), so the same bits.
 template <class S, class A, class Space>
 struct state_scan_kernel {
   problem<S, A, Space> p;
   const A* init = nullptr;
   A* fin = nullptr;
   A* cum = nullptr;  //!< as in state_pass_kernel
+  bool store = true;
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     index_t cached[max_head_group];
@@ -442,9 +446,11 @@ struct state_scan_kernel {
         for (index_t s = 0; s < g; ++s) {
           const index_t h = h0 + s;
           A* s0 = l.s0(s);
-          A* out = p.state(ci, h);
-          for (index_t dd = 0; dd < p.dk; ++dd)
-            for (index_t e = 0; e < p.dv; ++e) out[dd * p.dv + e] = s0[dd * l.vp + e];
+          if (store) {
+            A* out = p.state(ci, h);
+            for (index_t dd = 0; dd < p.dk; ++dd)
+              for (index_t e = 0; e < p.dv; ++e) out[dd * p.dv + e] = s0[dd * l.vp + e];
+          }
           const A lg = mode[s] == 0 ? A(0) : l.b(s)[n - 1];
           if (cum && d == 0) {
             cum[ci * p.heads + h] = before[s];
@@ -464,14 +470,16 @@ struct state_scan_kernel {
   }
 };
 
-//! The fused forward, per (document, head group): the chunks in order, the states kept in the
-//! lane's scratch (no chunk-state buffer). Same arithmetic as phases 1-3, so the same bits.
+//! The fused forward, per (document, head group) for documents [first, last): the chunks in order,
+//! the states kept in the lane's scratch (no chunk-state buffer). Same arithmetic as phases 1-3, so
+//! the same bits.
 template <class S, class A, class Space>
 struct fused_kernel {
   problem<S, A, Space> p;
   tensor_view<S, 3, Space> o;
   const A* init = nullptr;
   A* fin = nullptr;
+  index_t first = 0, last = 0;
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     index_t cached[max_head_group];
@@ -479,8 +487,8 @@ struct fused_kernel {
     for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
     const chunk_steps<S, A, Space> st{p, l, cached};
     const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
-    for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
-      const index_t d = item / p.groups, h0 = item % p.groups * p.group;
+    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+      const index_t d = first + item / p.groups, h0 = item % p.groups * p.group;
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
       for (index_t s = 0; s < g; ++s)
         st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));

@@ -111,6 +111,7 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
     }
   operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, st.dk, st.dv})};
   std::vector<A> xin(static_cast<std::size_t>(H * sz), A(0));
+  bool with_x = false;  // the final state of segment 0 includes X
   if (comm.size() == 1) {
     // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
     // when the plan says so, without a chunk-state buffer).
@@ -119,13 +120,13 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
     run_forward(b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
                 std::span<std::byte>(ws.data(), bytes));
   } else {
-    const auto bytes = st.pl.incoming_workspace_bytes();
+    const auto bytes = st.pl.forward_workspace_bytes();
     temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
     state_exchange<C, A> ex(comm, H, sz, posted);
     const bool reset = !(s.continues_left && segs == 1) && st.tokens > 0;
     // The exchange runs after the state pass; the output of the slice's later documents does not
     // wait for it, and the incoming state X is folded into the chunk states of the first document.
-    run_forward_incoming(
+    with_x = run_forward_incoming(
         b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
         std::span<std::byte>(ws.data(), bytes),
         [&] {
@@ -144,11 +145,13 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
             for (index_t h = 0; h < H; ++h)
               for (index_t e = 0; e < sz; ++e) xin[h * sz + e] = blk[h] * xin[h * sz + e] + blk[H + h * sz + e];
           }
-          return s.continues_left ? xin.data() : nullptr;
+          if (!s.continues_left) return static_cast<const A*>(nullptr);
+          std::copy(xin.begin(), xin.end(), init_loc.begin());  // document 0's initial state
+          return static_cast<const A*>(xin.data());
         });
   }
   if (present(incoming)) std::copy(xin.begin(), xin.end(), incoming.data());
-  if (s.continues_left) {
+  if (s.continues_left && !with_x) {
     const index_t n0 = s.local_cu[1];
     for (index_t h = 0; h < H; ++h) {
       const A decay = exp_acc(st.log_gate_sum(0, n0, h));
