@@ -5,6 +5,8 @@
 
 #include <loom/core/tensor_view.hpp>
 
+#include <support/random.hpp>
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -100,6 +102,29 @@ inline attn_result attention_oracle(const attn_shape& s, const std::vector<doubl
     }
   }
   return r;
+}
+
+// A whole packed sequence of random inputs and its fp64 oracle result (forward and backward), from
+// which the distributed tests take each rank's rows.
+struct sharded_inputs {
+  attn_shape s;
+  std::vector<index_t> cu;
+  std::vector<double> q, k, v, dout;
+  attn_result want;
+};
+
+inline sharded_inputs make_inputs_for(attn_shape s, std::vector<index_t> cu, std::uint64_t seed) {
+  s.tq = s.tk = cu.back();
+  sharded_inputs g{s,
+                   cu,
+                   uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed),
+                   uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1),
+                   uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2),
+                   uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3),
+                   {}};
+  const auto c = packed(cu);
+  g.want = attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
+  return g;
 }
 
 }  // namespace loom::test

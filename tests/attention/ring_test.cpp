@@ -29,26 +29,8 @@ namespace shard = loom::shard;
 
 namespace {
 
-struct global_inputs {
-  lt::attn_shape s;
-  std::vector<index_t> cu;
-  std::vector<double> q, k, v, dout;
-  lt::attn_result want;
-};
-
-global_inputs make_global(lt::attn_shape s, std::vector<index_t> cu, std::uint64_t seed) {
-  s.tq = s.tk = cu.back();
-  global_inputs g{s,
-                  cu,
-                  lt::uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed),
-                  lt::uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1),
-                  lt::uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2),
-                  lt::uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3),
-                  {}};
-  const auto c = lt::packed(cu);
-  g.want = lt::attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
-  return g;
-}
+using global_inputs = lt::sharded_inputs;
+const auto make_global = lt::make_inputs_for;
 
 template <class T>
 std::vector<T> rows_of(const shard::plan& plan, int r, const std::vector<double>& global, index_t row) {

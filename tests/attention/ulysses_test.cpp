@@ -7,6 +7,7 @@
 #include <loom/attention/planner.hpp>
 #include <loom/attention/ulysses.hpp>
 #include <loom/backend/serial.hpp>
+#include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 
 #include <support/random.hpp>
@@ -31,88 +32,13 @@ namespace shard = loom::shard;
 
 namespace {
 
-// Forwards to comm::local and counts the payload bytes each rank sends to other ranks
-// (point-to-point and all-to-all); agreement checks (all_gather) are counted apart.
-struct counters {
-  std::atomic<long> bytes{0}, meta{0};
-};
-struct counting {
-  using request = loom::comm::local::request;
-  std::shared_ptr<loom::comm::local> inner;
-  std::shared_ptr<counters> n;
-  int rank() const { return inner->rank(); }
-  int size() const { return inner->size(); }
-  template <class T>
-  request isend(std::span<T> s, int dest, int tag) {
-    n->bytes += static_cast<long>(s.size_bytes());
-    return inner->isend(s, dest, tag);
-  }
-  template <class T>
-  request irecv(std::span<T> r, int src, int tag) {
-    return inner->irecv(r, src, tag);
-  }
-  void wait(request& r) { inner->wait(r); }
-  template <class S, class R>
-  void sendrecv(std::span<S> s, int dest, std::span<R> r, int src, int tag) {
-    n->bytes += static_cast<long>(s.size_bytes());
-    inner->sendrecv(s, dest, r, src, tag);
-  }
-  template <class S, class R>
-  void all_gather(std::span<S> s, std::span<R> r) {
-    n->meta += static_cast<long>(s.size_bytes());
-    inner->all_gather(s, r);
-  }
-  template <class S, class R>
-  void all_to_all(std::span<S> s, std::span<R> r) {
-    n->bytes += static_cast<long>(s.size_bytes() - s.size_bytes() / static_cast<std::size_t>(size()));
-    inner->all_to_all(s, r);
-  }
-  template <class S, class R>
-  void all_to_allv(std::span<S> s, std::span<const std::size_t> sc, std::span<const std::size_t> sd, std::span<R> r,
-                   std::span<const std::size_t> rc, std::span<const std::size_t> rd) {
-    for (int j = 0; j < size(); ++j)
-      if (j != rank()) n->bytes += static_cast<long>(sc[static_cast<std::size_t>(j)] * sizeof(S));
-    inner->all_to_allv(s, sc, sd, r, rc, rd);
-  }
-  template <class S, class R>
-  void all_reduce(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    inner->all_reduce(s, r, op);
-  }
-  template <class S, class R>
-  void reduce_scatter(std::span<S> s, std::span<R> r, loom::comm::reduce_op op) {
-    inner->reduce_scatter(s, r, op);
-  }
-  template <class T>
-  void broadcast(std::span<T> d, int root) {
-    inner->broadcast(d, root);
-  }
-  void barrier() { inner->barrier(); }
-  counting split(int color, int key) {  // the sub-communicator counts into the same counters
-    return {std::make_shared<loom::comm::local>(inner->split(color, key)), n};
-  }
-};
-static_assert(loom::comm::communicator<counting>);
+// Counts what each rank sends to other ranks: point-to-point payload and its blocks of
+// all_to_all(v) (agreement checks, all_gather, are not payload).
+using counting = loom::comm::counting<loom::comm::local>;
+long sent(const counting& c) { return static_cast<long>(c.counts().bytes_out + c.counts().scattered_out); }
 
-struct global_inputs {
-  lt::attn_shape s;
-  std::vector<index_t> cu;
-  std::vector<double> q, k, v, dout;
-  lt::attn_result want;
-};
-
-global_inputs make_global(lt::attn_shape s, std::vector<index_t> cu, std::uint64_t seed) {
-  s.tq = s.tk = cu.back();
-  global_inputs g{s,
-                  cu,
-                  lt::uniform<double>(s.tq * s.hq * s.dk, -1, 1, seed),
-                  lt::uniform<double>(s.tk * s.hkv * s.dk, -1, 1, seed + 1),
-                  lt::uniform<double>(s.tk * s.hkv * s.dv, -1, 1, seed + 2),
-                  lt::uniform<double>(s.tq * s.hq * s.dv, -1, 1, seed + 3),
-                  {}};
-  const auto c = lt::packed(cu);
-  g.want = lt::attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
-  return g;
-}
+using global_inputs = lt::sharded_inputs;
+const auto make_global = lt::make_inputs_for;
 
 struct sp_result {
   std::vector<double> out, lse, dq, dk, dv;
@@ -173,7 +99,7 @@ sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd
   std::mutex mu;
   const la::options opt{s.causal, s.window, s.scale};
   loom::comm::run_local(p, [&](loom::comm::local& lc) {
-    counting comm{std::make_shared<loom::comm::local>(lc), std::make_shared<counters>()};
+    counting comm(lc);
     const int r = comm.rank();
     auto io = take_rows<T>(plan, r, g);
     const index_t n = io.n;
@@ -181,7 +107,7 @@ sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd
         vv(io.v.data(), {n, s.hkv, s.dv});
     fwd(comm, qv, kv, vv, loom::tensor_view<T, 3>(io.out.data(), {n, s.hq, s.dv}),
         loom::tensor_view<Acc, 2>(io.lse.data(), {n, s.hq}), opt);
-    res.fwd_bytes[static_cast<std::size_t>(r)] = comm.n->bytes;
+    res.fwd_bytes[static_cast<std::size_t>(r)] = sent(comm);
     if (bwd) {
       bwd_fn(comm, qv, kv, vv, loom::tensor_view<const T, 3>(io.out.data(), {n, s.hq, s.dv}),
              loom::tensor_view<const Acc, 2>(io.lse.data(), {n, s.hq}),
@@ -189,7 +115,7 @@ sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd
              loom::tensor_view<T, 3>(io.dq.data(), {n, s.hq, s.dk}),
              loom::tensor_view<T, 3>(io.dk.data(), {n, s.hkv, s.dk}),
              loom::tensor_view<T, 3>(io.dv.data(), {n, s.hkv, s.dv}), opt);
-      res.bwd_bytes[static_cast<std::size_t>(r)] = comm.n->bytes - res.fwd_bytes[static_cast<std::size_t>(r)];
+      res.bwd_bytes[static_cast<std::size_t>(r)] = sent(comm) - res.fwd_bytes[static_cast<std::size_t>(r)];
     }
     auto widen = [](const auto& x) {
       std::vector<double> w(x.size());
