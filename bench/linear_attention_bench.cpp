@@ -3,13 +3,15 @@
 // linear_attention.chunked/T:t/threads:n    loom's chunked forward, fp32, H = 8, dk = dv = 64,
 //     chunk 64, fixed decay, one document, openmp with n threads. GFLOP/s counts its own FLOPs:
 //     per chunk of c tokens and head, c(c+1)/2 (dk + dv) 2 (masked Q K^T and P V) + 2 c dk dv 2
-//     (Q S and the state update).
+//     (Q S and the state update). threads:1 is the one-core reference for the LASP-2 rows.
 // linear_attention.sgemm/threads:n           OpenBLAS sgemm, n = 1024, the dense ceiling.
 // linear_attention.recurrent/T:t/threads:n   the token-by-token recurrence S = g S + k v^T,
 //     o = scale S^T q, heads over n OpenMP threads; GFLOP/s with the chunked row's FLOP count (the
 //     same work to produce), so the two rows compare directly.
 // linear_attention.lasp2/T:t/P:p             LASP-2 forward over comm::local with p ranks of one
-//     OpenMP thread each (the same problem); P:1 is the one-rank figure.
+//     OpenMP thread each (the same problem); P:1 is the one-rank figure (one thread, so P:2 vs P:1
+//     is the speedup from a second core, each rank on its own core; compare P:2 with
+//     chunked/threads:2 for equal total threads).
 
 #include <loom/backend/openmp.hpp>
 #include <loom/comm/local.hpp>
