@@ -15,6 +15,8 @@
 #include <loom/attention/ulysses.hpp>
 #include <loom/backend/serial.hpp>
 
+#include <common/attention_check.hpp>
+
 #if defined(LOOM_EXAMPLE_MPI)
 #include <loom/comm/mpi.hpp>
 #else
@@ -31,61 +33,14 @@
 namespace {
 
 namespace la = loom::attention;
-using loom::index_t;
+using example::index_t;
+using example::results;
+using example::run_rank;
 constexpr index_t hq = 12, hkv = 2, dim = 32;
-
-struct batch {
-  std::vector<index_t> cu{0, 700, 701, 1500, 1588, 2021};  // documents of 700, 1, 799, 88, 433 tokens
-  std::vector<float> q, k, v, dout;
-  index_t tokens() const { return cu.back(); }
-  batch() {
-    std::mt19937 g(5);
-    std::uniform_real_distribution<float> d(-1.f, 1.f);
-    auto fill = [&](std::vector<float>& x, index_t heads) {
-      x.resize(static_cast<std::size_t>(tokens() * heads * dim));
-      for (auto& e : x) e = d(g);
-    };
-    fill(q, hq);
-    fill(k, hkv);
-    fill(v, hkv);
-    fill(dout, hq);
-  }
-};
-
-struct results {
-  std::vector<float> out, dq, dk, dv;
-  explicit results(const batch& in) : out(in.q.size()), dq(in.q.size()), dk(in.k.size()), dv(in.v.size()) {}
-};
-
-// One rank's part: its rows from the plan (a shard::plan or a hybrid::plan), forward and backward
-// through `fwd` / `bwd`, its rows written back.
-template <class Plan, class Fwd, class Bwd>
-void run_rank(int me, const batch& in, const Plan& plan, index_t n, results& r, Fwd fwd, Bwd bwd) {
-  auto take = [&](const std::vector<float>& global, index_t heads) {
-    std::vector<float> local(static_cast<std::size_t>(n * heads * dim));
-    plan.template scatter<float>(me, global, heads * dim, local);
-    return local;
-  };
-  const auto q = take(in.q, hq), k = take(in.k, hkv), v = take(in.v, hkv), dout = take(in.dout, hq);
-  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(n * hq)), dq(q.size()), dk(k.size()), dv(v.size());
-  const loom::tensor_view<const float, 3> qv(q.data(), {n, hq, dim}), kv(k.data(), {n, hkv, dim}),
-      vv(v.data(), {n, hkv, dim});
-  fwd(qv, kv, vv, loom::tensor_view<float, 3>(out.data(), {n, hq, dim}),
-      loom::tensor_view<float, 2>(lse.data(), {n, hq}));
-  bwd(qv, kv, vv, loom::tensor_view<const float, 3>(out.data(), {n, hq, dim}),
-      loom::tensor_view<const float, 2>(lse.data(), {n, hq}),
-      loom::tensor_view<const float, 3>(dout.data(), {n, hq, dim}),
-      loom::tensor_view<float, 3>(dq.data(), {n, hq, dim}), loom::tensor_view<float, 3>(dk.data(), {n, hkv, dim}),
-      loom::tensor_view<float, 3>(dv.data(), {n, hkv, dim}));
-  plan.template gather<float>(me, out, hq * dim, r.out);
-  plan.template gather<float>(me, dq, hq * dim, r.dq);
-  plan.template gather<float>(me, dk, hkv * dim, r.dk);
-  plan.template gather<float>(me, dv, hkv * dim, r.dv);
-}
 
 // Both methods on one rank.
 template <class Comm>
-void run_both(Comm& comm, const batch& in, results& uly, results& hyb, bool hybrid_too) {
+void run_both(Comm& comm, const example::batch& in, results& uly, results& hyb, bool hybrid_too) {
   const int me = comm.rank(), p = comm.size();
   const auto plan = loom::shard::make_plan(std::span<const index_t>(in.cu), p, loom::shard::contiguous{});
   run_rank(
@@ -109,22 +64,11 @@ void run_both(Comm& comm, const batch& in, results& uly, results& hyb, bool hybr
       });
 }
 
-double max_rel_error(const results& a, const results& b) {
-  double e = 0;
-  auto cmp = [&](const std::vector<float>& x, const std::vector<float>& y) {
-    for (std::size_t i = 0; i < x.size(); ++i) e = std::max(e, std::abs(double(x[i]) - y[i]) / (1.0 + std::abs(y[i])));
-  };
-  cmp(a.out, b.out);
-  cmp(a.dq, b.dq);
-  cmp(a.dk, b.dk);
-  cmp(a.dv, b.dv);
-  return e;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  const batch in;
+  // documents of 700, 1, 799, 88, 433 tokens
+  const example::batch in({hq, hkv, dim}, {0, 700, 701, 1500, 1588, 2021}, 5);
   const index_t t = in.tokens();
   results uly(in), hyb(in);
 #if defined(LOOM_EXAMPLE_MPI)
@@ -135,10 +79,7 @@ int main(int argc, char** argv) {
     ranks = comm.size();
     me = comm.rank();
     run_both(comm, in, uly, hyb, ranks >= 4 && ranks % 2 == 0);
-    // every rank filled its own rows: sum the (otherwise zero) rows onto every rank
-    for (auto* r : {&uly, &hyb})
-      for (auto* x : {&r->out, &r->dq, &r->dk, &r->dv})
-        comm.all_reduce(std::span<const float>(*x), std::span<float>(*x), loom::comm::reduce_op::sum);
+    for (auto* r : {&uly, &hyb}) example::sum_over_ranks(comm, *r);
   }
   MPI_Finalize();
   const char* kind = "MPI ranks (comm::mpi)";
@@ -153,20 +94,8 @@ int main(int argc, char** argv) {
   const char* kind = "in-process ranks (comm::local)";
 #endif
   const bool hybrid_too = ranks >= 4 && ranks % 2 == 0;
-  results one(in);
-  std::vector<float> lse(static_cast<std::size_t>(t * hq));
-  const loom::tensor_view<const index_t, 1> cu(in.cu.data(), {static_cast<index_t>(in.cu.size())});
-  const loom::tensor_view<const float, 3> q(in.q.data(), {t, hq, dim}), k(in.k.data(), {t, hkv, dim}),
-      v(in.v.data(), {t, hkv, dim});
-  la::forward(loom::serial{}, q, k, v, cu, loom::tensor_view<float, 3>(one.out.data(), {t, hq, dim}),
-              loom::tensor_view<float, 2>(lse.data(), {t, hq}));
-  la::backward(loom::serial{}, q, k, v, cu, loom::tensor_view<const float, 3>(one.out.data(), {t, hq, dim}),
-               loom::tensor_view<const float, 2>(lse.data(), {t, hq}),
-               loom::tensor_view<const float, 3>(in.dout.data(), {t, hq, dim}),
-               loom::tensor_view<float, 3>(one.dq.data(), {t, hq, dim}),
-               loom::tensor_view<float, 3>(one.dk.data(), {t, hkv, dim}),
-               loom::tensor_view<float, 3>(one.dv.data(), {t, hkv, dim}));
-  const double eu = max_rel_error(uly, one), eh = hybrid_too ? max_rel_error(hyb, one) : 0.0;
+  const results one = example::single_device(in);
+  const double eu = example::max_rel_error(uly, one), eh = hybrid_too ? example::max_rel_error(hyb, one) : 0.0;
   const bool ok = eu <= 2e-5 && eh <= 2e-5;
   if (me == 0) {
     std::printf("loom sequence parallel attention over %d %s\n", ranks, kind);
