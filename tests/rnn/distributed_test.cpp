@@ -25,15 +25,7 @@ namespace {
 template <class T, std::size_t R>
 using view = loom::tensor_view<T, R>;
 
-std::vector<index_t> slices(index_t n, int p, std::uint64_t stream) {
-  auto g = lt::rng(stream);
-  std::vector<index_t> cut{0};
-  for (int r = 1; r < p; ++r) cut.push_back(static_cast<index_t>(g() % static_cast<std::uint64_t>(n + 1)));
-  cut.push_back(n);
-  std::sort(cut.begin(), cut.end());
-  if (p > 2) cut[2] = cut[1];  // rank 1 holds nothing
-  return cut;
-}
+const auto slices = lt::uneven_slices;
 
 std::vector<index_t> crossing_offsets(index_t n, std::uint64_t stream) {
   auto g = lt::rng(stream);

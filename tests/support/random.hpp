@@ -6,6 +6,7 @@
 
 #include <loom/core/tensor_view.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -42,6 +43,18 @@ std::vector<T> small_integers(index_t n, int lo, int hi, std::uint64_t stream) {
   std::vector<T> v(static_cast<std::size_t>(n));
   for (auto& x : v) x = static_cast<T>(static_cast<float>(d(g)));
   return v;
+}
+
+//! Cut points (P + 1 values) of n elements over P ranks: uneven, and rank 1 empty when P > 2, the
+//! slicing the cross-rank tests use.
+inline std::vector<index_t> uneven_slices(index_t n, int p, std::uint64_t stream) {
+  auto g = rng(stream);
+  std::vector<index_t> cut{0};
+  for (int r = 1; r < p; ++r) cut.push_back(static_cast<index_t>(g() % static_cast<std::uint64_t>(n + 1)));
+  cut.push_back(n);
+  std::sort(cut.begin(), cut.end());
+  if (p > 2) cut[2] = cut[1];
+  return cut;
 }
 
 }  // namespace loom::test
