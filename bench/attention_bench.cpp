@@ -9,6 +9,7 @@
 // GFLOP/s counts 4 d flops per visible (query, key) pair (QKᵀ and PV), for every implementation,
 // so the materialised baseline's rate is what it achieves on the useful work.
 
+#include <loom/attention/hybrid.hpp>
 #include <loom/attention/local.hpp>
 #include <loom/attention/ring.hpp>
 #include <loom/attention/ulysses.hpp>
@@ -340,3 +341,29 @@ BENCHMARK(sp_ulysses)
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(sp_ring)->Name("sp.ring")->ArgName("P")->Arg(2)->Iterations(1)->Repetitions(3)->UseRealTime()->Unit(
     benchmark::kMillisecond);
+
+// Bytes each rank sends per layer (the most any rank sends) at P = U x R = 8, N = 128K tokens,
+// 32 query / 8 kv heads, dim 128, bf16 storage, fp32 accumulators: from the plans' byte formulas,
+// which the tests check byte-exactly against a counting communicator. No data moves here.
+void sp_bytes(benchmark::State& state) {
+  const int u = static_cast<int>(state.range(0)), r = static_cast<int>(state.range(1));
+  const std::vector<index_t> cu{0, 131072};
+  const la::hybrid::plan hp(std::span<const index_t>(cu), {u, r}, loom::shard::zigzag{}, {32, 8, 128, 128});
+  for (auto _ : state) benchmark::DoNotOptimize(&hp);
+  double fwd = 0, bwd = 0;
+  for (int rank = 0; rank < u * r; ++rank) {
+    const auto t = hp.bytes_sent(rank, 2, 4, 2);
+    fwd = std::max(fwd, static_cast<double>(t.forward));
+    bwd = std::max(bwd, static_cast<double>(t.backward));
+  }
+  state.counters["forward_MB"] = fwd * 1e-6;
+  state.counters["backward_MB"] = bwd * 1e-6;
+}
+BENCHMARK(sp_bytes)
+    ->Name("sp.bytes")
+    ->ArgNames({"U", "R"})
+    ->Args({1, 8})
+    ->Args({8, 1})
+    ->Args({2, 4})
+    ->Args({4, 2})
+    ->Iterations(1);
