@@ -15,6 +15,10 @@ if(LOOM_SANITIZE)
   target_compile_options(loom_dev_flags INTERFACE -fsanitize=${LOOM_SANITIZE} -fno-omit-frame-pointer
     -fno-sanitize-recover=all)
   target_link_options(loom_dev_flags INTERFACE -fsanitize=${LOOM_SANITIZE})
+  # Tests thin their largest numeric sweeps under sanitizers (tests/support/tolerance.hpp,
+  # loom::test::sanitized): the full sweeps run in the default build, the sanitizers look for
+  # memory and threading errors on every code path with fewer repetitions of each.
+  target_compile_definitions(loom_dev_flags INTERFACE LOOM_TEST_SANITIZED=1)
   # GCC's flow analysis gives false maybe-uninitialized reports inside the standard library
   # (std::function in <regex>) once sanitizer instrumentation is on.
   target_compile_options(loom_dev_flags INTERFACE $<$<CXX_COMPILER_ID:GNU>:-Wno-maybe-uninitialized>)

@@ -122,7 +122,8 @@ TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp
           "[attention][local]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};  // lengths 1, 7, 130, 3, 1000
   for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}})
-    check_packed<loom::fp64>({0, 0, 8, hkv, 64, 64, true}, docs, 10 + static_cast<std::uint64_t>(hkv));
+    if (!lt::sanitized || hkv == 2)  // sanitizer builds: one GQA ratio of the full-size sweep
+      check_packed<loom::fp64>({0, 0, 8, hkv, 64, 64, true}, docs, 10 + static_cast<std::uint64_t>(hkv));
   check_packed<loom::fp64>({0, 0, 8, 2, 96, 96, false}, docs, 20);
   check_packed<loom::fp64>({0, 0, 4, 1, 96, 40, true, 0, 0.3}, {0, 131}, 21);  // dim_v != dim_qk, a given scale
   for (index_t n : {index_t{1}, index_t{7}, index_t{131}, index_t{1021}})

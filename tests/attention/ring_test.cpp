@@ -125,6 +125,7 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
   const auto g = make_global({0, 0, 4, 2, 32, 24, true}, docs, 100);
   const lt::tolerance tol{1e-10, 1e-10};
   for (int p : {1, 2, 3, 4, 5, 8}) {
+    if (lt::sanitized && (p == 4 || p == 8)) continue;  // sanitizer builds: odd, even and P = 1
     for (int strategy = 0; strategy < 3; ++strategy) {
       const auto plan = strategy == 0   ? plan_of<shard::contiguous>(docs, p)
                         : strategy == 1 ? plan_of<shard::zigzag>(docs, p)
@@ -145,6 +146,7 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
 TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, full and causal", "[attention][ring]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};
   for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}}) {
+    if (lt::sanitized && hkv != 1) continue;
     const auto g = make_global({0, 0, 8, hkv, 64, 64, true}, docs, 200 + static_cast<std::uint64_t>(hkv));
     check(run_ring<lr::pass_kv>(g, 3, plan_of<shard::per_document>(docs, 3), true), g, true, {1e-10, 1e-10}, "causal");
   }

@@ -15,6 +15,13 @@
 
 namespace loom::test {
 
+//! True in sanitizer builds (LOOM_SANITIZE): the largest sweeps run a subset of their cases there.
+#if defined(LOOM_TEST_SANITIZED)
+inline constexpr bool sanitized = true;
+#else
+inline constexpr bool sanitized = false;
+#endif
+
 struct tolerance {
   double rel;
   double abs;
