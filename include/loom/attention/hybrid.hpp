@@ -217,10 +217,7 @@ void backward(const B& b, groups<C>& gc, const plan& hp, Q q, K k, V v, O out, L
   const int gr = group_of(gc, hp, call), u = gc.ulysses.rank();
   const ulysses::plan& up = hp.group(gr);
   const problem pb = check_views(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  check_gradients(pb, dout, dq, dk, dv, call);
   check_plan(gc.ulysses, up, pb, opt, call);
   arena a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
   const bwd_buffers<T, G> f = carve_backward<T, G>(a, up, u);

@@ -82,6 +82,23 @@ problem check_qkv(const Q& q, const K& k, const V& v, const options& opt, std::s
   return pb;
 }
 
+//! out [Tq, Hq, Dv] and lse [Tq, Hq] of problem pb.
+template <class O, class L>
+void check_outputs(const problem& pb, const O& out, const L& lse, std::string_view call) {
+  expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
+  expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
+}
+
+//! dout [Tq, Hq, Dv], dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv] of problem pb.
+template <class DO, class DQ, class DK, class DV>
+void check_gradients(const problem& pb, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
+                     std::string_view call) {
+  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
+  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
+  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
+  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+}
+
 template <class Space>
 void check_coords(const coords<Space>& c, index_t n, std::string_view call, std::string_view name) {
   LOOM_EXPECTS(c.doc.extent(0) == n && c.pos.extent(0) == n, errc::shape_mismatch, call, ": ", name,
@@ -169,8 +186,7 @@ void forward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Sp
   static_assert(std::is_same_v<typename L::value_type, Acc>,
                 "attention::forward: lse must have the accumulation type (float, or double for double storage)");
   const detail::problem pb = detail::check_qkv(q, k, v, opt, call);
-  detail::expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
-  detail::expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
+  detail::check_outputs(pb, out, lse, call);
   detail::check_coords(qc, pb.tq, call, "query");
   detail::check_coords(kc, pb.tk, call, "key");
   if (pb.tq == 0) return;
@@ -211,12 +227,8 @@ void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<S
                     std::is_same_v<typename DQ::value_type, typename DV::value_type>,
                 "attention::backward: dq, dk and dv must have one element type");
   const detail::problem pb = detail::check_qkv(q, k, v, opt, call);
-  detail::expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
-  detail::expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  detail::expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
-  detail::expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  detail::expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  detail::expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  detail::check_outputs(pb, out, lse, call);
+  detail::check_gradients(pb, dout, dq, dk, dv, call);
   detail::check_coords(qc, pb.tq, call, "query");
   detail::check_coords(kc, pb.tk, call, "key");
   using TQ = typename Q::value_type;

@@ -38,8 +38,7 @@ problem check_forward(const Q& q, const K& k, const V& v, const O& out, const L&
                       std::string_view call) {
   static_assert(Q::space::host_accessible, "ring attention runs on host memory");
   const problem pb = check_qkv(q, k, v, opt, call);
-  expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
-  expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
+  check_outputs(pb, out, lse, call);
   return pb;
 }
 
@@ -47,10 +46,7 @@ template <class Q, class K, class V, class O, class L, class DO, class DQ, class
 problem check_backward(const Q& q, const K& k, const V& v, const O& out, const L& lse, const DO& dout, const DQ& dq,
                        const DK& dk, const DV& dv, const options& opt, std::string_view call) {
   const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  check_gradients(pb, dout, dq, dk, dv, call);
   return pb;
 }
 

@@ -235,8 +235,7 @@ problem check_views(const Q& q, const K& k, const V& v, const O& out, const L& l
   static_assert(std::is_same_v<typename L::value_type, accum_t<T>>,
                 "Ulysses attention: lse must have the accumulation type");
   const problem pb = check_qkv(q, k, v, opt, call);
-  expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
-  expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
+  check_outputs(pb, out, lse, call);
   return pb;
 }
 
@@ -326,10 +325,7 @@ void backward(const B& b, C& comm, const plan& up, Q q, K k, V v, O out, L lse, 
   static_assert(std::is_same_v<typename DK::value_type, G> && std::is_same_v<typename DV::value_type, G>,
                 "Ulysses attention: dq, dk and dv must share one type");
   const problem pb = check_views(q, k, v, out, lse, opt, call);
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  check_gradients(pb, dout, dq, dk, dv, call);
   check_plan(comm, up, pb, opt, call);
   const int me = comm.rank();
   arena a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
