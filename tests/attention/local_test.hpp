@@ -110,10 +110,9 @@ void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_
   }
   lt::require_close(lse_got, lse_ok, tol, "lse");
   if (!bwd) return;
-  const lt::tolerance gtol{tol.rel * 2, tol.abs * 2};  // gradients sum over more terms
-  lt::require_close(got.dq, want.dq, gtol, "dq");
-  lt::require_close(got.dk, want.dk, gtol, "dk");
-  lt::require_close(got.dv, want.dv, gtol, "dv");
+  lt::require_close(got.dq, want.dq, tol, "dq");
+  lt::require_close(got.dk, want.dk, tol, "dk");
+  lt::require_close(got.dv, want.dv, tol, "dv");
 }
 
 }  // namespace
