@@ -265,16 +265,14 @@ void check_structure(lt::shape s, std::initializer_list<rec_case> cases) {
         lt::require_close(got.second, want.finals, lt::tolerance_for<loom::fp64>(), "finals fp64");
       }
       const auto f32 = run_recurrence<St, float>(b, c, a, bv, offsets, init, adjoint, 0);
-      // Inputs rounded to float, state carried in float: a few ulps per step, contracting.
-      lt::require_close(f32.first, want.h, {1e-5, 1e-5}, "rows fp32");
+      lt::require_close(f32.first, want.h, lt::tolerance_for<loom::fp32>(), "rows fp32");
       if constexpr (space::host_accessible) {
         const auto f32_serial = run_recurrence<St, float>(loom::serial{}, c, a, bv, offsets, init, adjoint, 0);
         REQUIRE(same_bits(f32.first, f32_serial.first));
         REQUIRE(same_bits(f32.second, f32_serial.second));
       }
       const auto h16 = run_recurrence<St, loom::bfloat16>(b, c, a, bv, offsets, init, adjoint, 0);
-      // bf16 inputs (2^-8 relative rounding) into a contracting recurrence with a float state.
-      lt::require_close(h16.first, want.h, {4e-2, 4e-2}, "rows bf16");
+      lt::require_close(h16.first, want.h, lt::tolerance_for<loom::bf16>(), "rows bf16");
     }
   }
 }
