@@ -209,6 +209,20 @@ TEST_CASE("spmm fp32: small integers give exactly the oracle's result" LOOM_BACK
   sweep<float, float, float>(true, {}, true);
 }
 
+#if defined(LOOM_SPARSE_X86_KERNELS)
+// On a CPU with AVX-512 the cases above run the vector kernels of detail/kernels_x86.hpp for
+// bitmap fp32; these run the portable kernels that every other CPU takes.
+TEST_CASE("spmm fp32 with the portable kernels (AVX-512 kernels switched off)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  struct portable_only {
+    portable_only() { ls::detail::x86::avx512_allowed() = false; }
+    ~portable_only() { ls::detail::x86::avx512_allowed() = true; }
+  } guard;
+  REQUIRE_FALSE(ls::detail::x86::avx512_available());
+  sweep<float, float, float>(false, lt::tolerance_for<loom::fp32>(), false);
+  sweep<float, float, float>(true, {}, true);
+}
+#endif
+
 TEST_CASE("spmm bf16 and fp16 storage, fp32 accumulation" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   sweep<loom::bfloat16, loom::bfloat16, loom::bfloat16>(false, lt::tolerance_for<loom::bf16>(), false);
   sweep<loom::half, loom::half, loom::half>(false, lt::tolerance_for<loom::fp16>(), false, false);

@@ -11,6 +11,7 @@
 //! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
 //! no_hook compiles away.
 
+#include <loom/sparse/detail/kernels_x86.hpp>
 #include <loom/sparse/formats.hpp>
 
 #include <type_traits>
@@ -127,11 +128,30 @@ struct bitmap_kernel {
   LOOM_HD void operator()(index_t w) const {
     const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
     Acc acc[tile_rows * n_block];
+#if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+    if constexpr (std::is_same_v<TA, float> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
+      if (x86::avx512_available()) {
+        if (k.n == 1) {
+          float dots[tile_rows];
+          x86::band_vector(a, band, k.b, dots);
+          for (index_t r = 0; r < tile_rows; ++r) acc[r * n_block] = dots[r];
+        } else {
+          x86::band_panel(a, band, k.b, k.ldb, j0, nb, acc, n_block);
+        }
+        store(band, j0, nb, acc);
+        return;
+      }
+    }
+#endif
     for (index_t i = 0; i < tile_rows * n_block; ++i) acc[i] = Acc(0);
     if (k.n == 1)
       dot_band(band, acc);
     else
       list_band(band, j0, nb, acc);
+    store(band, j0, nb, acc);
+  }
+
+  LOOM_HD void store(index_t band, index_t j0, index_t nb, const Acc* acc) const {
     for (index_t r = 0; r < tile_rows && band * tile_rows + r < a.rows; ++r)
       k.out.store(band * tile_rows + r, j0, nb, acc + r * n_block);
   }
