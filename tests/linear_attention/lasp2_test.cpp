@@ -159,6 +159,114 @@ TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[li
   }
 }
 
+namespace {
+
+//! LASP-2 forward in precision P over `splits`, one thread per rank (the fused schedule: lead,
+//! scan of the rest, correction by X): the outputs and final states, widened to double.
+template <class P>
+outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, la::exchange ex) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t T = p.T, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
+  auto cast = [](const std::vector<double>& x, auto t) { return std::vector<decltype(t)>(x.begin(), x.end()); };
+  const auto q = cast(p.q, S{}), k = cast(p.k, S{}), v = cast(p.v, S{});
+  const auto lg = cast(p.lg, A{}), hlg = cast(p.head_lg, A{}), init = cast(p.init, A{});
+  std::vector<S> o(static_cast<std::size_t>(T * H * dv));
+  std::vector<A> fin(static_cast<std::size_t>(docs * H * dk * dv), A(0));
+  std::mutex mu;
+  loom::comm::run_local(static_cast<int>(splits.size()) - 1, [&](loom::comm::local& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const index_t from = splits[r], n = splits[r + 1] - from;
+    la::operands<P> x{mk(q.data() + from * H * dk, {n, H, dk}), mk(k.data() + from * H * dk, {n, H, dk}),
+                      mk(v.data() + from * H * dv, {n, H, dv})};
+    if (!p.init.empty()) x.initial_state = mk(init.data(), {docs, H, dk, dv});
+    std::vector<A> f(fin.size(), A(0));
+    const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
+    const loom::openmp b{.threads = 1};
+    const auto ov = mk(o.data() + from * H * dv, {n, H, dv});
+    const auto fv = mk(f.data(), {docs, H, dk, dv});
+    if (p.mode == gating::none)
+      la::lasp2_forward<P>(comm, b, la::no_decay{}, x, ov, p.cu, from, fv, {}, opt);
+    else if (p.mode == gating::fixed)
+      la::lasp2_forward<P>(comm, b, la::fixed_decay<A>{mk(hlg.data(), {H})}, x, ov, p.cu, from, fv, {}, opt);
+    else
+      la::lasp2_forward<P>(comm, b, la::scalar_gate<A>{mk(lg.data() + from * H, {n, H})}, x, ov, p.cu, from, fv, {},
+                           opt);
+    std::lock_guard lk(mu);
+    for (std::size_t i = 0; i < fin.size(); ++i) fin[i] += f[i];
+  });
+  outputs out;
+  for (S y : o) out.o.push_back(static_cast<double>(y));
+  for (A y : fin) out.fin.push_back(static_cast<double>(y));
+  return out;
+}
+
+//! The problem with its inputs rounded to precision P (so the oracle sees what the kernels see).
+template <class P>
+problem rounded(problem p) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  for (auto* x : {&p.q, &p.k, &p.v})
+    for (double& y : *x) y = static_cast<double>(static_cast<S>(y));
+  for (auto* x : {&p.lg, &p.head_lg, &p.init})
+    for (double& y : *x) y = static_cast<double>(static_cast<A>(y));
+  return p;
+}
+
+//! The shared tolerance of P, its absolute part scaled by the RMS of the oracle values (as in the
+//! chunked tests: the outputs are sums whose rounding scales with their magnitude).
+template <class P>
+loom::test::tolerance scaled(const std::vector<double>& oracle) {
+  auto tol = loom::test::tolerance_for<P>();
+  double ss = 0;
+  for (double x : oracle) ss += x * x;
+  const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
+  tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
+  return tol;
+}
+
+template <class P>
+void check_long_document(const problem& p0, const std::vector<index_t>& splits, la::exchange ex,
+                         const std::string& what) {
+  const problem p = rounded<P>(p0);
+  const auto want = loom::test::la::oracle(p);
+  const auto got = lasp2_forward_in<P>(p, splits, ex);
+  loom::test::require_close(got.o, want.o, scaled<P>(want.o), what + " o");
+  loom::test::require_close(got.fin, want.fin, scaled<P>(want.fin), what + " final state");
+  const auto again = lasp2_forward_in<P>(p, splits, ex);  // deterministic across runs
+  CHECK(again.o == got.o);
+  CHECK(again.fin == got.fin);
+}
+
+}  // namespace
+
+TEST_CASE("linear_attention::lasp2 with a document longer than the slices matches the oracle",
+          "[linear_attention][lasp2][lead]") {
+  const int P = GENERATE(2, 3, 4);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const bool packed = GENERATE(false, true);
+  const index_t T = 16 * 24, chunk = 16;
+  // One document over every rank, or a long one between two short ones (with initial states).
+  const std::vector<index_t> cu = packed ? std::vector<index_t>{0, 5, 371, 384} : std::vector<index_t>{0, T};
+  const auto p = loom::test::la::make_problem(T, 2, 8, 4, mode, cu, packed, 70);
+  std::vector<index_t> splits;
+  for (int r = 0; r <= P; ++r) splits.push_back(T * r / P);
+  if (!packed)  // every rank runs part of its slice before the exchange and part after it
+    for (int r = 0; r < P; ++r) {
+      const index_t n = (splits[static_cast<std::size_t>(r) + 1] - splits[static_cast<std::size_t>(r)]) / chunk;
+      const la::detail::incoming_roles roles{r > 0, r + 1 < P};
+      const index_t m = la::detail::incoming_lead(n, roles, true);
+      CHECK(0 < m);
+      CHECK(m < n);
+      CHECK(la::detail::incoming_lead(n, roles, false) == (r > 0 ? 0 : m));
+    }
+  const std::string what = "P=" + std::to_string(P) + (packed ? " packed" : " one document");
+  check_long_document<loom::fp64>(p, splits, ex, what + " fp64");
+  check_long_document<loom::fp32>(p, splits, ex, what + " fp32");
+  check_long_document<loom::bf16>(p, splits, ex, what + " bf16");
+}
+
 TEST_CASE("linear_attention::lasp2 is bitwise exact on small integers without decay",
           "[linear_attention][lasp2][exact]") {
   const int P = GENERATE(2, 3, 7);

@@ -10,6 +10,7 @@
 #include <loom/linear_attention/detail/layout.hpp>
 #include <loom/linear_attention/types.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -238,40 +239,130 @@ void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const oper
   launch(b, output_kernel<S, A, Space>{p, o, 0, pl.chunks()}, chunk_items, pl.lanes);
 }
 
-//! The forward with a state X entering document 0 from outside (LASP-2). First the chunk states
-//! with a zero X (final states written), then post(); the output of documents 1.. (independent of
-//! X); then finish(), which returns X [H, dk, dv] (or null) and, for a fused plan, has written it
-//! into x.initial_state's document 0; then the output of document 0 with X.
-//! Fused plan: one scan per (document, head group) for the final states only, then the fused
-//! forward (document 0 from X: its final state includes X). Otherwise phases 1 and 2, and X folded
-//! into the chunk states of document 0, S0 + exp(B) X (its final state does not include X).
-//! Returns whether document 0's final state includes X.
+//! How a LASP-2 rank runs its slice (a fused plan): `needs_x`, a state X enters document 0 (it
+//! continues a document from the left); `publish`, the end state of the last document, computed
+//! from a zero state entering document 0, is needed by a later rank.
+struct incoming_roles {
+  bool needs_x = false;
+  bool publish = true;
+};
+
+//! The chunks of document 0 a single-document slice computes before the exchange (the lead), out of
+//! n. The other ranks' slices are taken to be as long as this one, and the work counted in fused
+//! chunks: the end state of chunks [m, n) from a scan costs about scan_cost of a fused chunk, the
+//! correction of an output chunk by X about correct_cost. A publishing rank leads with m = f n fused
+//! chunks and scans the rest, f chosen so that a rank without an element to publish, leading with
+//! the same work in fused chunks and correcting them afterwards, finishes with it; that rank's lead
+//! is that work. Deterministic: the bits depend on the lead, the lead only on n and the roles.
+inline index_t incoming_lead(index_t n, incoming_roles r, bool correctable) {
+  constexpr double scan_cost = 0.35, correct_cost = 0.35;
+  constexpr double f = scan_cost * (1 - correct_cost) / (scan_cost + correct_cost - correct_cost * scan_cost);
+  const double work = f + scan_cost * (1 - f);  // the publishing ranks' work before the exchange, per chunk
+  if (!r.needs_x) return r.publish ? static_cast<index_t>(f * static_cast<double>(n) + 0.5) : n;
+  if (!correctable) return 0;
+  const double m = (r.publish ? f : work) * static_cast<double>(n) + 0.5;
+  return static_cast<index_t>(m) < n ? static_cast<index_t>(m) : n;
+}
+
+//! The forward with a state X entering document 0 from outside (LASP-2). post() is called once
+//! `end_state` [H, dk, dv] holds the end state of the last document computed from a zero state
+//! entering document 0 (when roles.publish); finish() then returns X [H, dk, dv] (or null when
+//! nothing enters). Returns whether document 0's final state in `fin` includes X.
+//!
+//! Fused plan (host memory): documents 1.. run fused before the exchange. Document 0, when it is the
+//! only one, runs its first m chunks (incoming_lead) fused from its initial state (zero when X
+//! enters), the end state of the remaining chunks comes from a scan of those chunks alone, and
+//! end_state = exp(their log-decay) S_m + that scan; after the exchange X joins the state,
+//! S_m + exp(B_m) X, the remaining chunks run fused from it and the first m chunks' outputs get
+//! scale exp(B_t) q_t^T X added (incoming_kernel; only when the storage type is the accumulation
+//! type, else m = 0). No chunk state is computed twice except in the scanned chunks of a publishing
+//! rank. With several documents, document 0 runs after the exchange from X.
+//! Otherwise (chunk-parallel plan): phases 1 and 2, then X folded into the chunk states of document
+//! 0, S0 + exp(B) X (its final state does not include X).
 template <class B, class P, class Gating, class Space, class Post, class Finish>
 bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                           tensor_view<typename P::storage_type, 3, Space> o,
-                          tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, Post&& post,
-                          Finish&& finish) {
+                          tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
+                          typename P::accum_type* end_state, incoming_roles roles, Post&& post, Finish&& finish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false);
   expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
   check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
-  const index_t groups = pl.head_groups(), doc_items = pl.docs * pl.heads;
+  const index_t groups = pl.head_groups(), doc_items = pl.docs * pl.heads, H = pl.heads, sz = pl.dk * pl.dv;
   A* fin_p = present(fin) ? fin.data() : nullptr;
   const A* init = x.initial_state.data();
-  if (pl.fused) {
-    launch(b, state_scan_kernel<S, A, Space>{p, init, fin_p, nullptr, false}, pl.docs * groups, pl.lanes);
+  if (pl.fused && pl.docs > 0) {
+    static_assert(Space::host_accessible, "run_forward_incoming: the fused schedule runs on host memory");
+    LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
+    const index_t docs = pl.docs, n = pl.table.doc_chunk[1];
+    std::vector<A> mid(static_cast<std::size_t>(H * sz), A(0)), start(mid.size());
+    auto state_of = [&](index_t h) -> const A* { return init ? init + h * sz : nullptr; };  // document 0's
+    if (docs > 1) {
+      // Documents 1.. do not depend on X; document 0 does not when nothing enters it.
+      const index_t d0 = roles.needs_x ? 1 : 0;
+      launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, d0, docs}, (docs - d0) * groups, pl.lanes);
+      fence(b);
+      if (roles.publish) std::copy_n(fin_p + (docs - 1) * H * sz, H * sz, end_state);
+      post();
+      const A* xin = finish();
+      if (!roles.needs_x) return true;
+      for (index_t h = 0; h < H; ++h)
+        for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (xin ? xin[h * sz + e] : A(0));
+      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1}, groups, pl.lanes);
+      return true;
+    }
+    const index_t m = incoming_lead(n, roles, std::is_same_v<S, A>);
+    // Per chunk of document 0 and head: its log-decay (the sum the kernels form), and its start's
+    // log-decay from the document's start.
+    std::vector<A> lg(static_cast<std::size_t>(n * H)), cum(lg.size());
+    for (index_t c = 0; c < n; ++c)
+      for (index_t h = 0; h < H; ++h) {
+        A acc = A(0);
+        for (index_t t = pl.table.chunks[static_cast<std::size_t>(c)].begin;
+             t < pl.table.chunks[static_cast<std::size_t>(c)].end; ++t)
+          acc += p.gate(t, h);
+        lg[c * H + h] = acc;
+        cum[c * H + h] = c == 0 ? A(0) : cum[(c - 1) * H + h] + lg[(c - 1) * H + h];
+      }
+    auto decay_from = [&](index_t c, index_t h) {  // exp(log-decay of chunks [c, n))
+      A acc = A(0);
+      for (index_t k = c; k < n; ++k) acc += lg[k * H + h];
+      return exp_acc(acc);
+    };
+    if (m > 0) launch(b, fused_kernel<S, A, Space>{p, o, init, mid.data(), 0, 1, 0, m}, groups, pl.lanes);
     fence(b);
+    auto s_m = [&](index_t h) -> const A* { return m > 0 ? mid.data() + h * sz : state_of(h); };
+    if (roles.publish) {
+      std::vector<A> tail(static_cast<std::size_t>(H * sz), A(0));
+      if (m < n)
+        launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes);
+      fence(b);
+      for (index_t h = 0; h < H; ++h) {
+        const A a = decay_from(m, h), *sm = s_m(h);
+        for (index_t e = 0; e < sz; ++e) end_state[h * sz + e] = (sm ? a * sm[e] : A(0)) + tail[h * sz + e];
+      }
+    }
     post();
-    launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, 1, pl.docs}, (pl.docs - 1) * groups, pl.lanes);
-    fence(b);
-    finish();
-    launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, 0, 1}, groups, pl.lanes);
+    const A* xin = finish();
+    for (index_t h = 0; h < H; ++h) {
+      const A* sm = s_m(h);
+      const A a = m < n ? exp_acc(cum[m * H + h]) : decay_from(0, h);  // exp(B_m)
+      for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (sm ? sm[e] : A(0)) + (xin ? a * xin[h * sz + e] : A(0));
+    }
+    if (xin && m > 0)
+      launch(b, incoming_kernel<S, A, Space>{p, o, xin, p.gate.log_gate ? cum.data() : nullptr, 0, m}, m * groups,
+             pl.lanes);
+    if (m < n)
+      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1, m, n}, groups, pl.lanes);
+    else
+      std::copy(start.begin(), start.end(), fin_p);
     return true;
   }
   launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes);
   launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes);
   fence(b);
+  if (roles.publish && pl.docs > 0) std::copy_n(fin_p + (pl.docs - 1) * H * sz, H * sz, end_state);
   post();
   const index_t split = pl.docs > 0 ? pl.table.doc_chunk[1] : 0;
   launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes);

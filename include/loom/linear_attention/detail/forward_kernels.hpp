@@ -423,6 +423,7 @@ struct state_scan_kernel {
   A* fin = nullptr;
   A* cum = nullptr;  //!< as in state_pass_kernel
   bool store = true;
+  index_t c_lo = 0, c_hi = max_index;  //!< only the chunks in [c_lo, c_hi) of each document (LASP-2)
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     index_t cached[max_head_group];
@@ -438,7 +439,8 @@ struct state_scan_kernel {
         st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
         before[s] = A(0);
       }
-      for (index_t ci = p.doc_chunk[d]; ci < p.doc_chunk[d + 1]; ++ci) {
+      const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
+      for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
         const chunk_info ch = p.chunks[ci];
         const index_t n = ch.end - ch.begin;
         for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
@@ -477,9 +479,10 @@ template <class S, class A, class Space>
 struct fused_kernel {
   problem<S, A, Space> p;
   tensor_view<S, 3, Space> o;
-  const A* init = nullptr;
-  A* fin = nullptr;
+  const A* init = nullptr;  //!< the state before the first chunk run (null: zero)
+  A* fin = nullptr;         //!< the state after the last chunk run (null: not written)
   index_t first = 0, last = 0;
+  index_t c_lo = 0, c_hi = max_index;  //!< only the chunks in [c_lo, c_hi) of each document (LASP-2)
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     index_t cached[max_head_group];
@@ -492,7 +495,8 @@ struct fused_kernel {
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
       for (index_t s = 0; s < g; ++s)
         st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
-      for (index_t ci = p.doc_chunk[d]; ci < p.doc_chunk[d + 1]; ++ci) {
+      const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
+      for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
         const chunk_info ch = p.chunks[ci];
         const index_t n = ch.end - ch.begin;
         for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
@@ -512,6 +516,61 @@ struct fused_kernel {
           for (index_t dd = 0; dd < p.dk; ++dd)
             for (index_t e = 0; e < p.dv; ++e)
               fin[(d * p.heads + h0 + s) * sz + dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
+    }
+  }
+};
+
+//! LASP-2: the contribution of a state X entering document 0 from outside, added to the outputs of
+//! its chunks [first, last) that were computed from a zero incoming state (so only when the storage
+//! type is the accumulation type: o is read back at full precision):
+//!   o_i += scale exp(cum_c) exp(b_i) q_i^T X
+//! with cum [chunks, H] (null: no decay) the log-decay from the document's start to chunk c and b_i
+//! inside the chunk, as in the outputs themselves. One (n x dk) by (dk x dv) product per chunk and
+//! head on the same tiles as the forward.
+template <class S, class A, class Space>
+struct incoming_kernel {
+  problem<S, A, Space> p;
+  tensor_view<S, 3, Space> o;
+  const A* x = nullptr;
+  const A* cum = nullptr;
+  index_t first = 0, last = 0;
+  LOOM_HD void operator()(index_t lane) const {
+    const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
+    index_t cached[max_head_group];
+    int mode[max_head_group];
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    const chunk_steps<S, A, Space> st{p, l, cached};
+    const index_t kp = l.kp, vp = l.vp, sz = p.dk * p.dv;
+    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+      const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
+      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      const chunk_info ch = p.chunks[ci];
+      const index_t n = ch.end - ch.begin, rows = round_up(n, tile_rows);
+      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+      for (index_t i = 0; i < n; ++i)
+        for (index_t s = 0; s < g; ++s)
+          load_row(l.qs(s) + i * kp, p.q, ch.begin + i, h0 + s, p.dk, kp, mode[s] != 0 ? p.scale * l.u(s)[i] : p.scale);
+      for (index_t s = 0; s < g; ++s) {
+        const index_t h = h0 + s;
+        A *qs = l.qs(s), *s0 = l.s0(s), *os = l.os(s);
+        for (index_t i = n; i < rows; ++i)
+          for (index_t d = 0; d < kp; ++d) qs[i * kp + d] = A(0);
+        const A f = cum ? exp_acc(cum[ci * p.heads + h]) : A(1);
+        for (index_t d = 0; d < p.dk; ++d) {
+          for (index_t e = 0; e < p.dv; ++e) s0[d * vp + e] = f * x[h * sz + d * p.dv + e];
+          for (index_t e = p.dv; e < vp; ++e) s0[d * vp + e] = A(0);
+        }
+        for (index_t i0 = 0; i0 < n; i0 += tile_rows)
+          for (index_t e0 = 0; e0 < vp; e0 += tile_cols)
+            tile_product(os + i0 * vp + e0, vp, qs + i0 * kp, kp, index_t(1), s0 + e0, vp, p.dk, qs, 0, 0, s0, 0, 0);
+      }
+      const index_t ost = o.stride(2);
+      for (index_t i = 0; i < n; ++i)
+        for (index_t s = 0; s < g; ++s) {
+          S* dst = o.data() + (ch.begin + i) * o.stride(0) + (h0 + s) * o.stride(1);
+          const A* src = l.os(s) + i * vp;
+          for (index_t e = 0; e < p.dv; ++e) dst[e * ost] = static_cast<S>(static_cast<A>(dst[e * ost]) + src[e]);
+        }
     }
   }
 };

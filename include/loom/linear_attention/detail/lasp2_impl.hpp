@@ -124,16 +124,15 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
     temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
     state_exchange<C, A> ex(comm, H, sz, posted);
     const bool reset = !(s.continues_left && segs == 1) && st.tokens > 0;
-    // The exchange runs after the state pass; the output of the slice's later documents does not
-    // wait for it, and the incoming state X is folded into the chunk states of the first document.
+    // Only later ranks fold this rank's element; the last rank's is never read (it sends a = 1,
+    // M = 0 and skips computing its end state before the exchange).
+    const incoming_roles roles{s.continues_left, comm.rank() + 1 < comm.size()};
     with_x = run_forward_incoming(
         b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
-        std::span<std::byte>(ws.data(), bytes),
+        std::span<std::byte>(ws.data(), bytes), ex.m(H), roles,
         [&] {
-          for (index_t h = 0; h < H; ++h) {
-            ex.a()[h] = reset ? A(0) : exp_acc(st.log_gate_sum(0, st.tokens, h));
-            st.copy_state(fin_loc.data() + ((segs - 1) * H + h) * sz, ex.m(H) + h * sz);
-          }
+          for (index_t h = 0; h < H; ++h)
+            ex.a()[h] = !roles.publish ? A(1) : reset ? A(0) : exp_acc(st.log_gate_sum(0, st.tokens, h));
           ex.post();
         },
         [&]() -> const A* {
@@ -145,9 +144,7 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
             for (index_t h = 0; h < H; ++h)
               for (index_t e = 0; e < sz; ++e) xin[h * sz + e] = blk[h] * xin[h * sz + e] + blk[H + h * sz + e];
           }
-          if (!s.continues_left) return static_cast<const A*>(nullptr);
-          std::copy(xin.begin(), xin.end(), init_loc.begin());  // document 0's initial state
-          return static_cast<const A*>(xin.data());
+          return s.continues_left ? static_cast<const A*>(xin.data()) : nullptr;
         });
   }
   if (present(incoming)) std::copy(xin.begin(), xin.end(), incoming.data());

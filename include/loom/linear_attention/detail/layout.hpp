@@ -60,6 +60,9 @@ inline constexpr index_t tile_cols = 32;
 
 LOOM_HD constexpr index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 
+//! "No bound" for the chunk ranges of the kernels.
+inline constexpr index_t max_index = static_cast<index_t>(~std::size_t(0) >> 1);
+
 //! Heads a forward work item handles at most (their rows are staged together).
 inline constexpr index_t max_head_group = 8;
 
