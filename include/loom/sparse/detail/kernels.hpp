@@ -133,7 +133,7 @@ struct bitmap_kernel {
       if (x86::avx512_available()) {
         if (k.n == 1) {
           float dots[tile_rows];
-          x86::band_vector(a, band, k.b, dots);
+          x86::band_dot(a, band, k.b, dots);
           for (index_t r = 0; r < tile_rows; ++r) acc[r * n_block] = dots[r];
         } else {
           x86::band_panel(a, band, k.b, k.ldb, j0, nb, acc, n_block);

@@ -1,23 +1,24 @@
 #pragma once
 
 //! @file
-//! AVX-512 host kernels for the tiled bitmap format with float weights and float accumulation:
-//! "load as sparse, compute as dense" taken literally. Each 16-column quarter of a tile row is
-//! expanded from the packed values into a zero-filled 16-lane register by its mask (a masked load
-//! of popcount(mask) values, then an expand by the mask), so a tile row costs four expands
-//! whatever its sparsity, and the multiply is dense over the tile:
-//!  - N == 1: each expanded quarter is multiplied by the 16 elements of x it covers (x of the tile
-//!    in four registers, reused by the tile's 8 rows);
+//! AVX-512 host kernels for the tiled bitmap format with float weights and float accumulation,
+//! "load as sparse, compute as dense":
+//!  - a tile row is turned into dense 16-lane quarters by expanding its packed values by the mask
+//!    (the offsets of the tile's 32 quarters come from one vector popcount and prefix sum);
 //!  - N >= 2: the tile is expanded into an 8 x 64 buffer in L1, then for each column k of the tile
 //!    that holds a nonzero in any of its 8 rows (the OR of the row masks), the B row k (up to 32
 //!    columns, two registers) is multiplied by the broadcast A(r, k) of each row into register
-//!    accumulators: 8 or 16 FMAs per B row, no per-nonzero branch.
-//! Compiled with a function-level target attribute and taken at run time when the CPU has
-//! AVX-512 F/VL/BW/DQ (`avx512_available()`), so the default build needs no -march flag and the
-//! portable kernels of kernels.hpp remain the fallback (and the kernels of other element types,
-//! of csr and n_m, of instrumented runs and of device code). The two kernels sum each output in a
-//! different (each fixed) order: results are identical across host backends and thread counts on
-//! one machine, and within the fp32 tolerance of each other.
+//!    accumulators: 8 or 16 FMAs per B row, no per-nonzero branch;
+//!  - N == 1: dense bands multiply the expanded quarters by x (x over the tile in four registers,
+//!    shared by its 8 rows); sparse bands (<= 25 % nonzeros) pick x at each row's nonzero columns
+//!    instead (a byte compress of the column numbers, two permutes) and take one FMA per 16
+//!    nonzeros.
+//! Compiled with a function-level target attribute and taken at run time when the CPU has the
+//! instructions (`avx512_available()`), so the default build needs no -march flag and the portable
+//! kernels of kernels.hpp remain the fallback (and the kernels of other element types, of csr and
+//! n_m, of instrumented runs and of device code). The portable and vector kernels sum each output
+//! in different (each fixed) orders: results are identical across host backends and thread counts
+//! on one machine, and within the fp32 tolerance of each other.
 
 #include <loom/sparse/formats.hpp>
 
@@ -27,7 +28,16 @@
 #include <cstdint>
 #include <immintrin.h>
 
-#define LOOM_SPARSE_X86_TARGET __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,bmi,bmi2,popcnt,fma")))
+#define LOOM_SPARSE_X86_TARGET \
+  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bitalg,avx512vbmi2,bmi,bmi2,popcnt,fma")))
+
+// GCC 12's AVX-512 intrinsics build their pass-through operands from _mm512_undefined_*(), which
+// -Wmaybe-uninitialized reports once inlined into a function with a target attribute.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace loom::sparse::detail::x86 {
 
@@ -42,29 +52,45 @@ inline bool avx512_available() {
   static const bool cpu = [] {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("bmi2") &&
-           __builtin_cpu_supports("popcnt");
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("avx512vbmi2") &&
+           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
   }();
   return cpu && avx512_allowed().load(std::memory_order_relaxed);
 }
 
-//! The 16 lanes of one quarter of a tile row: values[p, p + popcount(m)) placed at the set bits of
-//! m, zeros elsewhere. Never reads past the quarter's own values (masked load).
-LOOM_SPARSE_X86_TARGET inline __m512 expand_quarter(const float* p, unsigned m) {
-  // (an expand straight from memory, vexpandps zmm{k}, m512, measured slower here at 70 %)
-  const unsigned cnt = static_cast<unsigned>(__builtin_popcount(m));
-  const __m512 packed = _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, cnt)), p);
-  return _mm512_maskz_expand_ps(static_cast<__mmask16>(m), packed);
-}
+//! The 32 quarters of one tile (quarter i = the 16 columns 16 (i % 4) + [0, 16) of tile row i / 4):
+//! their masks, and the offsets of their first values in the tile's packed values, computed for
+//! the whole tile at once (a vector popcount and a prefix sum over 32 lanes) so that no quarter
+//! waits on the count of the one before it.
+struct tile_quarters {
+  alignas(64) std::uint16_t mask[32];
+  alignas(64) std::uint16_t off[32];
 
-//! Offsets of the four quarters of a tile row inside the row's packed values.
-struct quarter_offsets {
-  unsigned q1, q2, q3, total;
-  LOOM_SPARSE_X86_TARGET explicit quarter_offsets(std::uint64_t m)
-      : q1(static_cast<unsigned>(__builtin_popcountll(m & 0xffffull))),
-        q2(static_cast<unsigned>(__builtin_popcountll(m & 0xffffffffull))),
-        q3(static_cast<unsigned>(__builtin_popcountll(m & 0xffffffffffffull))),
-        total(static_cast<unsigned>(__builtin_popcountll(m))) {}
+  LOOM_SPARSE_X86_TARGET explicit tile_quarters(const std::uint64_t* row_masks) {
+    const __m512i m = _mm512_loadu_si512(row_masks);
+    const __m512i cnt = _mm512_popcnt_epi16(m);
+    const __m512i iota = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                          12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i inc = cnt;
+    for (int s = 1; s < 32; s *= 2)  // lane i += lane i - s (zero below s)
+      inc = _mm512_add_epi16(
+          inc, _mm512_maskz_permutexvar_epi16(static_cast<__mmask32>(0xffffffffu << s),
+                                              _mm512_sub_epi16(iota, _mm512_set1_epi16(static_cast<short>(s))), inc));
+    _mm512_store_si512(mask, m);
+    _mm512_store_si512(off, _mm512_sub_epi16(inc, cnt));
+  }
+
+  //! Quarter i in 16 lanes: its values (from p, the tile's first value) at the set bits of its
+  //! mask, zeros elsewhere. Loads 16 values unmasked while they lie before `end` (the expand
+  //! ignores those past the quarter's own), masked at the very end of the array.
+  LOOM_SPARSE_X86_TARGET __m512 operator()(int i, const float* p, const float* end) const {
+    const float* s = p + off[i];
+    const __m512 v = end - s >= 16 ? _mm512_loadu_ps(s)
+                                   : _mm512_maskz_loadu_ps(
+                                         static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(end - s))), s);
+    return _mm512_maskz_expand_ps(static_cast<__mmask16>(mask[i]), v);
+  }
 };
 
 //! Column mask of the 16-lane quarter q of a tile starting at column c0 (cols: A's columns).
@@ -81,6 +107,49 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<float, Space>& a, inde
   __m512 acc[tile_rows];
   for (auto& v : acc) v = _mm512_setzero_ps();
   const index_t gc = a.grid_cols();
+  const float* end = a.values + a.tile_offsets[a.tiles()];
+  for (index_t tc = 0; tc < gc; ++tc) {
+    const index_t t = band * gc + tc;
+    const float* p = a.values + a.tile_offsets[t];
+    const index_t c0 = tc * tile_cols;
+    __m512 xv[4];
+    if (a.cols - c0 >= tile_cols) {
+      for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + c0 + 16 * q);
+    } else {
+      for (int q = 0; q < 4; ++q) xv[q] = _mm512_maskz_loadu_ps(lanes_valid(c0, a.cols, q), x + c0 + 16 * q);
+    }
+    const tile_quarters tq(a.masks + t * tile_rows);
+    for (int r = 0; r < static_cast<int>(tile_rows); ++r) {
+      const __m512 s01 = _mm512_fmadd_ps(tq(4 * r + 1, p, end), xv[1], _mm512_mul_ps(tq(4 * r, p, end), xv[0]));
+      const __m512 s23 = _mm512_fmadd_ps(tq(4 * r + 3, p, end), xv[3], _mm512_mul_ps(tq(4 * r + 2, p, end), xv[2]));
+      acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(s01, s23));
+    }
+  }
+  for (index_t r = 0; r < tile_rows; ++r) {  // a fixed pairwise order over the 16 lanes
+    alignas(64) float l[16];
+    _mm512_store_ps(l, acc[r]);
+    for (int h = 8; h > 0; h /= 2)
+      for (int i = 0; i < h; ++i) l[i] += l[i + h];
+    out[r] = l[0];
+  }
+}
+
+//! N == 1 for sparse rows: out[r] as band_vector. Per tile row, the column indices of its nonzeros
+//! (a byte compress of 0..63 by the row mask), x at those columns picked from the four registers
+//! holding x over the tile (two two-source permutes and a blend), times the row's packed values:
+//! one FMA per 16 nonzeros instead of four expands per row.
+template <class Space>
+LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<float, Space>& a, index_t band, const float* x,
+                                               float* out) {
+  alignas(64) static constexpr std::uint8_t iota_bytes[64] = {
+      0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+      22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+      44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+  const __m512i iota = _mm512_load_si512(iota_bytes);
+  const __m512i bit5 = _mm512_set1_epi32(32);
+  __m512 acc[tile_rows];
+  for (auto& v : acc) v = _mm512_setzero_ps();
+  const index_t gc = a.grid_cols();
   for (index_t tc = 0; tc < gc; ++tc) {
     const index_t t = band * gc + tc;
     const float* p = a.values + a.tile_offsets[t];
@@ -94,15 +163,19 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<float, Space>& a, inde
     const std::uint64_t* mk = a.masks + t * tile_rows;
     for (index_t r = 0; r < tile_rows; ++r) {
       const std::uint64_t m = mk[r];
-      const quarter_offsets o(m);
-      const __m512 d0 = expand_quarter(p, static_cast<unsigned>(m & 0xffff));
-      const __m512 d1 = expand_quarter(p + o.q1, static_cast<unsigned>((m >> 16) & 0xffff));
-      const __m512 d2 = expand_quarter(p + o.q2, static_cast<unsigned>((m >> 32) & 0xffff));
-      const __m512 d3 = expand_quarter(p + o.q3, static_cast<unsigned>(m >> 48));
-      const __m512 s01 = _mm512_fmadd_ps(d1, xv[1], _mm512_mul_ps(d0, xv[0]));
-      const __m512 s23 = _mm512_fmadd_ps(d3, xv[3], _mm512_mul_ps(d2, xv[2]));
-      acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(s01, s23));
-      p += o.total;
+      const int cnt = static_cast<int>(__builtin_popcountll(m));
+      __m512i idx = _mm512_maskz_compress_epi8(_cvtu64_mask64(m), iota);
+      for (int b = 0; b < cnt; b += 16) {
+        const __m512i cols = _mm512_cvtepu8_epi32(_mm512_castsi512_si128(idx));
+        const __m512 lo = _mm512_permutex2var_ps(xv[0], cols, xv[1]);
+        const __m512 hi = _mm512_permutex2var_ps(xv[2], cols, xv[3]);
+        const __m512 xg = _mm512_mask_blend_ps(_mm512_test_epi32_mask(cols, bit5), lo, hi);
+        const __m512 v =
+            _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(cnt - b))), p + b);
+        acc[r] = _mm512_fmadd_ps(v, xg, acc[r]);
+        idx = _mm512_alignr_epi32(_mm512_setzero_si512(), idx, 4);  // the next 16 indices
+      }
+      p += cnt;
     }
   }
   for (index_t r = 0; r < tile_rows; ++r) {  // a fixed pairwise order over the 16 lanes
@@ -112,6 +185,18 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<float, Space>& a, inde
       for (int i = 0; i < h; ++i) l[i] += l[i + h];
     out[r] = l[0];
   }
+}
+
+//! N == 1: the kernel for the band's density (measured on 4096 x 4096, 2 threads: the gather
+//! kernel is 1.2-1.4x faster at 80-90 % zeros, the expand kernel 1.4x faster at 70 %, 2.5x at 50 %).
+template <class Space>
+inline void band_dot(const bitmap_view<float, Space>& a, index_t band, const float* x, float* out) {
+  const index_t gc = a.grid_cols();
+  const index_t nnz = a.tile_offsets[(band + 1) * gc] - a.tile_offsets[band * gc];
+  if (4 * nnz <= tile_rows * a.cols)  // at most 25 % nonzeros
+    band_vector_gather(a, band, x, out);
+  else
+    band_vector(a, band, x, out);
 }
 
 //! acc[r][0, 16 V) += A_tile(r, k) * B(k, 0, 16 V) for every column k set in `cols`; `last` masks
@@ -133,13 +218,53 @@ LOOM_SPARSE_X86_TARGET inline void tile_columns(__m512 (&acc)[tile_rows][V], con
   }
 }
 
+//! acc[r][c & 1] += A_tile(r, k) * B(k, 0, 16) for the c-th column k set in `cols` (up to 16 output
+//! columns, `last` masks the lanes past nb): consecutive columns go to two accumulator sets, so 16
+//! FMA chains are in flight instead of 8.
+LOOM_SPARSE_X86_TARGET inline void tile_columns_narrow(__m512 (&acc)[tile_rows][2],
+                                                       const float (&dense)[tile_rows][tile_cols], std::uint64_t cols,
+                                                       const float* b, index_t ldb, __mmask16 last) {
+  while (cols != 0) {
+    const int k0 = static_cast<int>(_tzcnt_u64(cols));
+    cols = _blsr_u64(cols);
+    const __m512 b0 = _mm512_maskz_loadu_ps(last, b + k0 * ldb);
+    if (cols == 0) {
+      for (index_t r = 0; r < tile_rows; ++r) acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(dense[r][k0]), b0, acc[r][0]);
+      break;
+    }
+    const int k1 = static_cast<int>(_tzcnt_u64(cols));
+    cols = _blsr_u64(cols);
+    const __m512 b1 = _mm512_maskz_loadu_ps(last, b + k1 * ldb);
+    for (index_t r = 0; r < tile_rows; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(dense[r][k0]), b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(dense[r][k1]), b1, acc[r][1]);
+    }
+  }
+}
+
+//! Expands tile t into dense (8 x 64, zeros included); returns the OR of its row masks.
+template <class Space>
+LOOM_SPARSE_X86_TARGET inline std::uint64_t expand_tile(const bitmap_view<float, Space>& a, index_t t, const float* end,
+                                                        float (&dense)[tile_rows][tile_cols]) {
+  const std::uint64_t* mk = a.masks + t * tile_rows;
+  const float* p = a.values + a.tile_offsets[t];
+  const tile_quarters tq(mk);
+  std::uint64_t any = 0;
+  for (int r = 0; r < static_cast<int>(tile_rows); ++r) {
+    any |= mk[r];
+    for (int q = 0; q < 4; ++q) _mm512_store_ps(dense[r] + 16 * q, tq(4 * r + q, p, end));
+  }
+  return any;
+}
+
 //! N >= 2: out[r * out_ld + j] = (A B)(band row r, j0 + j) for j < nb (nb <= 64), B a row-major
 //! panel with leading dimension ldb.
 template <class Space>
 LOOM_SPARSE_X86_TARGET void band_panel(const bitmap_view<float, Space>& a, index_t band, const float* b, index_t ldb,
                                        index_t j0, index_t nb, float* out, index_t out_ld) {
-  alignas(64) float dense[tile_rows][tile_cols];
+  alignas(64) float dense[2][tile_rows][tile_cols];
   const index_t gc = a.grid_cols();
+  const float* end = a.values + a.tile_offsets[a.tiles()];
   // Column groups of up to 32 (two registers per row, 16 accumulators) over [0, nb).
   for (index_t g0 = 0; g0 < nb; g0 += 32) {
     const index_t w = nb - g0 < 32 ? nb - g0 : 32;
@@ -147,29 +272,29 @@ LOOM_SPARSE_X86_TARGET void band_panel(const bitmap_view<float, Space>& a, index
     const index_t tail = w - 16 * (regs - 1);
     const auto last = static_cast<__mmask16>(tail >= 16 ? 0xffffu : (1u << tail) - 1);
     __m512 acc2[tile_rows][2];
-    __m512 acc1[tile_rows][1];
-    for (index_t r = 0; r < tile_rows; ++r) acc2[r][0] = acc2[r][1] = acc1[r][0] = _mm512_setzero_ps();
-    for (index_t tc = 0; tc < gc; ++tc) {
-      const index_t t = band * gc + tc;
-      const std::uint64_t* mk = a.masks + t * tile_rows;
-      std::uint64_t any = 0;
-      for (index_t r = 0; r < tile_rows; ++r) any |= mk[r];
-      if (any == 0) continue;
-      const float* p = a.values + a.tile_offsets[t];
-      for (index_t r = 0; r < tile_rows; ++r) {
-        const std::uint64_t m = mk[r];
-        const quarter_offsets o(m);
-        _mm512_store_ps(dense[r] + 0, expand_quarter(p, static_cast<unsigned>(m & 0xffff)));
-        _mm512_store_ps(dense[r] + 16, expand_quarter(p + o.q1, static_cast<unsigned>((m >> 16) & 0xffff)));
-        _mm512_store_ps(dense[r] + 32, expand_quarter(p + o.q2, static_cast<unsigned>((m >> 32) & 0xffff)));
-        _mm512_store_ps(dense[r] + 48, expand_quarter(p + o.q3, static_cast<unsigned>(m >> 48)));
-        p += o.total;
-      }
+    __m512 acc1[tile_rows][2];
+    for (index_t r = 0; r < tile_rows; ++r) acc2[r][0] = acc2[r][1] = acc1[r][0] = acc1[r][1] = _mm512_setzero_ps();
+    // Software-pipelined: the next nonempty tile is expanded into the other buffer before the
+    // current one is multiplied, so the multiply never reads a store that is still in flight.
+    const index_t t0 = band * gc;
+    auto next = [&](index_t tc) {
+      while (tc < gc && a.tile_offsets[t0 + tc + 1] == a.tile_offsets[t0 + tc]) ++tc;
+      return tc;
+    };
+    index_t tc = next(0);
+    int cur = 0;
+    std::uint64_t any = tc < gc ? expand_tile(a, t0 + tc, end, dense[0]) : 0;
+    while (tc < gc) {
+      const index_t tn = next(tc + 1);
+      const std::uint64_t any_next = tn < gc ? expand_tile(a, t0 + tn, end, dense[cur ^ 1]) : 0;
       const float* bt = b + tc * tile_cols * ldb + j0 + g0;
       if (regs == 2)
-        tile_columns<2>(acc2, dense, any, bt, ldb, last);
+        tile_columns<2>(acc2, dense[cur], any, bt, ldb, last);
       else
-        tile_columns<1>(acc1, dense, any, bt, ldb, last);
+        tile_columns_narrow(acc1, dense[cur], any, bt, ldb, last);
+      tc = tn;
+      any = any_next;
+      cur ^= 1;
     }
     for (index_t r = 0; r < tile_rows; ++r) {
       float* o = out + r * out_ld + g0;
@@ -177,13 +302,17 @@ LOOM_SPARSE_X86_TARGET void band_panel(const bitmap_view<float, Space>& a, index
         _mm512_storeu_ps(o, acc2[r][0]);
         _mm512_mask_storeu_ps(o + 16, last, acc2[r][1]);
       } else {
-        _mm512_mask_storeu_ps(o, last, acc1[r][0]);
+        _mm512_mask_storeu_ps(o, last, _mm512_add_ps(acc1[r][0], acc1[r][1]));
       }
     }
   }
 }
 
 }  // namespace loom::sparse::detail::x86
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 #undef LOOM_SPARSE_X86_TARGET
 #endif
