@@ -8,8 +8,10 @@
 //! Forward: each rank runs the chunked algorithm on its slice with a zero incoming state, and sends
 //! the affine element of its slice, per head (a = product of its gates, or 0 when a document starts
 //! inside the slice; M = its end state), in ONE all_gather. Rank r folds the elements of ranks < r,
-//! X = a_q X + M_q, and adds the incoming state's contribution scale exp(B_t) q_t^T X to the tokens of
-//! its first document (B_t: the log-gates from the slice start to t). Backward mirrors it: one
+//! X = a_q X + M_q, and its first document's outputs get the incoming state's contribution scale
+//! exp(B_t) q_t^T X (B_t: the log-gates from the slice start to t), through the state for the chunks
+//! run after the exchange and as an added product for those run before it (docs/linear_attention.md:
+//! the schedule, and which precisions use which). Backward mirrors it: one
 //! all_gather of (product of gates, d state leaving the slice to the left) and a suffix fold.
 //!
 //! Communication per rank per pass: one all_gather of H (1 + dk dv) values of Accum per rank, i.e.
