@@ -5,8 +5,13 @@
 //! segment heads. Aggregates and carries are segmented values (value, head), so a head inside a
 //! block or on another rank resets the scan exactly as it does in the sequential loop.
 
+#include <loom/scan/detail/stream.hpp>
 #include <loom/scan/monoid.hpp>
 #include <loom/scan/options.hpp>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
 
 namespace loom::scan::detail {
 
@@ -49,6 +54,133 @@ struct heads {
   //! The first head position >= p, or count.
   LOOM_HD index_t first_at_or_after(index_t p) const { return next_after(p - 1); }
 };
+
+#if LOOM_SCAN_STREAM_STORES
+//! Sums and prefix sums of float / double in 64-byte vectors (GCC / clang vector extensions; the
+//! compiler picks the instructions the build targets). Used by scans with loom::scan::plus on
+//! contiguous data: the order of the additions is a fixed function of the run, as elsewhere.
+// 64-byte vectors cross no function boundary (every helper below is always inlined), so the
+// psabi note about passing them without AVX-512 enabled does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+#define LOOM_SCAN_INLINE [[gnu::always_inline]] inline
+
+typedef float plus_v16f __attribute__((vector_size(64)));
+typedef double plus_v8d __attribute__((vector_size(64)));
+
+template <class T>
+struct plus_vectors {
+  static constexpr int n = 64 / static_cast<int>(sizeof(T));
+  using V = std::conditional_t<std::is_same_v<T, float>, plus_v16f, plus_v8d>;
+
+  LOOM_SCAN_INLINE static V load(const T* p) {
+    V v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+  }
+  LOOM_SCAN_INLINE static void store(T* p, const V& v) { __builtin_memcpy(p, &v, sizeof v); }
+  LOOM_SCAN_INLINE static V splat(T x) {
+    V v = {};
+    return v + x;
+  }
+  template <int K, int... I>
+  LOOM_SCAN_INLINE static V shift_up(const V& x,
+                                     std::integer_sequence<int, I...>) {  // lane i <- lane i - K, zeros below K
+    const V z = {};
+    return __builtin_shufflevector(x, z, (I >= K ? I - K : n + I)...);
+  }
+  template <int... I>
+  LOOM_SCAN_INLINE static V last(const V& x, std::integer_sequence<int, I...>) {  // every lane <- lane n - 1
+    return __builtin_shufflevector(x, x, (I * 0 + n - 1)...);
+  }
+  //! Inclusive prefix sums inside the vector (log2(n) shifted adds).
+  LOOM_SCAN_INLINE static V prefix(V x) {
+    constexpr auto idx = std::make_integer_sequence<int, n>{};
+    x += shift_up<1>(x, idx);
+    x += shift_up<2>(x, idx);
+    x += shift_up<4>(x, idx);
+    if constexpr (n > 8) x += shift_up<8>(x, idx);
+    return x;
+  }
+  LOOM_SCAN_INLINE static V last(const V& x) { return last(x, std::make_integer_sequence<int, n>{}); }
+  LOOM_SCAN_INLINE static V shift1(const V& x) { return shift_up<1>(x, std::make_integer_sequence<int, n>{}); }
+
+  //! acc + x[0] + ... + x[len - 1]: four vector partial sums, then a fixed-order reduction.
+  LOOM_SCAN_INLINE static T sum(const T* x, index_t len, T acc) {
+    V s[4] = {};
+    index_t i = 0;
+    for (; i + 4 * n <= len; i += 4 * n)
+      for (int k = 0; k < 4; ++k) s[k] += load(x + i + k * n);
+    for (; i + n <= len; i += n) s[0] += load(x + i);
+    const V t = (s[0] + s[1]) + (s[2] + s[3]);
+    T r = T(0);
+    for (int k = 0; k < n; ++k) r += t[k];
+    for (; i < len; ++i) r += x[i];
+    return acc + r;
+  }
+
+  //! out[i] = acc + x[0] + ... + x[i] (inclusive) or acc + x[0] + ... + x[i - 1] (exclusive), i < len;
+  //! returns acc + the sum of all len.
+  //! Lane 0 <- p[n - 1], lane i <- x[i - 1]: the exclusive form of an inclusive prefix x whose
+  //! preceding prefix ends in p.
+  template <int... I>
+  LOOM_SCAN_INLINE static V shift_in(const V& x, const V& p, std::integer_sequence<int, I...>) {
+    return __builtin_shufflevector(x, p, (I == 0 ? 2 * n - 1 : I - 1)...);
+  }
+  LOOM_SCAN_INLINE static V shift_in(const V& x, const V& p) {
+    return shift_in(x, p, std::make_integer_sequence<int, n>{});
+  }
+
+  //! `stream`: with out 16-byte aligned, the vectors go to memory with non-temporal stores (the
+  //! sums are the same either way).
+  LOOM_SCAN_INLINE static T scan(const T* x, T* out, index_t len, T acc, bool exclusive, bool stream) {
+    const bool nt = stream && reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
+    auto put = [&](T* to, const V& v) {
+      if (nt) {
+        for (int q = 0; q < 4; ++q) {
+          __m128i part;
+          __builtin_memcpy(&part, reinterpret_cast<const char*>(&v) + 16 * q, 16);
+          _mm_stream_si128(reinterpret_cast<__m128i*>(to) + q, part);
+        }
+      } else {
+        store(to, v);
+      }
+    };
+    V carry = splat(acc);
+    const V zero = {};
+    index_t i = 0;
+    // Four vectors at a time: their prefixes, offset by the sums of the vectors before them in the
+    // group, do not depend on the carry, so the carry chain is one add per 4 n elements.
+    for (; i + 4 * n <= len; i += 4 * n) {
+      V t[4];
+      for (int k = 0; k < 4; ++k) t[k] = prefix(load(x + i + k * n));
+      for (int k = 1; k < 4; ++k) t[k] += last(t[k - 1]);
+      for (int k = 0; k < 4; ++k)
+        put(out + i + k * n, carry + (exclusive ? shift_in(t[k], k ? t[k - 1] : zero) : t[k]));
+      carry += last(t[3]);
+    }
+    for (; i + n <= len; i += n) {
+      const V y = prefix(load(x + i));
+      put(out + i, carry + (exclusive ? shift1(y) : y));
+      carry += last(y);
+    }
+    T a = carry[0];
+    for (; i < len; ++i) {
+      const T after = a + x[i];
+      out[i] = exclusive ? a : after;
+      a = after;
+    }
+    return a;
+  }
+};
+
+template <class M, class In, class Out>
+inline constexpr bool vector_plus = (std::is_same_v<M, plus<float>> || std::is_same_v<M, plus<double>>)&&std::is_same_v<
+    std::remove_const_t<typename In::element_type>, typename M::value_type>&& std::is_same_v<typename Out::element_type,
+                                                                                             typename M::value_type>;
+#endif
 
 template <class M, class In, class Out>
 struct monoid_kernel {
@@ -107,6 +239,10 @@ struct monoid_kernel {
   //! acc op x[lo] op ... op x[hi - 1] (hi > lo).
   LOOM_HD value_type fold_run(index_t lo, index_t hi, value_type acc) const {
     const index_t len = hi - lo;
+#if LOOM_SCAN_STREAM_STORES && !LOOM_IN_DEVICE_CODE
+    if constexpr (vector_plus<M, In, Out>)
+      if (src_step == 1) return plus_vectors<value_type>::sum(src + lo, len, acc);
+#endif
     if (len < min_laned) {
       for (index_t p = lo; p < hi; ++p) acc = m.combine(acc, load(p));
       return acc;
@@ -125,22 +261,73 @@ struct monoid_kernel {
     return acc;
   }
 
+  //! Runs longer than this are scanned in consecutive chunks of this many elements (each with the
+  //! lane scheme above), on every backend and output layout alike, so the combine order depends on
+  //! the run alone. 16 KiB of input: the lanes' pieces are 2 KiB apart (no 4 KiB aliasing), and a
+  //! chunk's outputs fit in L1 on the way to memory (see scan_run).
+  static constexpr index_t chunk = 16384 / static_cast<index_t>(sizeof(in_type)) > 4 * min_laned
+                                       ? 16384 / static_cast<index_t>(sizeof(in_type))
+                                       : 4 * min_laned;
+
   //! Writes the outputs of [lo, hi) (no heads inside) starting from the running value acc.
+  //! On x86 hosts, a contiguous forward output of 4, 8 or 16-byte values is written a chunk at a
+  //! time into an L1 buffer and streamed to memory with non-temporal stores: the output lines are
+  //! not read before being overwritten (as ordinary stores do), so the scan moves the bytes of a
+  //! copy: the input once, the output once.
   LOOM_HD void scan_run(index_t lo, index_t hi, value_type acc) const {
+#if LOOM_SCAN_STREAM_STORES && !LOOM_IN_DEVICE_CODE
+    if constexpr (vector_plus<M, In, Out>) {  // vector sums, streamed straight from the registers
+      if (src_step == 1 && dst_step == 1 && hi - lo >= chunk) {
+        plus_vectors<value_type>::scan(src + lo, dst + lo, hi - lo, acc, exclusive, true);
+        stream_fence();
+        return;
+      }
+    }
+    if constexpr (streamable<out_type>) {
+      if (dst_step == 1 && hi - lo >= chunk) {
+        alignas(64) out_type stage[chunk];
+        for (index_t c = lo; c < hi; c += chunk) {
+          const index_t e = hi - c < chunk ? hi : c + chunk;
+          acc = scan_chunk(c, e, acc, stage, 1);
+          stream_copy(stage, dst + c, e - c);
+        }
+        stream_fence();  // the streamed lines are visible before the engine's next phase
+        return;
+      }
+    }
+#endif
+    for (index_t c = lo; c < hi; c += chunk) {
+      const index_t e = hi - c < chunk ? hi : c + chunk;
+      acc = scan_chunk(c, e, acc, dst + c * dst_step, dst_step);
+    }
+  }
+
+  //! Writes the outputs of [lo, hi) to out[(p - lo) * out_step] starting from the running value acc;
+  //! returns the running value after hi - 1.
+  LOOM_HD value_type scan_chunk(index_t lo, index_t hi, value_type acc, out_type* out, index_t out_step) const {
     const index_t len = hi - lo;
+#if LOOM_SCAN_STREAM_STORES && !LOOM_IN_DEVICE_CODE
+    if constexpr (vector_plus<M, In, Out>)
+      if (src_step == 1 && out_step == 1)
+        return plus_vectors<value_type>::scan(src + lo, out, len, acc, exclusive, false);
+#endif
     if (len < min_laned) {
-      for (index_t p = lo; p < hi; ++p) acc = emit(p, acc);
-      return;
+      for (index_t p = lo; p < hi; ++p) {
+        const value_type after = m.combine(acc, load(p));
+        out[(p - lo) * out_step] = exclusive ? acc : after;
+        acc = after;
+      }
+      return acc;
     }
     const index_t piece = lane_piece(len);
     value_type carry[lanes];
     carry[0] = acc;
     for (index_t k = 0; k + 1 < lanes; ++k) carry[k + 1] = fold_run(lo + k * piece, lo + (k + 1) * piece, carry[k]);
-    const index_t in_lane = piece * src_step, out_lane = piece * dst_step;
+    const index_t in_lane = piece * src_step, out_lane = piece * out_step;
     if (exclusive) {
       for (index_t i = 0; i < piece; ++i) {
         const in_type* from = src + (lo + i) * src_step;
-        out_type* to = dst + (lo + i) * dst_step;
+        out_type* to = out + i * out_step;
         for (index_t k = 0; k < lanes; ++k) {
           to[k * out_lane] = carry[k];
           carry[k] = m.combine(carry[k], static_cast<value_type>(from[k * in_lane]));
@@ -149,21 +336,20 @@ struct monoid_kernel {
     } else {
       for (index_t i = 0; i < piece; ++i) {
         const in_type* from = src + (lo + i) * src_step;
-        out_type* to = dst + (lo + i) * dst_step;
+        out_type* to = out + i * out_step;
         for (index_t k = 0; k < lanes; ++k) {
           carry[k] = m.combine(carry[k], static_cast<value_type>(from[k * in_lane]));
           to[k * out_lane] = carry[k];
         }
       }
     }
-    for (index_t p = lo + lanes * piece; p < hi; ++p) carry[lanes - 1] = emit(p, carry[lanes - 1]);
-  }
-
-  //! Writes the output of position p given the running value before it; returns the value after.
-  LOOM_HD value_type emit(index_t p, const value_type& before) const {
-    const value_type after = m.combine(before, load(p));
-    dst[p * dst_step] = exclusive ? before : after;
-    return after;
+    value_type last = carry[lanes - 1];
+    for (index_t p = lo + lanes * piece; p < hi; ++p) {
+      const value_type after = m.combine(last, load(p));
+      out[(p - lo) * out_step] = exclusive ? last : after;
+      last = after;
+    }
+    return last;
   }
 
   LOOM_HD void reduce(index_t begin, index_t end, agg_type* agg, agg_type*) const {

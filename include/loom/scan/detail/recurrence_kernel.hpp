@@ -14,7 +14,10 @@
 //! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d)].
 
 #include <loom/scan/detail/monoid_kernel.hpp>
+#include <loom/scan/detail/stream.hpp>
 #include <loom/scan/structure.hpp>
+
+#include <type_traits>
 
 namespace loom::scan::detail {
 
@@ -140,7 +143,26 @@ struct recurrence_kernel {
     for (index_t c = 0; c < d; ++c) out[asz + c] += second[asz + c];
   }
 
+  //! ht[0, d) = y. On x86 hosts, a state of 16 bytes or more in the accumulation type goes to
+  //! memory with non-temporal stores (see stream.hpp; scan() fences them).
+  LOOM_HD void store_row(TH* ht, const Acc* y) const {
+#if LOOM_SCAN_STREAM_STORES && !LOOM_IN_DEVICE_CODE
+    if constexpr (std::is_same_v<TH, Acc> && streamable<TH>) {
+      if (d * static_cast<index_t>(sizeof(TH)) >= 16) {
+        stream_copy(y, ht, d);
+        return;
+      }
+    }
+#endif
+    for (index_t c = 0; c < d; ++c) ht[c] = static_cast<TH>(y[c]);
+  }
+
   LOOM_HD void scan(index_t begin, index_t end, const Acc* carry, Acc* scratch) const {
+#if LOOM_SCAN_STREAM_STORES && !LOOM_IN_DEVICE_CODE
+    struct fence_at_exit {
+      ~fence_at_exit() { stream_fence(); }
+    } fence;
+#endif
     Acc *x = scratch, *y = scratch + d;
     for (index_t c = 0; c < d; ++c) x[c] = carry[c];
     index_t next = hd.segments == 0 ? hd.count : hd.first_at_or_after(begin);
@@ -156,7 +178,7 @@ struct recurrence_kernel {
         step_vec(t, x, y);
       } else {
         step_vec(t, x, y);
-        for (index_t c = 0; c < d; ++c) ht[c] = static_cast<TH>(y[c]);
+        store_row(ht, y);
       }
       Acc* tmp = x;
       x = y;
