@@ -1,6 +1,7 @@
 // Sparse formats: exact round trips dense -> format -> dense and format -> format, pruning,
 // byte sizes, and one test per rejection of the validating constructors.
 
+#include <loom/sparse/chooser.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/formats.hpp>
 
@@ -8,6 +9,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -241,4 +244,52 @@ TEST_CASE("sparse to_n_m rejects a group with too many nonzeros", "[sparse][reje
 TEST_CASE("sparse prune_magnitude rejects a sparsity outside [0, 1]", "[sparse][reject]") {
   const std::vector<float> d{1, 2};
   require_error([&] { ls::prune_magnitude(view(d, 1, 2), 1.5); }, loom::errc::invalid_argument, "sparsity must be in");
+}
+
+TEST_CASE("sparse choose: the cost model's times, monotone in sparsity, consistent crossover", "[sparse][chooser]") {
+  namespace ls = loom::sparse;
+  const ls::cost_model model;
+  // Dense at N = 1 is bound by reading A: e M K / dense bandwidth.
+  const auto c1 = ls::choose(0.5, 512, 512, 1, 4);
+  CHECK(c1.dense_seconds == Approx(4.0 * 512 * 512 / (model.dense_bandwidth_gbs * 1e9)));
+  // Bitmap at N = 1 and s = 1: max(its bytes / bandwidth, tiles * tile_ns).
+  const auto c2 = ls::choose(1.0, 512, 512, 1, 4);
+  CHECK(c2.sparse_seconds == Approx(9.0 / 64 * 512 * 512 / (model.bandwidth_gbs * 1e9)));  // no tile holds a nonzero
+  CHECK(c2.pick == ls::choice::path::bitmap_spmm);
+  const auto c3 = ls::choose(0.5, 512, 512, 1, 4);  // every tile is expanded
+  CHECK(c3.sparse_seconds == Approx(std::max((4.0 * 0.5 + 9.0 / 64) * 512 * 512 / (model.bandwidth_gbs * 1e9),
+                                             512.0 * 512 / 512 * model.tile_ns * 1e-9)));
+  for (index_t n : {index_t{1}, index_t{8}, index_t{16}, index_t{64}}) {
+    double prev = 1e300;
+    for (int pct = 0; pct <= 100; pct += 5) {
+      const auto c = ls::choose(pct / 100.0, 4096, 11008, n, 4);
+      CHECK(c.sparse_seconds <= prev);
+      CHECK(c.dense_seconds == Approx(ls::choose(0.0, 4096, 11008, n, 4).dense_seconds));
+      prev = c.sparse_seconds;
+    }
+  }
+  // A machine whose GEMM is far faster than the sparse kernel: the crossover moves up, and it is
+  // where the pick changes.
+  ls::cost_model fast_gemm = model;
+  fast_gemm.gemm_gflops = 1000;
+  fast_gemm.dense_bandwidth_gbs = 100;
+  const double x = ls::crossover_sparsity(4096, 4096, 64, 4, fast_gemm);
+  CHECK(x > 0.5);
+  CHECK(x < 1.0);
+  CHECK(ls::choose(x, 4096, 4096, 64, 4, fast_gemm).pick == ls::choice::path::bitmap_spmm);
+  CHECK(ls::choose(x - 0.005, 4096, 4096, 64, 4, fast_gemm).pick == ls::choice::path::dense_gemm);
+}
+
+TEST_CASE("sparse choose rejects bad arguments", "[sparse][chooser][reject]") {
+  namespace ls = loom::sparse;
+  CHECK_THROWS_WITH(ls::choose(-0.1, 8, 8, 1, 4), Catch::Contains("sparsity must be in [0, 1]"));
+  CHECK_THROWS_WITH(ls::choose(1.5, 8, 8, 1, 4), Catch::Contains("sparsity must be in [0, 1]"));
+  CHECK_THROWS_WITH(ls::choose(std::nan(""), 8, 8, 1, 4), Catch::Contains("sparsity must be in [0, 1]"));
+  CHECK_THROWS_WITH(ls::choose(0.5, 0, 8, 1, 4), Catch::Contains("m, k, n must be > 0"));
+  CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 0, 4), Catch::Contains("m, k, n must be > 0"));
+  CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 1, 0), Catch::Contains("element_bytes must be > 0"));
+  ls::cost_model bad;
+  bad.bandwidth_gbs = 0;
+  CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 1, 4, bad), Catch::Contains("cost_model bandwidths"));
+  CHECK_THROWS_AS(ls::crossover_sparsity(8, 8, 1, 4, bad), loom::error);
 }
