@@ -129,7 +129,7 @@ struct bitmap_kernel {
     const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
     Acc acc[tile_rows * n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
-    if constexpr (std::is_same_v<TA, float> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
+    if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
       if (x86::avx512_available()) {
         if (k.n == 1) {
           float dots[tile_rows];

@@ -1,10 +1,11 @@
 #pragma once
 
 //! @file
-//! AVX-512 host kernels for the tiled bitmap format with float weights and float accumulation,
-//! "load as sparse, compute as dense":
+//! AVX-512 host kernels for the tiled bitmap format with float, bfloat16 or half weights and float
+//! accumulation, "load as sparse, compute as dense":
 //!  - a tile row is turned into dense 16-lane quarters by expanding its packed values by the mask
-//!    (the offsets of the tile's 32 quarters come from one vector popcount and prefix sum);
+//!    (16-bit weights are expanded as 16-bit lanes, then widened to float; the offsets of the
+//!    tile's 32 quarters come from one vector popcount and prefix sum);
 //!  - N >= 2: the tile is expanded into an 8 x 64 buffer in L1, then for each column k of the tile
 //!    that holds a nonzero in any of its 8 rows (the OR of the row masks), the B row k (up to 32
 //!    columns, two registers) is multiplied by the broadcast A(r, k) of each row into register
@@ -20,6 +21,7 @@
 //! in different (each fixed) orders: results are identical across host backends and thread counts
 //! on one machine, and within the fp32 tolerance of each other.
 
+#include <loom/core/float16.hpp>
 #include <loom/sparse/formats.hpp>
 
 #if defined(__x86_64__) && !defined(__CUDACC__) && (defined(__GNUC__) || defined(__clang__))
@@ -27,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <immintrin.h>
+#include <type_traits>
 
 #define LOOM_SPARSE_X86_TARGET \
   __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bitalg,avx512vbmi2,bmi,bmi2,popcnt,fma")))
@@ -59,6 +62,30 @@ inline bool avx512_available() {
   return cpu && avx512_allowed().load(std::memory_order_relaxed);
 }
 
+//! The first `count` (<= 16) values at s, placed at the set bits of m (zeros elsewhere), as floats:
+//! float expanded as is; bfloat16 / half expanded as 16-bit lanes, then widened.
+LOOM_SPARSE_X86_TARGET inline __m512 expand16(const float* s, unsigned count, __mmask16 m) {
+  const __m512 v =
+      count == 16 ? _mm512_loadu_ps(s) : _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+  return _mm512_maskz_expand_ps(m, v);
+}
+LOOM_SPARSE_X86_TARGET inline __m256i expand16_bits(const void* s, unsigned count, __mmask16 m) {
+  const __m256i v = count == 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(s))
+                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+  return _mm256_maskz_expand_epi16(m, v);
+}
+LOOM_SPARSE_X86_TARGET inline __m512 expand16(const bfloat16* s, unsigned count, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(expand16_bits(s, count, m)), 16));
+}
+LOOM_SPARSE_X86_TARGET inline __m512 expand16(const half* s, unsigned count, __mmask16 m) {
+  return _mm512_cvtph_ps(expand16_bits(s, count, m));
+}
+
+//! Whether the AVX-512 kernels take weights of type T.
+template <class T>
+inline constexpr bool vector_weights =
+    std::is_same_v<T, float> || std::is_same_v<T, bfloat16> || std::is_same_v<T, half>;
+
 //! The 32 quarters of one tile (quarter i = the 16 columns 16 (i % 4) + [0, 16) of tile row i / 4):
 //! their masks, and the offsets of their first values in the tile's packed values, computed for
 //! the whole tile at once (a vector popcount and a prefix sum over 32 lanes) so that no quarter
@@ -81,15 +108,14 @@ struct tile_quarters {
     _mm512_store_si512(off, _mm512_sub_epi16(inc, cnt));
   }
 
-  //! Quarter i in 16 lanes: its values (from p, the tile's first value) at the set bits of its
-  //! mask, zeros elsewhere. Loads 16 values unmasked while they lie before `end` (the expand
+  //! Quarter i in 16 float lanes: its values (from p, the tile's first value) at the set bits of
+  //! its mask, zeros elsewhere. Loads 16 values unmasked while they lie before `end` (the expand
   //! ignores those past the quarter's own), masked at the very end of the array.
-  LOOM_SPARSE_X86_TARGET __m512 operator()(int i, const float* p, const float* end) const {
-    const float* s = p + off[i];
-    const __m512 v = end - s >= 16 ? _mm512_loadu_ps(s)
-                                   : _mm512_maskz_loadu_ps(
-                                         static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(end - s))), s);
-    return _mm512_maskz_expand_ps(static_cast<__mmask16>(mask[i]), v);
+  template <class T>
+  LOOM_SPARSE_X86_TARGET __m512 operator()(int i, const T* p, const T* end) const {
+    const T* s = p + off[i];
+    const unsigned left = end - s >= 16 ? 16u : static_cast<unsigned>(end - s);
+    return expand16(s, left, static_cast<__mmask16>(mask[i]));
   }
 };
 
@@ -102,15 +128,15 @@ LOOM_SPARSE_X86_TARGET inline __mmask16 lanes_valid(index_t c0, index_t cols, in
 }
 
 //! N == 1: out[r] = sum over the band's tiles of A(row r, tile) . x(tile), r < 8.
-template <class Space>
-LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<float, Space>& a, index_t band, const float* x, float* out) {
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t band, const float* x, float* out) {
   __m512 acc[tile_rows];
   for (auto& v : acc) v = _mm512_setzero_ps();
   const index_t gc = a.grid_cols();
-  const float* end = a.values + a.tile_offsets[a.tiles()];
+  const T* end = a.values + a.tile_offsets[a.tiles()];
   for (index_t tc = 0; tc < gc; ++tc) {
     const index_t t = band * gc + tc;
-    const float* p = a.values + a.tile_offsets[t];
+    const T* p = a.values + a.tile_offsets[t];
     const index_t c0 = tc * tile_cols;
     __m512 xv[4];
     if (a.cols - c0 >= tile_cols) {
@@ -138,8 +164,8 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<float, Space>& a, inde
 //! (a byte compress of 0..63 by the row mask), x at those columns picked from the four registers
 //! holding x over the tile (two two-source permutes and a blend), times the row's packed values:
 //! one FMA per 16 nonzeros instead of four expands per row.
-template <class Space>
-LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<float, Space>& a, index_t band, const float* x,
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, index_t band, const float* x,
                                                float* out) {
   alignas(64) static constexpr std::uint8_t iota_bytes[64] = {
       0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
@@ -152,7 +178,7 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<float, Space>& 
   const index_t gc = a.grid_cols();
   for (index_t tc = 0; tc < gc; ++tc) {
     const index_t t = band * gc + tc;
-    const float* p = a.values + a.tile_offsets[t];
+    const T* p = a.values + a.tile_offsets[t];
     const index_t c0 = tc * tile_cols;
     __m512 xv[4];
     if (a.cols - c0 >= tile_cols) {
@@ -170,8 +196,8 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<float, Space>& 
         const __m512 lo = _mm512_permutex2var_ps(xv[0], cols, xv[1]);
         const __m512 hi = _mm512_permutex2var_ps(xv[2], cols, xv[3]);
         const __m512 xg = _mm512_mask_blend_ps(_mm512_test_epi32_mask(cols, bit5), lo, hi);
-        const __m512 v =
-            _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, static_cast<unsigned>(cnt - b))), p + b);
+        const unsigned left = cnt - b < 16 ? static_cast<unsigned>(cnt - b) : 16u;
+        const __m512 v = expand16(p + b, left, static_cast<__mmask16>(0xffffu));
         acc[r] = _mm512_fmadd_ps(v, xg, acc[r]);
         idx = _mm512_alignr_epi32(_mm512_setzero_si512(), idx, 4);  // the next 16 indices
       }
@@ -189,8 +215,8 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<float, Space>& 
 
 //! N == 1: the kernel for the band's density (measured on 4096 x 4096, 2 threads: the gather
 //! kernel is 1.2-1.4x faster at 80-90 % zeros, the expand kernel 1.4x faster at 70 %, 2.5x at 50 %).
-template <class Space>
-inline void band_dot(const bitmap_view<float, Space>& a, index_t band, const float* x, float* out) {
+template <class T, class Space>
+inline void band_dot(const bitmap_view<T, Space>& a, index_t band, const float* x, float* out) {
   const index_t gc = a.grid_cols();
   const index_t nnz = a.tile_offsets[(band + 1) * gc] - a.tile_offsets[band * gc];
   if (4 * nnz <= tile_rows * a.cols)  // at most 25 % nonzeros
@@ -243,11 +269,11 @@ LOOM_SPARSE_X86_TARGET inline void tile_columns_narrow(__m512 (&acc)[tile_rows][
 }
 
 //! Expands tile t into dense (8 x 64, zeros included); returns the OR of its row masks.
-template <class Space>
-LOOM_SPARSE_X86_TARGET inline std::uint64_t expand_tile(const bitmap_view<float, Space>& a, index_t t, const float* end,
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET inline std::uint64_t expand_tile(const bitmap_view<T, Space>& a, index_t t, const T* end,
                                                         float (&dense)[tile_rows][tile_cols]) {
   const std::uint64_t* mk = a.masks + t * tile_rows;
-  const float* p = a.values + a.tile_offsets[t];
+  const T* p = a.values + a.tile_offsets[t];
   const tile_quarters tq(mk);
   std::uint64_t any = 0;
   for (int r = 0; r < static_cast<int>(tile_rows); ++r) {
@@ -259,12 +285,12 @@ LOOM_SPARSE_X86_TARGET inline std::uint64_t expand_tile(const bitmap_view<float,
 
 //! N >= 2: out[r * out_ld + j] = (A B)(band row r, j0 + j) for j < nb (nb <= 64), B a row-major
 //! panel with leading dimension ldb.
-template <class Space>
-LOOM_SPARSE_X86_TARGET void band_panel(const bitmap_view<float, Space>& a, index_t band, const float* b, index_t ldb,
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET void band_panel(const bitmap_view<T, Space>& a, index_t band, const float* b, index_t ldb,
                                        index_t j0, index_t nb, float* out, index_t out_ld) {
   alignas(64) float dense[2][tile_rows][tile_cols];
   const index_t gc = a.grid_cols();
-  const float* end = a.values + a.tile_offsets[a.tiles()];
+  const T* end = a.values + a.tile_offsets[a.tiles()];
   // Column groups of up to 32 (two registers per row, 16 accumulators) over [0, nb).
   for (index_t g0 = 0; g0 < nb; g0 += 32) {
     const index_t w = nb - g0 < 32 ? nb - g0 : 32;
