@@ -14,8 +14,10 @@
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -422,4 +424,185 @@ TEST_CASE("linear_attention: every rejection names the argument", "[linear_atten
         });
       },
       errc::invalid_argument, "token_begin");
+}
+
+namespace {
+
+//! LASP-2 forward and backward in fp32 over `splits`, `calls` times with different inputs (call c
+//! scales q, k, v and d_o by 1 + c / 4 and shifts them by c / 8): with one workspace per rank built
+//! once (`reuse`) or with the forms that build one per call. Every call's outputs, concatenated.
+std::vector<float> lasp2_calls(const problem& p, const std::vector<index_t>& splits, la::exchange ex, int calls,
+                               bool reuse) {
+  const index_t H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
+  const int P = static_cast<int>(splits.size()) - 1;
+  std::vector<std::vector<float>> per(static_cast<std::size_t>(P));
+  loom::comm::run_local(P, [&](loom::comm::local& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const index_t from = splits[r], n = splits[r + 1] - from;
+    const loom::openmp b{.threads = 1};
+    const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = static_cast<double>(p.scale)}, .exchange = ex};
+    std::optional<la::lasp2_workspace<loom::fp32, loom::comm::local>> ws;
+    if (reuse) ws.emplace(comm, b, p.cu, from, n, H, dk, dv, opt);
+    const std::vector<float> lg(p.lg.begin() + from * H, p.lg.begin() + (from + n) * H);
+    const std::vector<float> init(p.init.begin(), p.init.end());
+    auto& out = per[r];
+    for (int c = 0; c < calls; ++c) {
+      auto take = [&](const std::vector<double>& src, index_t width) {
+        std::vector<float> v(static_cast<std::size_t>(n * H * width));
+        for (std::size_t i = 0; i < v.size(); ++i)
+          v[i] = static_cast<float>(src[static_cast<std::size_t>(from * H * width) + i] * (1 + c / 4.0) + c / 8.0);
+        return v;
+      };
+      const auto q = take(p.q, dk), k = take(p.k, dk), v = take(p.v, dv);
+      const auto dov = loom::test::uniform<float>(n * H * dv, -1, 1, 300 + static_cast<std::uint64_t>(c));
+      la::operands<loom::fp32> x{mk(q.data(), {n, H, dk}), mk(k.data(), {n, H, dk}), mk(v.data(), {n, H, dv}),
+                                 mk(init.data(), {docs, H, dk, dv})};
+      std::vector<float> o(static_cast<std::size_t>(n * H * dv)), fin(static_cast<std::size_t>(docs * H * dk * dv), 0),
+          xin(static_cast<std::size_t>(H * dk * dv)), dfin(fin.size(), 0.5f), dq(q.size()), dkk(k.size()),
+          dvv(v.size()), dlg(static_cast<std::size_t>(n * H)), dinit(fin.size(), 0);
+      la::gradients<loom::fp32> gr{mk(dq.data(), {n, H, dk}), mk(dkk.data(), {n, H, dk}), mk(dvv.data(), {n, H, dv}),
+                                   mk(dlg.data(), {n, H}), mk(dinit.data(), {docs, H, dk, dv})};
+      const la::scalar_gate<float> gate{mk(lg.data(), {n, H})};
+      const auto ov = mk(o.data(), {n, H, dv});
+      const auto fv = mk(fin.data(), {docs, H, dk, dv});
+      const auto xv = mk(xin.data(), {H, dk, dv});
+      const auto dov_v = mk(dov.data(), {n, H, dv});
+      const auto dfv = mk(static_cast<const float*>(dfin.data()), {docs, H, dk, dv});
+      const auto xcv = mk(static_cast<const float*>(xin.data()), {H, dk, dv});
+      if (reuse) {
+        la::lasp2_forward(comm, b, *ws, gate, x, ov, fv, xv);
+        la::lasp2_backward(comm, b, *ws, gate, x, dov_v, dfv, xcv, gr);
+      } else {
+        la::lasp2_forward<loom::fp32>(comm, b, gate, x, ov, p.cu, from, fv, xv, opt);
+        la::lasp2_backward<loom::fp32>(comm, b, gate, x, dov_v, p.cu, from, dfv, xcv, gr, opt);
+      }
+      for (const auto* part : {&o, &fin, &xin, &dq, &dkk, &dvv, &dlg, &dinit})
+        out.insert(out.end(), part->begin(), part->end());
+    }
+  });
+  std::vector<float> all;
+  for (const auto& x : per) all.insert(all.end(), x.begin(), x.end());
+  return all;
+}
+
+}  // namespace
+
+TEST_CASE("linear_attention::lasp2 with a reused workspace gives the same bits as without",
+          "[linear_attention][lasp2][workspace]") {
+  const int P = GENERATE(1, 2, 3);
+  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const bool packed = GENERATE(false, true);
+  const index_t T = 16 * 12;
+  const std::vector<index_t> cu = packed ? std::vector<index_t>{0, 5, 150, 150, 192} : std::vector<index_t>{0, T};
+  const auto p = loom::test::la::make_problem(T, 2, 8, 4, gating::scalar, cu, true, 80);
+  std::vector<index_t> even;
+  for (int r = 0; r <= P; ++r) even.push_back(T * r / P);
+  // Even slices, and (P > 1) an empty first slice (its element is the identity, a = 1, M = 0).
+  std::vector<std::vector<index_t>> all{even};
+  if (P == 2) all.push_back({0, 0, T});
+  if (P == 3) all.push_back({0, 0, 100, T});
+  for (const auto& splits : all) {
+    const auto want = lasp2_calls(p, splits, ex, 3, false);
+    const auto got = lasp2_calls(p, splits, ex, 3, true);
+    REQUIRE(got.size() == want.size());
+    CHECK(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("linear_attention::lasp2 rejects a workspace used with other shapes", "[linear_attention][errors]") {
+  const index_t T = 10, H = 2, d = 3;
+  using W = la::lasp2_workspace<loom::fp32, loom::comm::local>;
+  std::vector<float> q(T * H * d, 0.5f), o(T * H * d), st(2 * H * d * d), xin(H * d * d);
+  const std::vector<index_t> cu{0, 4, T};
+  using loom::errc;
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const loom::openmp b{.threads = 1};
+    const index_t from = comm.rank() == 0 ? 0 : 6, n = comm.rank() == 0 ? 6 : 4;
+    W ws(comm, b, cu, from, n, H, d, d);
+    W fwd_only(comm, b, cu, from, n, H, d, d, {}, la::lasp2_passes::forward);
+    auto ops = [&](index_t t, index_t h, index_t dk, index_t dv) {
+      return la::operands<loom::fp32>{mk(static_cast<const float*>(q.data()), {t, h, dk}),
+                                      mk(static_cast<const float*>(q.data()), {t, h, dk}),
+                                      mk(static_cast<const float*>(q.data()), {t, h, dv})};
+    };
+    const auto good = ops(n, H, d, d);
+    const auto ov = mk(o.data(), {n, H, d});
+    auto fwd = [&](W& w, const la::operands<loom::fp32>& x, loom::tensor_view<float, 3> out,
+                   loom::tensor_view<float, 4> fin = {}) {
+      la::lasp2_forward(comm, b, w, la::no_decay{}, x, out, fin);
+    };
+    require_error(
+        [&] {
+          fwd(ws, ops(n + 1, H, d, d), mk(o.data(), {n + 1, H, d}));
+        },
+        errc::shape_mismatch,
+        "q (the workspace's [slice tokens, heads, dk]): expected extents [" + std::to_string(n) + ", 2, 3]");
+    require_error(
+        [&] {
+          fwd(ws, ops(n, 1, d, d), mk(o.data(), {n, 1, d}));
+        },
+        errc::shape_mismatch, "q (the workspace's [slice tokens, heads, dk]): expected extents");
+    require_error([&] { fwd(ws, ops(n, H, 2, d), ov); }, errc::shape_mismatch,
+                  "q (the workspace's [slice tokens, heads, dk]): expected extents");
+    require_error(
+        [&] {
+          fwd(ws, ops(n, H, d, 2), mk(o.data(), {n, H, 2}));
+        },
+        errc::shape_mismatch, "v (the workspace's [slice tokens, heads, dv]): expected extents");
+    require_error(
+        [&] {
+          fwd(ws, good, mk(o.data(), {n, H, 2}));
+        },
+        errc::shape_mismatch, "o (the workspace's [slice tokens, heads, dv]): expected extents");
+    require_error(
+        [&] {
+          fwd(ws, good, ov, mk(st.data(), {1, H, d, d}));
+        },
+        errc::shape_mismatch, "final_state: expected extents [2, 2, 3, 3]");
+    auto with_init = good;
+    with_init.initial_state = mk(static_cast<const float*>(st.data()), {1, H, d, d});
+    require_error([&] { fwd(ws, with_init, ov); }, errc::shape_mismatch,
+                  "initial_state (the workspace's [docs, heads, dk, dv]): expected extents [2, 2, 3, 3]");
+    require_error(
+        [&] {
+          la::lasp2_forward(comm, b, ws, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, 2}));
+        },
+        errc::shape_mismatch, "incoming_state: expected extents");
+    std::vector<float> g1(q.size()), g2(q.size()), g3(q.size());
+    const la::gradients<loom::fp32> gr{mk(g1.data(), {n, H, d}), mk(g2.data(), {n, H, d}), mk(g3.data(), {n, H, d})};
+    const auto dov = mk(static_cast<const float*>(o.data()), {n, H, d});
+    const auto xc = mk(static_cast<const float*>(xin.data()), {H, d, d});
+    require_error([&] { la::lasp2_backward(comm, b, fwd_only, la::no_decay{}, good, dov, {}, xc, gr); },
+                  errc::invalid_argument, "workspace: built with lasp2_passes::forward");
+    require_error(
+        [&] {
+          la::lasp2_backward(comm, b, ws, la::no_decay{}, good, mk(static_cast<const float*>(o.data()), {n, H, 2}), {},
+                             xc, gr);
+        },
+        errc::shape_mismatch, "d_o (the workspace's [slice tokens, heads, dv]): expected extents");
+    // The same workspace on another rank, or with another rank count.
+    require_error(
+        [&] {
+          auto sub = comm.split(comm.rank(), 0);  // a communicator of one rank
+          la::lasp2_forward(sub, b, ws, la::no_decay{}, good, ov);
+        },
+        errc::invalid_argument,
+        "workspace: built for rank " + std::to_string(comm.rank()) + " of 2, used on rank 0 of 1");
+    // Every rank took part in no exchange above; the valid calls run together.
+    la::lasp2_forward(comm, b, ws, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, d}));
+    la::lasp2_backward(comm, b, ws, la::no_decay{}, good, dov, {}, xc, gr);
+  });
+  // Built for a slice outside the sequence, or for rank 0 not starting at 0.
+  require_error(
+      [&] {
+        loom::comm::run_local(1, [&](loom::comm::local& comm) { W ws(comm, loom::serial{}, cu, 0, T + 1, H, d, d); });
+      },
+      errc::invalid_argument, "token_begin: expected the slice");
+  require_error(
+      [&] {
+        loom::comm::run_local(2, [&](loom::comm::local& comm) {
+          W ws(comm, loom::serial{}, cu, comm.rank() == 0 ? 1 : 6, comm.rank() == 0 ? 5 : 4, H, d, d);
+        });
+      },
+      errc::invalid_argument, "expected rank 0 to start at token 0");
 }

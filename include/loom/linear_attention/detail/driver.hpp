@@ -264,6 +264,25 @@ inline index_t incoming_lead(index_t n, incoming_roles r, bool correctable) {
   return static_cast<index_t>(m) < n ? static_cast<index_t>(m) : n;
 }
 
+//! The host buffers of run_forward_incoming with a fused plan (the state after the lead, the state
+//! entering the rest, the scan's end state: [H, dk, dv] each; per chunk of document 0 and head its
+//! log-decay and its start's: [n, H]), sized once from the plan and kept by the caller.
+template <class A>
+struct incoming_scratch {
+  std::vector<A> mid, start, tail, lg, cum;
+  incoming_scratch() = default;
+  template <class P>
+  explicit incoming_scratch(const plan<P>& pl) {
+    const auto states = static_cast<std::size_t>(pl.heads * pl.dk * pl.dv);
+    const auto n = static_cast<std::size_t>(pl.docs > 0 ? pl.table.doc_chunk[1] * pl.heads : 0);
+    mid.assign(states, A(0));
+    start.assign(states, A(0));
+    tail.assign(states, A(0));
+    lg.assign(n, A(0));
+    cum.assign(n, A(0));
+  }
+};
+
 //! The forward with a state X entering document 0 from outside (LASP-2). post() is called once
 //! `end_state` [H, dk, dv] holds the end state of the last document computed from a zero state
 //! entering document 0 (when roles.publish); finish() then returns X [H, dk, dv] (or null when
@@ -283,7 +302,8 @@ template <class B, class P, class Gating, class Space, class Post, class Finish>
 bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                           tensor_view<typename P::storage_type, 3, Space> o,
                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
-                          typename P::accum_type* end_state, incoming_roles roles, Post&& post, Finish&& finish) {
+                          typename P::accum_type* end_state, incoming_roles roles,
+                          incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false);
@@ -296,7 +316,10 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     static_assert(Space::host_accessible, "run_forward_incoming: the fused schedule runs on host memory");
     LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
     const index_t docs = pl.docs, n = pl.table.doc_chunk[1];
-    std::vector<A> mid(static_cast<std::size_t>(H * sz), A(0)), start(mid.size());
+    LOOM_EXPECTS(sc.mid.size() == static_cast<std::size_t>(H * sz) && sc.lg.size() == static_cast<std::size_t>(n * H),
+                 errc::invalid_argument, "run_forward_incoming: scratch sized for another plan");
+    std::vector<A>&mid = sc.mid, &start = sc.start, &lg = sc.lg, &cum = sc.cum;
+    std::fill(mid.begin(), mid.end(), A(0));
     auto state_of = [&](index_t h) -> const A* { return init ? init + h * sz : nullptr; };  // document 0's
     if (docs > 1) {
       // Documents 1.. do not depend on X; document 0 does not when nothing enters it.
@@ -315,7 +338,6 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     const index_t m = incoming_lead(n, roles, std::is_same_v<S, A>);
     // Per chunk of document 0 and head: its log-decay (the sum the kernels form), and its start's
     // log-decay from the document's start.
-    std::vector<A> lg(static_cast<std::size_t>(n * H)), cum(lg.size());
     for (index_t c = 0; c < n; ++c)
       for (index_t h = 0; h < H; ++h) {
         A acc = A(0);
@@ -334,7 +356,8 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     fence(b);
     auto s_m = [&](index_t h) -> const A* { return m > 0 ? mid.data() + h * sz : state_of(h); };
     if (roles.publish) {
-      std::vector<A> tail(static_cast<std::size_t>(H * sz), A(0));
+      std::vector<A>& tail = sc.tail;
+      std::fill(tail.begin(), tail.end(), A(0));
       if (m < n)
         launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes);
       fence(b);

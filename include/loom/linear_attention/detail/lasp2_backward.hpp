@@ -12,26 +12,37 @@
 namespace loom::linear_attention::detail {
 
 template <class P, class C, class B, class Gating>
-void lasp2_backward_impl(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
-                         tensor_view<const typename P::storage_type, 3, host_memory> d_o, std::span<const index_t> cu,
-                         index_t begin, tensor_view<const typename P::accum_type, 4, host_memory> dfin,
+void lasp2_backward_impl(C& comm, const B& b, lasp2_work<P, C>& wk, const Gating& gating,
+                         const operands<P, host_memory>& x,
+                         tensor_view<const typename P::storage_type, 3, host_memory> d_o,
+                         tensor_view<const typename P::accum_type, 4, host_memory> dfin,
                          tensor_view<const typename P::accum_type, 3, host_memory> incoming,
-                         const gradients<P, host_memory>& g, const options& opt, bool posted) {
+                         const gradients<P, host_memory>& g) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  lasp2_setup<P, C, B, Gating> st(comm, b, gating, x, cu, begin, opt);
-  const auto& s = st.s;
-  const index_t H = st.heads, sz = st.sz, segs = st.segs(), dk = st.dk, dv = st.dv;
-  if (present(dfin)) expect_extents(dfin, {st.docs, H, dk, dv}, "d_final_state");
-  check_state_out(g.d_initial_state, st.docs, H, dk, dv, "d_initial_state");
+  LOOM_EXPECTS(wk.backward, errc::invalid_argument,
+               "lasp2_backward: workspace: built with lasp2_passes::forward; expected one built with "
+               "lasp2_passes::forward_and_backward");
+  wk.check_use(comm, x, "lasp2_backward");
+  const gate_ref<A> gate = check_gating<A, host_memory>(gating, wk.tokens, wk.heads);
+  const auto& s = wk.s;
+  const auto& cu = wk.cu;
+  const index_t H = wk.heads, sz = wk.sz, segs = s.segments(), dk = wk.dk, dv = wk.dv, tokens = wk.tokens;
+  expect_extents(d_o, {tokens, H, dv}, "d_o (the workspace's [slice tokens, heads, dv])");
+  if (present(dfin)) expect_extents(dfin, {wk.docs, H, dk, dv}, "d_final_state");
+  check_state_out(g.d_initial_state, wk.docs, H, dk, dv, "d_initial_state");
   LOOM_EXPECTS(!s.continues_left || present(incoming), errc::invalid_argument,
                "incoming_state: expected the [H, dk, dv] state lasp2_forward returned on this rank (the slice "
                "continues a document from an earlier rank)");
   if (present(incoming)) expect_extents(incoming, {H, dk, dv}, "incoming_state");
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   const A* df = present(dfin) ? dfin.data() : nullptr;
-  const std::size_t n = static_cast<std::size_t>(segs * H * sz);
-  std::vector<A> init_loc(n), dfin_loc(n), dinit_loc(n), fin_loc(n);
+  auto& init_loc = wk.init_loc;
+  auto& dfin_loc = wk.dfin_loc;
+  auto& dinit_loc = wk.dinit_loc;
+  auto& fin_loc = wk.fin_loc;
+  std::fill(dinit_loc.begin(), dinit_loc.end(), A(0));
+  std::fill(fin_loc.begin(), fin_loc.end(), A(0));
   for (index_t k = 0; k < segs; ++k) {
     const index_t d = s.seg_doc[static_cast<std::size_t>(k)];
     const bool closed =
@@ -39,29 +50,29 @@ void lasp2_backward_impl(C& comm, const B& b, const Gating& gating, const operan
     for (index_t h = 0; h < H; ++h) {
       A* dst = init_loc.data() + (k * H + h) * sz;
       if (k == 0 && s.continues_left)
-        st.copy_state(incoming.data() + h * sz, dst);
+        copy_state(incoming.data() + h * sz, dst, sz);
       else
-        st.copy_state(init && d >= 0 ? init + (d * H + h) * sz : nullptr, dst);
-      st.copy_state(df && closed ? df + (d * H + h) * sz : nullptr, dfin_loc.data() + (k * H + h) * sz);
+        copy_state(init && d >= 0 ? init + (d * H + h) * sz : nullptr, dst, sz);
+      copy_state(df && closed ? df + (d * H + h) * sz : nullptr, dfin_loc.data() + (k * H + h) * sz, sz);
     }
   }
   operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, dk, dv})};
   gradients<P, host_memory> gl{g.dq, g.dk, g.dv, g.d_log_gate, view_of<A, 4>(dinit_loc, {segs, H, dk, dv})};
-  const auto bytes = st.pl.backward_workspace_bytes();
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
-  run_backward(b, st.pl, gating, xl, d_o, view_of<const A, 4>(dfin_loc, {segs, H, dk, dv}), gl,
-               std::span<std::byte>(ws.data(), bytes), fin_loc.data());
+  run_backward(b, wk.pl, gating, xl, d_o, view_of<const A, 4>(dfin_loc, {segs, H, dk, dv}), gl, wk.bytes,
+               fin_loc.data());
   // The element passed to the left: identity for an empty slice, (0, 0) when the slice starts a
   // document, else (product of the gates if one document spans the slice, d state leaving it).
-  state_exchange<C, A> ex(comm, H, sz, posted);
+  auto& ex = wk.ex;
+  ex.clear();
   for (index_t h = 0; h < H; ++h) {
-    const bool pass = st.tokens == 0 || (s.continues_left && segs == 1);
-    ex.a()[h] = pass ? exp_acc(st.log_gate_sum(0, st.tokens, h)) : A(0);
-    st.copy_state(st.tokens > 0 && s.continues_left ? dinit_loc.data() + h * sz : nullptr, ex.m(H) + h * sz);
+    const bool pass = tokens == 0 || (s.continues_left && segs == 1);
+    ex.a()[h] = pass ? exp_acc(log_gate_sum(gate, 0, tokens, h)) : A(0);
+    copy_state(tokens > 0 && s.continues_left ? dinit_loc.data() + h * sz : nullptr, ex.m(H) + h * sz, sz);
   }
-  ex.post();
-  const auto& all = ex.finish();
-  std::vector<A> y(static_cast<std::size_t>(H * sz), A(0));
+  ex.post(comm);
+  const auto& all = ex.finish(comm);
+  auto& y = wk.y;
+  std::fill(y.begin(), y.end(), A(0));
   const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
   for (int q = comm.size() - 1; q > comm.rank(); --q) {
     const A* blk = all.data() + m * static_cast<std::size_t>(q);
@@ -78,7 +89,7 @@ void lasp2_backward_impl(C& comm, const B& b, const Gating& gating, const operan
         const A* sl = fin_loc.data() + ((segs - 1) * H + h) * sz;
         for (index_t e = 0; e < sz; ++e) accg += sl[e] * Y[e];
       }
-      for (index_t t = st.tokens; t-- > lb;) {
+      for (index_t t = tokens; t-- > lb;) {
         const A w = exp_acc(wlog);
         A kdk = A(0);
         for (index_t d = 0; d < dk; ++d) {
@@ -97,7 +108,7 @@ void lasp2_backward_impl(C& comm, const B& b, const Gating& gating, const operan
           accg -= kdk;
           g.d_log_gate(t, h) += accg;
         }
-        wlog += st.gate(t, h);
+        wlog += gate(t, h);
       }
       if (!(segs == 1 && s.continues_left)) {  // the last document starts in this slice
         const A decay = exp_acc(wlog);
@@ -114,7 +125,7 @@ void lasp2_backward_impl(C& comm, const B& b, const Gating& gating, const operan
   }
   for (index_t d : s.owned_start)
     if (cu[static_cast<std::size_t>(d)] == cu[static_cast<std::size_t>(d) + 1])
-      for (index_t h = 0; h < H; ++h) st.copy_state(df ? df + (d * H + h) * sz : nullptr, out + (d * H + h) * sz);
+      for (index_t h = 0; h < H; ++h) copy_state(df ? df + (d * H + h) * sz : nullptr, out + (d * H + h) * sz, sz);
 }
 
 }  // namespace loom::linear_attention::detail

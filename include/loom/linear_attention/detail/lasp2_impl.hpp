@@ -5,52 +5,62 @@
 //! volume posted as isend / irecv), the rank-ordered folds and the corrections of the first / last
 //! document of the slice by the incoming state / incoming state gradient.
 
-#include <loom/backend/temporary.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/linear_attention/detail/driver.hpp>
 #include <loom/linear_attention/detail/slice.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 namespace loom::linear_attention::detail {
 
 //! Per head (a, M) in one message of H (1 + dk dv) values; issued as one all_gather or posted.
+//! Holds the send / receive buffers and the requests across calls (no communicator kept).
 template <class C, class A>
 class state_exchange {
  public:
-  state_exchange(C& comm, index_t heads, index_t sz, bool posted)
-      : comm_(comm), m_(static_cast<std::size_t>(heads * (1 + sz))), posted_(posted) {
+  state_exchange() = default;
+  state_exchange(index_t heads, index_t sz, int ranks, bool posted)
+      : m_(static_cast<std::size_t>(heads * (1 + sz))), posted_(posted) {
     send_.assign(m_, A(0));
-    recv_.assign(m_ * static_cast<std::size_t>(comm.size()), A(0));
+    recv_.assign(m_ * static_cast<std::size_t>(ranks), A(0));
+    if (posted_) reqs_.reserve(2 * static_cast<std::size_t>(ranks - 1));
   }
+  //! The message, zeroed: a [H] then M [H, dk, dv].
+  void clear() { std::fill(send_.begin(), send_.end(), A(0)); }
   A* a() { return send_.data(); }
   A* m(index_t heads) { return send_.data() + heads; }
-  void post() {
+  void post(C& comm) {
     if (!posted_) return;
-    const int me = comm_.rank();
+    reqs_.clear();
+    const int me = comm.rank();
     std::copy(send_.begin(), send_.end(), recv_.begin() + static_cast<std::ptrdiff_t>(m_ * me));
-    for (int q = 0; q < comm_.size(); ++q) {
+    for (int q = 0; q < comm.size(); ++q) {
       if (q == me) continue;
-      reqs_.push_back(comm_.isend(std::span<const A>(send_.data(), m_), q, tag));
-      reqs_.push_back(comm_.irecv(std::span<A>(recv_.data() + m_ * static_cast<std::size_t>(q), m_), q, tag));
+      reqs_.push_back(comm.isend(std::span<const A>(send_.data(), m_), q, tag));
+      reqs_.push_back(comm.irecv(std::span<A>(recv_.data() + m_ * static_cast<std::size_t>(q), m_), q, tag));
     }
   }
   //! Returns the gathered elements: block q is rank q's message.
-  const std::vector<A>& finish() {
-    if (posted_)
-      comm::wait_all(comm_, std::span<typename C::request>(reqs_));
-    else
-      comm_.all_gather(std::span<const A>(send_.data(), m_), std::span<A>(recv_.data(), recv_.size()));
+  const std::vector<A>& finish(C& comm) {
+    if (posted_) {
+      comm::wait_all(comm, std::span<typename C::request>(reqs_));
+      reqs_.clear();
+    } else {
+      comm.all_gather(std::span<const A>(send_.data(), m_), std::span<A>(recv_.data(), recv_.size()));
+    }
     return recv_;
   }
 
  private:
   static constexpr int tag = 7301;
-  C& comm_;
-  std::size_t m_;
-  bool posted_;
+  std::size_t m_ = 0;
+  bool posted_ = false;
   std::vector<A> send_, recv_;
   std::vector<typename C::request> reqs_;
 };
@@ -60,83 +70,143 @@ tensor_view<T, R, host_memory> view_of(std::vector<std::remove_const_t<T>>& v, s
   return tensor_view<T, R, host_memory>(v.data(), e);
 }
 
-//! Shared set-up of both passes: validation, slice, plan, gate of the slice.
-template <class P, class C, class B, class Gating>
-struct lasp2_setup {
+template <class A>
+A log_gate_sum(const gate_ref<A>& gate, index_t from, index_t to, index_t h) {
+  A acc = A(0);
+  for (index_t t = from; t < to; ++t) acc += gate(t, h);
+  return acc;
+}
+
+template <class A>
+void copy_state(const A* src, A* dst, index_t sz) {
+  for (index_t x = 0; x < sz; ++x) dst[x] = src ? src[x] : A(0);
+}
+
+//! Everything one rank's LASP-2 calls reuse: the validated shapes, the slice, the plan of the
+//! slice, and every per-call buffer (local initial / final states and their gradients, the incoming
+//! state and adjoint, the exchange, the fused schedule's scratch, the kernels' workspace). Built
+//! once; lasp2_workspace (lasp2.hpp) is its public face.
+template <class P, class C>
+struct lasp2_work {
   using A = typename P::accum_type;
-  index_t heads, dk, dv, sz, docs, tokens;
+  int rank = 0, ranks = 1;
+  index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
+  bool backward = false;
+  std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
-  gate_ref<A> gate;
-  lasp2_setup(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x, std::span<const index_t> cu,
-              index_t begin, const options& opt)
-      : heads(x.q.extent(1)), dk(x.q.extent(2)), dv(x.v.extent(2)), sz(dk * dv), tokens(x.q.extent(0)) {
-    LOOM_EXPECTS(!cu.empty(), errc::invalid_argument, "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
-    (void)make_chunk_table(cu, cu.back(), opt.chunk, "cu_seqlens");
-    docs = static_cast<index_t>(cu.size()) - 1;
-    s = make_slice(cu, begin, tokens, comm.rank(), comm.size());
+  std::vector<A> init_loc, fin_loc, xin, dfin_loc, dinit_loc, y;
+  incoming_scratch<A> inc;
+  state_exchange<C, A> ex;
+  std::unique_ptr<std::byte[]> store;
+  std::span<std::byte> bytes;  //!< the kernels' workspace, 64-byte aligned, forward and backward alike
+
+  template <class B>
+  lasp2_work(int rank_, int ranks_, const B& b, std::span<const index_t> cu_, index_t begin_, index_t tokens_,
+             index_t heads_, index_t dk_, index_t dv_, const options& opt, bool posted, bool backward_)
+      : rank(rank_),
+        ranks(ranks_),
+        begin(begin_),
+        tokens(tokens_),
+        heads(heads_),
+        dk(dk_),
+        dv(dv_),
+        sz(dk_ * dv_),
+        backward(backward_) {
+    LOOM_EXPECTS(!cu_.empty(), errc::invalid_argument, "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
+    (void)make_chunk_table(cu_, cu_.back(), opt.chunk, "cu_seqlens");
+    docs = static_cast<index_t>(cu_.size()) - 1;
+    cu.assign(cu_.begin(), cu_.end());
+    s = make_slice(cu_, begin, tokens, rank, ranks);
     pl = make_plan<P>(b, s.local_cu, heads, dk, dv, opt);
-    gate = check_gating<A, host_memory>(gating, tokens, heads);
-    if (present(x.initial_state)) expect_extents(x.initial_state, {docs, heads, dk, dv}, "initial_state");
+    const auto states = static_cast<std::size_t>(s.segments() * heads * sz), one = static_cast<std::size_t>(heads * sz);
+    init_loc.assign(states, A(0));
+    fin_loc.assign(states, A(0));
+    xin.assign(one, A(0));
+    if (backward) {
+      dfin_loc.assign(states, A(0));
+      dinit_loc.assign(states, A(0));
+      y.assign(one, A(0));
+    }
+    if (ranks > 1) inc = incoming_scratch<A>(pl);
+    ex = state_exchange<C, A>(heads, sz, ranks, posted);
+    std::size_t need = pl.forward_workspace_bytes();
+    if (backward) need = std::max(need, pl.backward_workspace_bytes());
+    store.reset(new std::byte[need + 64]);
+    const auto at = (reinterpret_cast<std::uintptr_t>(store.get()) + 63) / 64 * 64;
+    bytes = std::span<std::byte>(store.get() + (at - reinterpret_cast<std::uintptr_t>(store.get())), need);
   }
-  index_t segs() const { return s.segments(); }
-  A log_gate_sum(index_t from, index_t to, index_t h) const {
-    A acc = A(0);
-    for (index_t t = from; t < to; ++t) acc += gate(t, h);
-    return acc;
+
+  //! Checks that a call matches what the workspace was built for.
+  template <class Ops>
+  void check_use(const C& comm, const Ops& x, const char* call) const {
+    LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
+                 ": workspace: built for rank ", rank, " of ", ranks, ", used on rank ", comm.rank(), " of ",
+                 comm.size());
+    expect_extents(x.q, {tokens, heads, dk}, "q (the workspace's [slice tokens, heads, dk])");
+    expect_extents(x.k, {tokens, heads, dk}, "k (the workspace's [slice tokens, heads, dk])");
+    expect_extents(x.v, {tokens, heads, dv}, "v (the workspace's [slice tokens, heads, dv])");
+    if (present(x.initial_state))
+      expect_extents(x.initial_state, {docs, heads, dk, dv}, "initial_state (the workspace's [docs, heads, dk, dv])");
   }
-  void copy_state(const A* src, A* dst) const {
-    for (index_t x = 0; x < sz; ++x) dst[x] = src ? src[x] : A(0);
+};
+
+//! Access to lasp2_workspace's internals for the implementation.
+struct lasp2_access {
+  template <class W>
+  static auto& work(W& w) {
+    return w.w_;
   }
 };
 
 template <class P, class C, class B, class Gating>
-void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
-                        tensor_view<typename P::storage_type, 3, host_memory> o, std::span<const index_t> cu,
-                        index_t begin, tensor_view<typename P::accum_type, 4, host_memory> fin,
-                        tensor_view<typename P::accum_type, 3, host_memory> incoming, const options& opt, bool posted) {
+void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& gating,
+                        const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
+                        tensor_view<typename P::accum_type, 4, host_memory> fin,
+                        tensor_view<typename P::accum_type, 3, host_memory> incoming) {
   using A = typename P::accum_type;
-  lasp2_setup<P, C, B, Gating> st(comm, b, gating, x, cu, begin, opt);
-  const auto& s = st.s;
-  const index_t H = st.heads, sz = st.sz, segs = st.segs();
-  check_state_out(fin, st.docs, H, st.dk, st.dv, "final_state");
-  if (present(incoming)) expect_extents(incoming, {H, st.dk, st.dv}, "incoming_state");
+  w.check_use(comm, x, "lasp2_forward");
+  const gate_ref<A> gate = check_gating<A, host_memory>(gating, w.tokens, w.heads);
+  const auto& s = w.s;
+  const auto& cu = w.cu;
+  const index_t H = w.heads, sz = w.sz, segs = s.segments();
+  expect_extents(o, {w.tokens, H, w.dv}, "o (the workspace's [slice tokens, heads, dv])");
+  check_state_out(fin, w.docs, H, w.dk, w.dv, "final_state");
+  if (present(incoming)) expect_extents(incoming, {H, w.dk, w.dv}, "incoming_state");
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
-  std::vector<A> init_loc(static_cast<std::size_t>(segs * H * sz)), fin_loc(init_loc.size());
+  auto& init_loc = w.init_loc;
+  auto& fin_loc = w.fin_loc;
+  auto& xin = w.xin;
+  std::fill(fin_loc.begin(), fin_loc.end(), A(0));
+  std::fill(xin.begin(), xin.end(), A(0));
   for (index_t g = 0; g < segs; ++g)
     for (index_t h = 0; h < H; ++h) {
       const index_t d = s.seg_doc[static_cast<std::size_t>(g)];
       const bool zero = !init || d < 0 || (g == 0 && s.continues_left);
-      st.copy_state(zero ? nullptr : init + (d * H + h) * sz, init_loc.data() + (g * H + h) * sz);
+      copy_state(zero ? nullptr : init + (d * H + h) * sz, init_loc.data() + (g * H + h) * sz, sz);
     }
-  operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, st.dk, st.dv})};
-  std::vector<A> xin(static_cast<std::size_t>(H * sz), A(0));
+  operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, w.dk, w.dv})};
   bool with_x = false;  // the final state of segment 0 includes X
   if (comm.size() == 1) {
     // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
     // when the plan says so, without a chunk-state buffer).
-    const auto bytes = st.pl.forward_workspace_bytes();
-    temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
-    run_forward(b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
-                std::span<std::byte>(ws.data(), bytes));
+    run_forward(b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), w.bytes);
   } else {
-    const auto bytes = st.pl.forward_workspace_bytes();
-    temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(bytes));
-    state_exchange<C, A> ex(comm, H, sz, posted);
-    const bool reset = !(s.continues_left && segs == 1) && st.tokens > 0;
+    auto& ex = w.ex;
+    ex.clear();
+    const bool reset = !(s.continues_left && segs == 1) && w.tokens > 0;
     // Only later ranks fold this rank's element; the last rank's is never read (it sends a = 1,
     // M = 0 and skips computing its end state before the exchange).
     const incoming_roles roles{s.continues_left, comm.rank() + 1 < comm.size()};
     with_x = run_forward_incoming(
-        b, st.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, st.dk, st.dv}),
-        std::span<std::byte>(ws.data(), bytes), ex.m(H), roles,
+        b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), w.bytes, ex.m(H), roles, w.inc,
         [&] {
           for (index_t h = 0; h < H; ++h)
-            ex.a()[h] = !roles.publish ? A(1) : reset ? A(0) : exp_acc(st.log_gate_sum(0, st.tokens, h));
-          ex.post();
+            ex.a()[h] = !roles.publish ? A(1) : reset ? A(0) : exp_acc(log_gate_sum(gate, 0, w.tokens, h));
+          ex.post(comm);
         },
         [&]() -> const A* {
-          const auto& all = ex.finish();
+          const auto& all = ex.finish(comm);
           // X = fold over the ranks before this one, in rank order.
           const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
           for (int q = 0; q < comm.rank(); ++q) {
@@ -151,7 +221,7 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
   if (s.continues_left && !with_x) {
     const index_t n0 = s.local_cu[1];
     for (index_t h = 0; h < H; ++h) {
-      const A decay = exp_acc(st.log_gate_sum(0, n0, h));
+      const A decay = exp_acc(log_gate_sum(gate, 0, n0, h));
       A* f0 = fin_loc.data() + h * sz;
       const A* X = xin.data() + h * sz;
       for (index_t e = 0; e < sz; ++e) f0[e] += decay * X[e];
@@ -166,7 +236,7 @@ void lasp2_forward_impl(C& comm, const B& b, const Gating& gating, const operand
   for (index_t d : s.owned_final)
     if (cu[static_cast<std::size_t>(d)] == cu[static_cast<std::size_t>(d) + 1])
       for (index_t h = 0; h < H; ++h)
-        st.copy_state(init ? init + (d * H + h) * sz : nullptr, fin.data() + (d * H + h) * sz);
+        copy_state(init ? init + (d * H + h) * sz : nullptr, fin.data() + (d * H + h) * sz, sz);
 }
 
 }  // namespace loom::linear_attention::detail
