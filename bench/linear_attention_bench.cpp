@@ -11,7 +11,9 @@
 // linear_attention.lasp2/T:t/P:p             LASP-2 forward over comm::local with p ranks of one
 //     OpenMP thread each (the same problem); P:1 is the one-rank figure (one thread, so P:2 vs P:1
 //     is the speedup from a second core, each rank on its own core; compare P:2 with
-//     chunked/threads:2 for equal total threads).
+//     chunked/threads:2 for equal total threads). Each rank's lasp2_workspace is built once before
+//     the timed loop, so the loop times the calls without their allocation and set-up; the loop
+//     still starts the P rank threads of comm::run_local on every iteration (P:1 one thread).
 
 #include <loom/backend/openmp.hpp>
 #include <loom/comm/local.hpp>
@@ -24,7 +26,9 @@
 #include <cblas.h>
 #include <cmath>
 #include <cstddef>
+#include <optional>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -125,15 +129,25 @@ void lasp2(benchmark::State& state) {
   data x(T);
   const std::vector<index_t> cu{0, T};
   const la::fixed_decay<float> gate{loom::tensor_view<const float, 1>(x.lg.data(), {H})};
+  const loom::openmp b{.threads = 1};
+  // One workspace per rank, built once here, outside the timed loop (as an engine keeps it from
+  // layer to layer); the loop's calls allocate nothing. P:1 is measured the same way.
+  using workspace = la::lasp2_workspace<loom::fp32, loom::comm::local>;
+  std::vector<std::optional<workspace>> ws(static_cast<std::size_t>(P));
+  auto slice = [&](int r) { return std::pair<index_t, index_t>{T * r / P, T * (r + 1) / P - T * r / P}; };
+  loom::comm::run_local(P, [&](loom::comm::local& comm) {
+    const auto [b0, n] = slice(comm.rank());
+    ws[static_cast<std::size_t>(comm.rank())].emplace(
+        comm, b, cu, b0, n, H, D, D, la::lasp2_options{.chunked = {.chunk = C}}, la::lasp2_passes::forward);
+  });
   for (auto _ : state) {
     loom::comm::run_local(P, [&](loom::comm::local& comm) {
-      const index_t r = comm.rank(), b0 = T * r / P, b1 = T * (r + 1) / P, n = b1 - b0;
+      const auto [b0, n] = slice(comm.rank());
       const la::operands<loom::fp32> ops{loom::tensor_view<const float, 3>(x.q.data() + b0 * H * D, {n, H, D}),
                                          loom::tensor_view<const float, 3>(x.k.data() + b0 * H * D, {n, H, D}),
                                          loom::tensor_view<const float, 3>(x.v.data() + b0 * H * D, {n, H, D})};
-      la::lasp2_forward<loom::fp32>(comm, loom::openmp{.threads = 1}, gate, ops,
-                                    loom::tensor_view<float, 3>(x.o.data() + b0 * H * D, {n, H, D}), cu, b0, {}, {},
-                                    {.chunked = {.chunk = C}});
+      la::lasp2_forward(comm, b, *ws[static_cast<std::size_t>(comm.rank())], gate, ops,
+                        loom::tensor_view<float, 3>(x.o.data() + b0 * H * D, {n, H, D}));
     });
     benchmark::DoNotOptimize(x.o.data());
   }
