@@ -81,6 +81,18 @@ LOOM_SPARSE_X86_TARGET inline __m512 expand16(const half* s, unsigned count, __m
   return _mm512_cvtph_ps(expand16_bits(s, count, m));
 }
 
+//! The first `count` (<= 16) values at s, as floats, zeros after them (a masked load, no expand).
+LOOM_SPARSE_X86_TARGET inline __m512 load16(const float* s, unsigned count) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+}
+LOOM_SPARSE_X86_TARGET inline __m512 load16(const bfloat16* s, unsigned count) {
+  const __m256i v = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+LOOM_SPARSE_X86_TARGET inline __m512 load16(const half* s, unsigned count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s));
+}
+
 //! Whether the AVX-512 kernels take weights of type T.
 template <class T>
 inline constexpr bool vector_weights =
@@ -196,8 +208,7 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, i
         const __m512 lo = _mm512_permutex2var_ps(xv[0], cols, xv[1]);
         const __m512 hi = _mm512_permutex2var_ps(xv[2], cols, xv[3]);
         const __m512 xg = _mm512_mask_blend_ps(_mm512_test_epi32_mask(cols, bit5), lo, hi);
-        const unsigned left = cnt - b < 16 ? static_cast<unsigned>(cnt - b) : 16u;
-        const __m512 v = expand16(p + b, left, static_cast<__mmask16>(0xffffu));
+        const __m512 v = load16(p + b, static_cast<unsigned>(cnt - b));
         acc[r] = _mm512_fmadd_ps(v, xg, acc[r]);
         idx = _mm512_alignr_epi32(_mm512_setzero_si512(), idx, 4);  // the next 16 indices
       }
