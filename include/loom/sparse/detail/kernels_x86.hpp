@@ -139,6 +139,26 @@ LOOM_SPARSE_X86_TARGET inline __mmask16 lanes_valid(index_t c0, index_t cols, in
                   : static_cast<__mmask16>((1u << w) - 1);
 }
 
+//! xv = x[c0, c0 + 64), zeros past `cols` (A's columns).
+LOOM_SPARSE_X86_TARGET inline void load_x(const float* x, index_t c0, index_t cols, __m512 (&xv)[4]) {
+  if (cols - c0 >= tile_cols) {
+    for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + c0 + 16 * q);
+  } else {
+    for (int q = 0; q < 4; ++q) xv[q] = _mm512_maskz_loadu_ps(lanes_valid(c0, cols, q), x + c0 + 16 * q);
+  }
+}
+
+//! out[r] = the sum of acc[r]'s 16 lanes, in a fixed pairwise order.
+LOOM_SPARSE_X86_TARGET inline void row_sums(const __m512 (&acc)[tile_rows], float* out) {
+  for (index_t r = 0; r < tile_rows; ++r) {
+    alignas(64) float l[16];
+    _mm512_store_ps(l, acc[r]);
+    for (int h = 8; h > 0; h /= 2)
+      for (int i = 0; i < h; ++i) l[i] += l[i + h];
+    out[r] = l[0];
+  }
+}
+
 //! N == 1: out[r] = sum over the band's tiles of A(row r, tile) . x(tile), r < 8.
 template <class T, class Space>
 LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t band, const float* x, float* out) {
@@ -151,11 +171,7 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t 
     const T* p = a.values + a.tile_offsets[t];
     const index_t c0 = tc * tile_cols;
     __m512 xv[4];
-    if (a.cols - c0 >= tile_cols) {
-      for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + c0 + 16 * q);
-    } else {
-      for (int q = 0; q < 4; ++q) xv[q] = _mm512_maskz_loadu_ps(lanes_valid(c0, a.cols, q), x + c0 + 16 * q);
-    }
+    load_x(x, c0, a.cols, xv);
     const tile_quarters tq(a.masks + t * tile_rows);
     for (int r = 0; r < static_cast<int>(tile_rows); ++r) {
       const __m512 s01 = _mm512_fmadd_ps(tq(4 * r + 1, p, end), xv[1], _mm512_mul_ps(tq(4 * r, p, end), xv[0]));
@@ -163,13 +179,7 @@ LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t 
       acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(s01, s23));
     }
   }
-  for (index_t r = 0; r < tile_rows; ++r) {  // a fixed pairwise order over the 16 lanes
-    alignas(64) float l[16];
-    _mm512_store_ps(l, acc[r]);
-    for (int h = 8; h > 0; h /= 2)
-      for (int i = 0; i < h; ++i) l[i] += l[i + h];
-    out[r] = l[0];
-  }
+  row_sums(acc, out);
 }
 
 //! N == 1 for sparse rows: out[r] as band_vector. Per tile row, the column indices of its nonzeros
@@ -193,11 +203,7 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, i
     const T* p = a.values + a.tile_offsets[t];
     const index_t c0 = tc * tile_cols;
     __m512 xv[4];
-    if (a.cols - c0 >= tile_cols) {
-      for (int q = 0; q < 4; ++q) xv[q] = _mm512_loadu_ps(x + c0 + 16 * q);
-    } else {
-      for (int q = 0; q < 4; ++q) xv[q] = _mm512_maskz_loadu_ps(lanes_valid(c0, a.cols, q), x + c0 + 16 * q);
-    }
+    load_x(x, c0, a.cols, xv);
     const std::uint64_t* mk = a.masks + t * tile_rows;
     for (index_t r = 0; r < tile_rows; ++r) {
       const std::uint64_t m = mk[r];
@@ -215,13 +221,7 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, i
       p += cnt;
     }
   }
-  for (index_t r = 0; r < tile_rows; ++r) {  // a fixed pairwise order over the 16 lanes
-    alignas(64) float l[16];
-    _mm512_store_ps(l, acc[r]);
-    for (int h = 8; h > 0; h /= 2)
-      for (int i = 0; i < h; ++i) l[i] += l[i + h];
-    out[r] = l[0];
-  }
+  row_sums(acc, out);
 }
 
 //! N == 1: the kernel for the band's density (measured on 4096 x 4096, 2 threads: the gather
