@@ -138,15 +138,10 @@ struct plus_vectors {
   LOOM_SCAN_INLINE static T scan(const T* x, T* out, index_t len, T acc, bool exclusive, bool stream) {
     const bool nt = stream && reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
     auto put = [&](T* to, const V& v) {
-      if (nt) {
-        for (int q = 0; q < 4; ++q) {
-          __m128i part;
-          __builtin_memcpy(&part, reinterpret_cast<const char*>(&v) + 16 * q, 16);
-          _mm_stream_si128(reinterpret_cast<__m128i*>(to) + q, part);
-        }
-      } else {
+      if (nt)
+        stream_bytes<4>(to, &v);
+      else
         store(to, v);
-      }
     };
     V carry = splat(acc);
     const V zero = {};

@@ -26,6 +26,13 @@ template <class T>
 inline constexpr bool streamable = std::is_trivially_copyable_v<T> && sizeof(T) <= 16 && 16 % sizeof(T) == 0;
 
 #if LOOM_SCAN_STREAM_STORES
+//! The 16 * chunks bytes at s to d (16-byte aligned) with non-temporal 16-byte stores.
+template <int chunks>
+inline void stream_bytes(void* d, const void* s) {
+  for (int q = 0; q < chunks; ++q)
+    _mm_stream_si128(static_cast<__m128i*>(d) + q, _mm_loadu_si128(static_cast<const __m128i*>(s) + q));
+}
+
 //! d[0, n) = s[0, n): ordinary stores up to d's first 16-byte boundary and after its last one,
 //! non-temporal 16-byte stores between. Call stream_fence() before other threads read d.
 template <class T>
@@ -34,8 +41,7 @@ void stream_copy(const T* s, T* d, index_t n) {
   index_t i = 0;
   while (i < n && reinterpret_cast<std::uintptr_t>(d + i) % 16 != 0) d[i] = s[i], ++i;
   constexpr index_t per = 16 / static_cast<index_t>(sizeof(T));
-  for (; i + per <= n; i += per)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+  for (; i + per <= n; i += per) stream_bytes<1>(d + i, s + i);
   for (; i < n; ++i) d[i] = s[i];
 }
 
