@@ -164,7 +164,11 @@ template <class S, class A, class Space>
 struct chunk_steps {
   const problem<S, A, Space>& p;
   const lane_tiles<A>& l;
-  index_t* cached;  //!< [max_head_group] fixed decay: the head whose b, u, w a slot holds (-1: none)
+  mutable index_t cached[max_head_group];  //!< fixed decay: the head whose b, u, w a slot holds (-1: none)
+
+  LOOM_HD chunk_steps(const problem<S, A, Space>& p_, const lane_tiles<A>& l_) : p(p_), l(l_) {
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+  }
 
   //! 0: no decay; 1: exp(b_i - b_j) = u_i w_j; 2: evaluated per element.
   LOOM_HD int gates(const chunk_info& ch, index_t s, index_t h) const {
@@ -316,10 +320,8 @@ struct chunk_state_kernel {
   problem<S, A, Space> p;
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
-    index_t cached[max_head_group];
     int mode[max_head_group];
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
-    const chunk_steps<S, A, Space> st{p, l, cached};
+    const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < p.n_chunks * p.groups; item += p.lanes) {
       const index_t ci = item / p.groups, h0 = item % p.groups * p.group;
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
@@ -388,10 +390,8 @@ struct output_kernel {
   const A* cum = nullptr;
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
-    index_t cached[max_head_group];
     int mode[max_head_group];
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
-    const chunk_steps<S, A, Space> st{p, l, cached};
+    const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
       const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
@@ -426,11 +426,9 @@ struct state_scan_kernel {
   index_t c_lo = 0, c_hi = max_index;  //!< only the chunks in [c_lo, c_hi) of each document (LASP-2)
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
-    index_t cached[max_head_group];
     int mode[max_head_group];
     A before[max_head_group];
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
-    const chunk_steps<S, A, Space> st{p, l, cached};
+    const chunk_steps<S, A, Space> st(p, l);
     const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
     for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
       const index_t d = item / p.groups, h0 = item % p.groups * p.group;
@@ -485,10 +483,8 @@ struct fused_kernel {
   index_t c_lo = 0, c_hi = max_index;  //!< only the chunks in [c_lo, c_hi) of each document (LASP-2)
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
-    index_t cached[max_head_group];
     int mode[max_head_group];
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
-    const chunk_steps<S, A, Space> st{p, l, cached};
+    const chunk_steps<S, A, Space> st(p, l);
     const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
       const index_t d = first + item / p.groups, h0 = item % p.groups * p.group;
@@ -536,10 +532,8 @@ struct incoming_kernel {
   index_t first = 0, last = 0;
   LOOM_HD void operator()(index_t lane) const {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
-    index_t cached[max_head_group];
     int mode[max_head_group];
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
-    const chunk_steps<S, A, Space> st{p, l, cached};
+    const chunk_steps<S, A, Space> st(p, l);
     const index_t kp = l.kp, vp = l.vp, sz = p.dk * p.dv;
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
       const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
