@@ -22,6 +22,8 @@ using loom::test::buffer;
 using loom::test::make_backend;
 using loom::test::la::gating;
 using loom::test::la::problem;
+using loom::test::la::rounded;
+using loom::test::la::scaled_tol;
 using space = loom::backend_traits<loom::test::backend_under_test>::memory_space;
 
 namespace {
@@ -44,20 +46,6 @@ std::vector<double> widen(const std::vector<T>& x) {
   std::vector<double> r(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
   return r;
-}
-//! Rounds the problem's inputs to the storage / accumulation types, so the oracle sees exactly
-//! what the implementation reads.
-template <class P>
-problem rounded(problem p) {
-  using S = typename P::storage_type;
-  using A = typename P::accum_type;
-  p.q = widen(cast<S>(p.q)), p.k = widen(cast<S>(p.k)), p.v = widen(cast<S>(p.v));
-  p.lg = widen(cast<A>(p.lg)), p.head_lg = widen(cast<A>(p.head_lg)), p.init = widen(cast<A>(p.init));
-  if (p.mode == gating::fixed)
-    for (index_t t = 0; t < p.T; ++t)
-      for (index_t h = 0; h < p.H; ++h)
-        p.lg[static_cast<std::size_t>(t * p.H + h)] = p.head_lg[static_cast<std::size_t>(h)];
-  return p;
 }
 
 struct run_result {
@@ -135,17 +123,6 @@ run_result run_plan(const problem& p, index_t chunk, bool fused, index_t group) 
   return {widen(o.to_host()), widen(fin.to_host()), {}, {}, {}, {}, {}};
 }
 
-//! Tolerance of precision P, its absolute part scaled by the RMS of the oracle values: the
-//! outputs are sums of O(chunk + state) products, so their rounding scales with that magnitude.
-template <class P>
-loom::test::tolerance scaled_tol(const std::vector<double>& oracle) {
-  auto tol = loom::test::tolerance_for<P>();
-  double ss = 0;
-  for (double x : oracle) ss += x * x;
-  const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
-  tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
-  return tol;
-}
 
 template <class P>
 void check_forward(const problem& p0, index_t chunk, const std::string& what) {

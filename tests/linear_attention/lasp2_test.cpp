@@ -27,6 +27,8 @@ namespace la = loom::linear_attention;
 using loom::index_t;
 using loom::test::la::gating;
 using loom::test::la::problem;
+using loom::test::la::rounded;
+using loom::test::la::scaled_tol;
 
 namespace {
 
@@ -203,29 +205,7 @@ outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, l
   return out;
 }
 
-//! The problem with its inputs rounded to precision P (so the oracle sees what the kernels see).
-template <class P>
-problem rounded(problem p) {
-  using S = typename P::storage_type;
-  using A = typename P::accum_type;
-  for (auto* x : {&p.q, &p.k, &p.v})
-    for (double& y : *x) y = static_cast<double>(static_cast<S>(y));
-  for (auto* x : {&p.lg, &p.head_lg, &p.init})
-    for (double& y : *x) y = static_cast<double>(static_cast<A>(y));
-  return p;
-}
 
-//! The shared tolerance of P, its absolute part scaled by the RMS of the oracle values (as in the
-//! chunked tests: the outputs are sums whose rounding scales with their magnitude).
-template <class P>
-loom::test::tolerance scaled(const std::vector<double>& oracle) {
-  auto tol = loom::test::tolerance_for<P>();
-  double ss = 0;
-  for (double x : oracle) ss += x * x;
-  const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
-  tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
-  return tol;
-}
 
 template <class P>
 void check_long_document(const problem& p0, const std::vector<index_t>& splits, la::exchange ex,
@@ -233,8 +213,8 @@ void check_long_document(const problem& p0, const std::vector<index_t>& splits, 
   const problem p = rounded<P>(p0);
   const auto want = loom::test::la::oracle(p);
   const auto got = lasp2_forward_in<P>(p, splits, ex);
-  loom::test::require_close(got.o, want.o, scaled<P>(want.o), what + " o");
-  loom::test::require_close(got.fin, want.fin, scaled<P>(want.fin), what + " final state");
+  loom::test::require_close(got.o, want.o, scaled_tol<P>(want.o), what + " o");
+  loom::test::require_close(got.fin, want.fin, scaled_tol<P>(want.fin), what + " final state");
   const auto again = lasp2_forward_in<P>(p, splits, ex);  // deterministic across runs
   CHECK(again.o == got.o);
   CHECK(again.fin == got.fin);

@@ -7,10 +7,12 @@
 #include <loom/core/tensor_view.hpp>
 
 #include <support/random.hpp>
+#include <support/tolerance.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 namespace loom::test::la {
@@ -147,6 +149,35 @@ inline double loss(const problem& p, const std::vector<double>& d_o, const std::
   for (std::size_t i = 0; i < r.o.size(); ++i) l += r.o[i] * d_o[i];
   for (std::size_t i = 0; i < r.fin.size(); ++i) l += r.fin[i] * dfin[i];
   return l;
+}
+
+//! The problem with its inputs rounded to precision P's storage (q, k, v) and accumulation (gates,
+//! initial state) types, so the oracle sees exactly what the implementation reads.
+template <class P>
+problem rounded(problem p) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  for (auto* x : {&p.q, &p.k, &p.v})
+    for (double& y : *x) y = static_cast<double>(static_cast<S>(y));
+  for (auto* x : {&p.lg, &p.head_lg, &p.init})
+    for (double& y : *x) y = static_cast<double>(static_cast<A>(y));
+  if (p.mode == gating::fixed)
+    for (index_t t = 0; t < p.T; ++t)
+      for (index_t h = 0; h < p.H; ++h)
+        p.lg[static_cast<std::size_t>(t * p.H + h)] = p.head_lg[static_cast<std::size_t>(h)];
+  return p;
+}
+
+//! Tolerance of precision P, its absolute part scaled by the RMS of the oracle values: the
+//! outputs are sums of O(chunk + state) products, so their rounding scales with that magnitude.
+template <class P>
+tolerance scaled_tol(const std::vector<double>& oracle) {
+  auto tol = tolerance_for<P>();
+  double ss = 0;
+  for (double x : oracle) ss += x * x;
+  const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
+  tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
+  return tol;
 }
 
 }  // namespace loom::test::la
