@@ -123,7 +123,6 @@ run_result run_plan(const problem& p, index_t chunk, bool fused, index_t group) 
   return {widen(o.to_host()), widen(fin.to_host()), {}, {}, {}, {}, {}};
 }
 
-
 template <class P>
 void check_forward(const problem& p0, index_t chunk, const std::string& what) {
   const problem p = rounded<P>(p0);

@@ -205,8 +205,6 @@ outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, l
   return out;
 }
 
-
-
 template <class P>
 void check_long_document(const problem& p0, const std::vector<index_t>& splits, la::exchange ex,
                          const std::string& what) {
