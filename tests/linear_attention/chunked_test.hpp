@@ -110,7 +110,7 @@ run_result run_plan(const problem& p, index_t chunk, bool fused, index_t group) 
   auto pl = la::make_plan<P>(b, p.cu, H, p.dk, p.dv, {.chunk = chunk, .scale = p.scale});
   pl.fused = fused;
   pl.head_group = group;
-  buffer<std::byte> ws(pl.template forward_workspace_bytes<space>());
+  buffer<std::byte> ws(pl.forward_workspace_bytes());
   const std::span<std::byte> wsp(ws.data(), ws.size());
   const auto fin_v = mk(fin.data(), {docs, H, p.dk, p.dv});
   const auto o_v = mk(o.data(), {T, H, p.dv});

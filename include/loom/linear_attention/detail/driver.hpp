@@ -42,22 +42,21 @@ struct plan {
 
   index_t chunks() const { return static_cast<index_t>(table.chunks.size()); }
 
-  //! The workspace blocks, carved from `base` (null: sizes only).
+  //! The workspace blocks, carved from `base` (null: sizes only). The chunk table and offsets are
+  //! copied into the workspace only where the backend's memory is not host-accessible; their blocks
+  //! are reserved on every backend so that one size serves every memory space.
   struct blocks {
     detail::chunk_info* chunks;
     index_t *doc_chunk, *cu;
     accum_type *states, *log_decay, *cum, *scratch, *adj, *db, *fin;
     std::size_t bytes;
   };
-  template <class Space>
   blocks carve(std::byte* base, bool backward) const {
     detail::carver c(base);
     blocks w{};
-    if constexpr (!Space::host_accessible) {
-      w.chunks = c.take<detail::chunk_info>(chunks());
-      w.doc_chunk = c.take<index_t>(docs + 1);
-      w.cu = c.take<index_t>(docs + 1);
-    }
+    w.chunks = c.take<detail::chunk_info>(chunks());
+    w.doc_chunk = c.take<index_t>(docs + 1);
+    w.cu = c.take<index_t>(docs + 1);
     const index_t sz = dk * dv;
     const bool buffered = backward || !fused;
     w.states = c.take<accum_type>(buffered ? chunks() * heads * sz : 0);
@@ -72,16 +71,10 @@ struct plan {
     w.bytes = c.used();
     return w;
   }
-  //! Bytes of workspace forward needs (in the backend's memory space).
-  template <class Space = host_memory>
-  std::size_t forward_workspace_bytes() const {
-    return carve<Space>(nullptr, false).bytes;
-  }
+  //! Bytes of workspace forward needs (the same on every backend).
+  std::size_t forward_workspace_bytes() const { return carve(nullptr, false).bytes; }
   //! Bytes of workspace backward needs.
-  template <class Space = host_memory>
-  std::size_t backward_workspace_bytes() const {
-    return carve<Space>(nullptr, true).bytes;
-  }
+  std::size_t backward_workspace_bytes() const { return carve(nullptr, true).bytes; }
 };
 
 //! Plans chunked linear attention for documents `cu_seqlens` (host, size docs + 1, 0 .. T,
@@ -171,12 +164,12 @@ auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   check_operands(x, pl.tokens, pl.heads, pl.dk, pl.dv, pl.docs);
-  const auto need = pl.template carve<Space>(nullptr, backward).bytes;
+  const auto need = pl.carve(nullptr, backward).bytes;
   LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, "workspace: expected at least ", need, " bytes, got ",
                ws.size());
   LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
                "workspace: expected an address aligned to ", alignof(std::max_align_t), " bytes");
-  auto w = pl.template carve<Space>(ws.data(), backward);
+  auto w = pl.carve(ws.data(), backward);
   problem<S, A, Space> p;
   p.q = x.q;
   p.k = x.k;
