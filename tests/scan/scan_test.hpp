@@ -12,6 +12,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -64,15 +65,17 @@ std::vector<typename M::value_type> scan_oracle(const M& m, const std::vector<ty
 }
 
 // Runs the loom scan of x with the given variant on backend b (host vectors in and out).
+// reproducible = false: CUB's device scan on cuda (host backends ignore it).
 template <class B, class M>
 std::vector<typename M::value_type> run_scan(const B& b, const M& m, const std::vector<typename M::value_type>& x,
                                              const std::vector<index_t>& offsets, bool exclusive, bool reverse,
-                                             typename M::value_type init, index_t block) {
+                                             typename M::value_type init, index_t block, bool reproducible = true) {
   using T = typename M::value_type;
   const auto n = static_cast<index_t>(x.size());
   buffer<T> in(x), out(x.size());
   buffer<index_t> off(offsets);
   ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, block};
+  opt.reproducible = reproducible;
   auto vi = view_of<const T, 1>(in, {n});
   auto vo = view_of<T, 1>(out, {n});
   if (offsets.empty()) {
@@ -123,6 +126,32 @@ TEST_CASE("scan: non-commutative monoid, every variant, exact" LOOM_BACKEND_TAG,
                     << ", block " << block);
         REQUIRE(run_scan(b, m, x, offsets, exclusive, reverse, init, block) == want);
       }
+      INFO("n = " << n << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented
+                  << ", not reproducible");
+      REQUIRE(run_scan(b, m, x, offsets, exclusive, reverse, init, 0, false) == want);
+    }
+  }
+}
+
+// Integer plus, minimum and maximum combine exactly in any order: cuda runs them through CUB's
+// scan even when reproducible, so every path must equal the oracle.
+TEST_CASE("scan: integer plus, minimum and maximum, every variant, exact" LOOM_BACKEND_TAG, "[scan]") {
+  const auto b = make_backend();
+  for (index_t n : lengths) {
+    auto g = lt::rng(400 + static_cast<std::uint64_t>(n));
+    std::vector<std::int64_t> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = static_cast<std::int64_t>(g() % 2001) - 1000;
+    std::vector<int> xi(x.begin(), x.end());
+    for (int variant = 0; variant < 8; ++variant) {
+      const bool exclusive = variant & 1, reverse = variant & 2, segmented = variant & 4;
+      const auto offsets = segmented ? ragged_offsets(n, 11 + n) : std::vector<index_t>{};
+      INFO("n = " << n << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented);
+      REQUIRE(run_scan(b, ls::plus<std::int64_t>{}, x, offsets, exclusive, reverse, std::int64_t{5}, 0) ==
+              scan_oracle(ls::plus<std::int64_t>{}, x, offsets, exclusive, reverse, std::int64_t{5}));
+      REQUIRE(run_scan(b, ls::maximum<int>{}, xi, offsets, exclusive, reverse, -7, 0) ==
+              scan_oracle(ls::maximum<int>{}, xi, offsets, exclusive, reverse, -7));
+      REQUIRE(run_scan(b, ls::minimum<int>{}, xi, offsets, exclusive, reverse, 3, 0) ==
+              scan_oracle(ls::minimum<int>{}, xi, offsets, exclusive, reverse, 3));
     }
   }
 }
@@ -137,6 +166,8 @@ TEST_CASE("scan: plus in fp32 against the fp64 oracle; same bits as serial" LOOM
       const auto got = run_scan(b, ls::plus<float>{}, xf, {}, false, reverse, 0.0f, 0);
       // Summing n terms of size <= 1 in float: error grows like n * 2^-24.
       lt::require_close(got, want, {0.0, 1e-7 * static_cast<double>(n + 1)}, "plus<float>");
+      const auto fast = run_scan(b, ls::plus<float>{}, xf, {}, false, reverse, 0.0f, 0, false);
+      lt::require_close(fast, want, {0.0, 1e-7 * static_cast<double>(n + 1)}, "plus<float>, not reproducible");
       if constexpr (space::host_accessible) {  // device results are compared on a device run
         const auto serial = run_scan(loom::serial{}, ls::plus<float>{}, xf, {}, false, reverse, 0.0f, 0);
         REQUIRE(same_bits(got, serial));
@@ -174,6 +205,30 @@ TEST_CASE("scan: plus in fp32 and fp64, every vector and chunk boundary, exact" 
   plus_every_tail<double>();
 }
 
+TEST_CASE("scan: strided views, forward and reverse, exact; the gaps are not written" LOOM_BACKEND_TAG, "[scan]") {
+  const auto b = make_backend();
+  for (index_t n : {index_t{1}, index_t{65}, index_t{1021}, index_t{16323}}) {
+    const auto x = lt::small_integers<float>(n, -3, 3, 500 + static_cast<std::uint64_t>(n));
+    std::vector<float> spread(static_cast<std::size_t>(2 * n), 99.0f);
+    for (index_t i = 0; i < n; ++i) spread[static_cast<std::size_t>(2 * i)] = x[static_cast<std::size_t>(i)];
+    for (bool reverse : {false, true})
+      for (bool reproducible : {true, false}) {
+        INFO("n = " << n << ", reverse " << reverse << ", reproducible " << reproducible);
+        buffer<float> in(spread), out(std::vector<float>(static_cast<std::size_t>(3 * n), -5.0f));
+        ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward};
+        opt.reproducible = reproducible;
+        ls::inclusive_scan(b, ls::plus<float>{}, loom::tensor_view<const float, 1, space>(in.data(), {n}, {2}),
+                           loom::tensor_view<float, 1, space>(out.data(), {n}, {3}), opt);
+        const auto want = scan_oracle(ls::plus<float>{}, x, {}, false, reverse, 0.0f);
+        const auto got = out.to_host();
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          const float expect = i % 3 == 0 ? want[i / 3] : -5.0f;
+          if (got[i] != expect) FAIL("element " << i << ": " << got[i] << " != " << expect);
+        }
+      }
+  }
+}
+
 TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
   const auto b = make_backend();
   buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(9));
@@ -194,10 +249,15 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
     bad({0, 4, 12}, "must equal the sequence length 10");
     bad({0, 4, 9}, "must equal the sequence length 10");
     bad({}, "at least one offset");
-    float small[1];
+  }
+  // A workspace below workspace_bytes() is rejected on either path (engine or, on cuda, CUB).
+  buffer<float> small(std::vector<float>(1));
+  for (bool reproducible : {true, false}) {
     ls::options opt;
-    opt.workspace = small;
-    opt.workspace_bytes = sizeof(small);
+    opt.reproducible = reproducible;
+    opt.workspace = small.data();
+    opt.workspace_bytes = sizeof(float);
+    REQUIRE(ls::workspace_bytes(b, ls::plus<float>{}, 10, opt) > sizeof(float));
     CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, vo, opt),
                       Catch::Contains("options.workspace_bytes must be >="));
   }

@@ -8,7 +8,9 @@
 //!   loom::scan::segmented_inclusive_scan(b, m, in, out, cu_seqlens, {.dir = loom::scan::direction::reverse});
 //!
 //! Determinism: the combine tree is fixed by n and options.block, so the result has the same bits
-//! on every backend and thread count (see detail/engine.hpp). Work O(n) combines plus
+//! on every backend and thread count (see detail/engine.hpp). On loom::cuda, options.reproducible
+//! = false (and integer plus / minimum / maximum always) runs CUB's device scan instead
+//! (detail/monoid_cuda.cuh): fast, but for floating-point monoids its bits may vary run to run. Work O(n) combines plus
 //! O(n / block) for the carries; the data is read about twice and written once.
 
 #include <loom/scan/detail/engine.hpp>
@@ -16,6 +18,8 @@
 #include <loom/scan/detail/validate.hpp>
 #include <loom/scan/monoid.hpp>
 #include <loom/scan/options.hpp>
+
+#include <type_traits>
 
 namespace loom::scan {
 
@@ -55,12 +59,47 @@ void with_monoid_kernel(const M& m, In in, Out out, const Offsets* offsets, bool
     fn(monoid_kernel<M, In, Out>(m, in, out, hd, exclusive, init), blk);
 }
 
+//! Monoid scans a device backend runs with its vendor's library instead of the blocked engine
+//! (specialised for loom::cuda by detail/monoid_cuda.cuh, included when nvcc compiles the unit).
+template <class B>
+struct vendor_scan {
+  static constexpr bool available = false;
+};
+
+//! Monoids whose combine is exact, so that every combine order gives the same bits.
+template <class M>
+inline constexpr bool exact_combine = false;
+template <class T>
+inline constexpr bool exact_combine<plus<T>> = std::is_integral_v<T>;
+template <class T>
+inline constexpr bool exact_combine<maximum<T>> = std::is_integral_v<T>;
+template <class T>
+inline constexpr bool exact_combine<minimum<T>> = std::is_integral_v<T>;
+
+template <class B, monoid M>
+bool use_vendor_scan(const options& opt) {
+  if constexpr (vendor_scan<B>::available)
+    return !opt.reproducible || exact_combine<M>;
+  else
+    return false;
+}
+
 template <backend B, monoid M, class In, class Out, class Offsets>
 void run_monoid(const B& b, const M& m, In in, Out out, const Offsets* offsets, bool exclusive,
                 typename M::value_type init, const options& opt, std::string_view call) {
   check_space<B, In>();
   check_space<B, Out>();
   const index_t n = in.extent(0);
+  if constexpr (vendor_scan<B>::available) {
+    if (use_vendor_scan<B, M>(opt)) {
+      // with_monoid_kernel validates the call; the kernel it builds is not used.
+      with_monoid_kernel(m, in, out, offsets, exclusive, init, opt, window{n, 0, n}, call,
+                         [&](const auto&, const blocking&) {
+                           if (n > 0) vendor_scan<B>::run(b, m, in, out, offsets, exclusive, init, opt, call);
+                         });
+      return;
+    }
+  }
   with_monoid_kernel(
       m, in, out, offsets, exclusive, init, opt, window{n, 0, n}, call, [&](const auto& k, const blocking& blk) {
         if (n == 0) return;
@@ -72,7 +111,9 @@ void run_monoid(const B& b, const M& m, In in, Out out, const Offsets* offsets, 
 
 //! Bytes of workspace a scan of n elements of monoid M needs on backend b with these options.
 template <backend B, monoid M>
-std::size_t workspace_bytes(const B& b, const M&, index_t n, const options& opt = {}) {
+std::size_t workspace_bytes(const B& b, const M& m, index_t n, const options& opt = {}) {
+  if constexpr (detail::vendor_scan<B>::available)
+    if (detail::use_vendor_scan<B, M>(opt)) return detail::vendor_scan<B>::bytes(m, n);
   using agg = flagged<typename M::value_type>;
   const auto blk = detail::make_blocking(n, opt.block, detail::monoid_bytes_per_element<M>());
   const detail::layout lay{detail::tile_of(b, blk), 1, 1, 0};
@@ -111,3 +152,7 @@ void segmented_exclusive_scan(const B& b, const M& m, In in, Out out, Offsets of
 }
 
 }  // namespace loom::scan
+
+#if defined(__CUDACC__)
+#include <loom/scan/detail/monoid_cuda.cuh>
+#endif

@@ -1,0 +1,195 @@
+// loom's CUDA primitives on the GPU of this machine, against the vendor baselines measured in the
+// same run (CUDA events, median of the timed calls after warm-up):
+//   scan      loom::scan::inclusive_scan(plus<float>) of 64M fp32, against cub::DeviceScan::InclusiveSum
+//             (not bitwise deterministic for floats) and a device-to-device copy of the same bytes;
+//   spmm      loom::sparse::spmm on the tiled bitmap format (magnitude-pruned random weights) against
+//             cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008.
+// Prints a markdown table. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
+//
+//   loom.bench.cuda [--quick]
+
+#include <loom/backend/cuda.hpp>
+#include <loom/scan/scan.hpp>
+#include <loom/sparse/convert.hpp>
+#include <loom/sparse/spmm.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <cub/device/device_scan.cuh>
+#include <cublas_v2.h>
+#include <random>
+#include <vector>
+
+namespace {
+
+using loom::index_t;
+
+template <class T>
+struct device_array {
+  T* p = nullptr;
+  std::size_t n = 0;
+  explicit device_array(std::size_t count) : n(count) {
+    LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), sizeof(T) * (count ? count : 1)));
+  }
+  explicit device_array(const std::vector<T>& h) : device_array(h.size()) {
+    LOOM_CUDA_TRY(cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice));
+  }
+  device_array(const device_array&) = delete;
+  device_array& operator=(const device_array&) = delete;
+  ~device_array() { cudaFree(p); }
+};
+
+//! Median milliseconds of `reps` calls of f after `warm` untimed ones.
+template <class F>
+double median_ms(F&& f, int warm = 3, int reps = 15) {
+  for (int i = 0; i < warm; ++i) f();
+  LOOM_CUDA_TRY(cudaDeviceSynchronize());
+  cudaEvent_t a, b;
+  LOOM_CUDA_TRY(cudaEventCreate(&a));
+  LOOM_CUDA_TRY(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int i = 0; i < reps; ++i) {
+    LOOM_CUDA_TRY(cudaEventRecord(a));
+    f();
+    LOOM_CUDA_TRY(cudaEventRecord(b));
+    LOOM_CUDA_TRY(cudaEventSynchronize(b));
+    float t = 0;
+    LOOM_CUDA_TRY(cudaEventElapsedTime(&t, a, b));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void check_cublas(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s failed: %d\n", what, static_cast<int>(s));
+    std::exit(1);
+  }
+}
+
+void scan_rows(std::size_t n) {
+  std::vector<float> h(n);
+  std::mt19937 g(3);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& x : h) x = u(g);
+  device_array<float> in(h), out(n), out_cub(n);
+  const loom::cuda b{};
+  const loom::tensor_view<const float, 1, loom::cuda_memory> iv(in.p, {static_cast<index_t>(n)});
+  const loom::tensor_view<float, 1, loom::cuda_memory> ov(out.p, {static_cast<index_t>(n)});
+  // Workspaces allocated once, outside the timed calls.
+  // loom with its defaults (reproducible: the blocked engine), with shorter blocks (more of them
+  // in flight), and with reproducible = false (CUB's scan behind loom's API).
+  struct variant {
+    const char* name;
+    loom::scan::options opt;
+  };
+  variant vs[] = {{"loom::scan::inclusive_scan, reproducible (default)", {}},
+                  {"loom::scan::inclusive_scan, reproducible, block = 1024", {.block = 1024}},
+                  {"loom::scan::inclusive_scan, reproducible = false", {.reproducible = false}}};
+  std::vector<double> loom_ms;
+  for (auto& v : vs) {
+    const auto bytes = loom::scan::workspace_bytes(b, loom::scan::plus<float>{}, static_cast<index_t>(n), v.opt);
+    device_array<std::byte> ws(bytes);
+    v.opt.workspace = ws.p;
+    v.opt.workspace_bytes = bytes;
+    loom_ms.push_back(median_ms([&] { loom::scan::inclusive_scan(b, loom::scan::plus<float>{}, iv, ov, v.opt); }));
+  }
+  std::size_t cub_bytes = 0;
+  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, cub_bytes, in.p, out_cub.p, static_cast<int>(n)));
+  device_array<std::byte> cub_ws(cub_bytes);
+  const double cub_ms = median_ms(
+      [&] { LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(cub_ws.p, cub_bytes, in.p, out_cub.p, static_cast<int>(n))); });
+  const double copy_ms =
+      median_ms([&] { LOOM_CUDA_TRY(cudaMemcpyAsync(out_cub.p, in.p, sizeof(float) * n, cudaMemcpyDeviceToDevice)); });
+  // Agreement with CUB (different summation orders: relative to the running magnitude).
+  std::vector<float> a(n), c(n);
+  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(cub_ws.p, cub_bytes, in.p, out_cub.p, static_cast<int>(n)));
+  LOOM_CUDA_TRY(cudaMemcpy(a.data(), out.p, sizeof(float) * n, cudaMemcpyDeviceToHost));
+  LOOM_CUDA_TRY(cudaMemcpy(c.data(), out_cub.p, sizeof(float) * n, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  for (std::size_t i = 0; i < n; i += 997) worst = std::max(worst, static_cast<double>(std::abs(a[i] - c[i])));
+  const double gb = 8.0 * static_cast<double>(n) * 1e-9;
+  std::printf("\n### Scan, plus<float>, n = %zu\n\n", n);
+  std::printf("| row | time | GB/s (read + write) | time / CUB's |\n| --- | --: | --: | --: |\n");
+  for (std::size_t i = 0; i < loom_ms.size(); ++i)
+    std::printf("| %s | %.3f ms | %.0f | %.2f |\n", vs[i].name, loom_ms[i], gb / loom_ms[i] * 1e3, loom_ms[i] / cub_ms);
+  std::printf("| cub::DeviceScan::InclusiveSum | %.3f ms | %.0f | 1 |\n", cub_ms, gb / cub_ms * 1e3);
+  std::printf("| cudaMemcpy device to device (same bytes) | %.3f ms | %.0f | %.2f |\n", copy_ms, gb / copy_ms * 1e3,
+              copy_ms / cub_ms);
+  std::printf("\nlast loom row vs CUB: largest |difference| over every 997th element %.3g\n", worst);
+}
+
+void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::vector<index_t>& ns, cublasHandle_t h) {
+  std::vector<float> dense(static_cast<std::size_t>(m * k));
+  std::mt19937 g(11);
+  std::normal_distribution<float> nd(0, 1);
+  for (auto& x : dense) x = nd(g);
+  const index_t nmax = *std::max_element(ns.begin(), ns.end());
+  std::vector<float> bh(static_cast<std::size_t>(k * nmax));
+  for (auto& x : bh) x = nd(g);
+  device_array<float> bd(bh), cd(static_cast<std::size_t>(m * nmax)), ad(dense);
+  std::printf("\n### SpMM, M = %ld, K = %ld (bitmap A, row-major B and C; cublasSgemm on the dense A)\n\n",
+              static_cast<long>(m), static_cast<long>(k));
+  std::printf("| N | cublasSgemm |");
+  for (int s : pcts) std::printf(" %d %%: loom · sgemm/loom |", s);
+  std::printf("\n| --- | --: |");
+  for (std::size_t i = 0; i < pcts.size(); ++i) std::printf(" --: |");
+  std::printf("\n");
+  std::vector<std::vector<double>> loom_ms(pcts.size(), std::vector<double>(ns.size()));
+  for (std::size_t si = 0; si < pcts.size(); ++si) {
+    const auto pruned =
+        loom::sparse::prune_magnitude(loom::tensor_view<const float, 2>(dense.data(), {m, k}), pcts[si] / 100.0);
+    const auto bm = loom::sparse::to_bitmap(loom::tensor_view<const float, 2>(pruned.data(), {m, k}));
+    device_array<std::uint64_t> masks(bm.masks());
+    device_array<index_t> off(bm.tile_offsets());
+    device_array<float> val(bm.values());
+    const auto av = loom::sparse::make_bitmap_view<loom::cuda_memory>(m, k, masks.p, off.p, val.p);
+    for (std::size_t ni = 0; ni < ns.size(); ++ni) {
+      const index_t n = ns[ni];
+      const loom::tensor_view<const float, 2, loom::cuda_memory> bv(bd.p, {k, n});
+      const loom::tensor_view<float, 2, loom::cuda_memory> cv(cd.p, {m, n});
+      loom_ms[si][ni] = median_ms([&] { loom::sparse::spmm(loom::cuda{}, av, bv, cv); });
+    }
+  }
+  for (std::size_t ni = 0; ni < ns.size(); ++ni) {
+    const index_t n = ns[ni];
+    const float one = 1, zero = 0;
+    // Row-major C (M x N) = A (M x K) B (K x N) is column-major C^T = B^T A^T.
+    const double sgemm_ms = median_ms([&] {
+      check_cublas(
+          cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
+                      bd.p, static_cast<int>(n), ad.p, static_cast<int>(k), &zero, cd.p, static_cast<int>(n)),
+          "cublasSgemm");
+    });
+    std::printf("| %ld | %.1f µs |", static_cast<long>(n), sgemm_ms * 1e3);
+    for (std::size_t si = 0; si < pcts.size(); ++si)
+      std::printf(" %.1f µs · %.2fx |", loom_ms[si][ni] * 1e3, sgemm_ms / loom_ms[si][ni]);
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  cudaDeviceProp prop{};
+  LOOM_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  std::printf("## loom.bench.cuda: %s, %d SMs, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount, driver,
+              runtime);
+  scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+  cublasHandle_t h;
+  check_cublas(cublasCreate(&h), "cublasCreate");
+  const std::vector<int> pcts = {50, 70, 80, 90};
+  const std::vector<index_t> ns = {1, 8, 16, 32, 64};
+  spmm_rows(quick ? 256 : 4096, quick ? 256 : 4096, pcts, ns, h);
+  if (!quick) spmm_rows(4096, 11008, pcts, ns, h);
+  cublasDestroy(h);
+  return 0;
+}

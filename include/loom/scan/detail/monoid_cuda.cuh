@@ -1,0 +1,150 @@
+#pragma once
+
+//! @file
+//! loom::cuda's monoid scans through CUB's single-pass device scan (decoupled look-back): used when
+//! options.reproducible is false, or when the monoid's combine is exact (integer plus, minimum,
+//! maximum), where every combine order gives the same bits. Every variant maps onto one CUB call:
+//!   - forward / reverse: elements are visited through an index map (i or n - 1 - i, times the
+//!     view's stride); a reverse scan combines with the operands swapped, so that the result is
+//!     still x[i] op x[i+1] op ... in sequence order (monoids need not commute);
+//!   - inclusive / exclusive: DeviceScan::InclusiveScan / ExclusiveScan (init first);
+//!   - segmented: Inclusive/ExclusiveScanByKey with the key of an element its segment, found by a
+//!     binary search of the offsets (empty segments hold no element, so they need no key).
+//! CUB reads each element before it writes the element's output and no other element's, so the
+//! scan may run in place. The workspace is CUB's temporary storage.
+
+#include <loom/backend/cuda.hpp>
+#include <loom/scan/scan.hpp>
+
+#include <algorithm>
+#include <cub/device/device_scan.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/permutation_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
+
+namespace loom::scan::detail {
+
+//! Position j of the scan order -> element offset in memory.
+struct scan_order {
+  index_t n, stride;
+  bool reverse;
+  LOOM_HD index_t operator()(index_t j) const { return (reverse ? n - 1 - j : j) * stride; }
+};
+
+//! Position j of the scan order -> the segment of its element (the last offset <= the element).
+struct segment_key {
+  const index_t* offsets;
+  index_t segments, n;
+  bool reverse;
+  LOOM_HD index_t operator()(index_t j) const {
+    const index_t i = reverse ? n - 1 - j : j;
+    index_t lo = 0, hi = segments;  // offsets[lo] <= i < offsets[hi] for a valid segmentation
+    while (hi - lo > 1) {
+      const index_t mid = lo + (hi - lo) / 2;
+      if (offsets[mid] <= i)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    return lo;
+  }
+};
+
+template <class M, bool Swap>
+struct combine_op {
+  M m;
+  LOOM_HD typename M::value_type operator()(const typename M::value_type& a, const typename M::value_type& b) const {
+    if constexpr (Swap)
+      return m.combine(b, a);
+    else
+      return m.combine(a, b);
+  }
+};
+
+//! One CUB call for the variant (temp == null: only sizes `bytes`).
+template <bool Swap, class M, class InIt, class OutIt>
+cudaError_t cub_monoid_scan(void* temp, std::size_t& bytes, const M& m, InIt in, OutIt out, index_t n,
+                            const index_t* offsets, index_t segments, bool reverse, bool exclusive,
+                            typename M::value_type init, cudaStream_t stream) {
+  const combine_op<M, Swap> op{m};
+  if (offsets == nullptr) {
+    if (exclusive) return cub::DeviceScan::ExclusiveScan(temp, bytes, in, out, op, init, n, stream);
+    return cub::DeviceScan::InclusiveScan(temp, bytes, in, out, op, n, stream);
+  }
+  const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0),
+                                                    segment_key{offsets, segments, n, reverse});
+  if (exclusive)
+    return cub::DeviceScan::ExclusiveScanByKey(temp, bytes, keys, in, out, op, init, n, ::cuda::std::equal_to<>{},
+                                               stream);
+  return cub::DeviceScan::InclusiveScanByKey(temp, bytes, keys, in, out, op, n, ::cuda::std::equal_to<>{}, stream);
+}
+
+template <class M>
+struct cuda_scan_iterators {
+  using T = typename M::value_type;
+  static auto input(const T* p, index_t n, index_t stride, bool reverse) {
+    return thrust::make_permutation_iterator(
+        p, thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), scan_order{n, stride, reverse}));
+  }
+  static auto output(T* p, index_t n, index_t stride, bool reverse) {
+    return thrust::make_permutation_iterator(
+        p, thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), scan_order{n, stride, reverse}));
+  }
+};
+
+template <>
+struct vendor_scan<cuda> {
+  static constexpr bool available = true;
+
+  //! One CUB call; forward scans of unit-stride views pass raw pointers (vectorised loads and
+  //! stores), every other one the index-mapped iterators.
+  template <monoid M, class In, class Out>
+  static cudaError_t call(void* temp, std::size_t& bytes, const M& m, const In& in, const Out& out, index_t n,
+                          const index_t* off, index_t segments, bool reverse, bool exclusive,
+                          typename M::value_type init, cudaStream_t stream) {
+    using its = cuda_scan_iterators<M>;
+    if (!reverse && in.stride(0) == 1 && out.stride(0) == 1)
+      return cub_monoid_scan<false>(temp, bytes, m, in.data(), out.data(), n, off, segments, false, exclusive, init,
+                                    stream);
+    const auto src = its::input(in.data(), n, in.stride(0), reverse);
+    const auto dst = its::output(out.data(), n, out.stride(0), reverse);
+    if (reverse)
+      return cub_monoid_scan<true>(temp, bytes, m, src, dst, n, off, segments, true, exclusive, init, stream);
+    return cub_monoid_scan<false>(temp, bytes, m, src, dst, n, off, segments, false, exclusive, init, stream);
+  }
+
+  //! Bytes of CUB temporary storage for a scan of n elements of M: the most any variant needs.
+  template <monoid M>
+  static std::size_t bytes(const M& m, index_t n) {
+    using T = typename M::value_type;
+    static const index_t fake_offsets[2] = {0, 0};
+    std::size_t most = 0;
+    for (int v = 0; v < 12; ++v) {
+      const index_t stride = v & 4 ? 2 : 1;  // 1: raw pointers; 2: the mapped iterators
+      const tensor_view<const T, 1, cuda_memory> in(nullptr, {n}, {stride});
+      const tensor_view<T, 1, cuda_memory> out(nullptr, {n}, {stride});
+      std::size_t b = 0;
+      LOOM_CUDA_TRY(
+          call(nullptr, b, m, in, out, n, v & 2 ? fake_offsets : nullptr, 1, v >= 8, v & 1, m.identity(), nullptr));
+      most = std::max(most, b);
+    }
+    return most;
+  }
+
+  template <monoid M, class In, class Out, class Offsets>
+  static void run(const cuda& b, const M& m, In in, Out out, const Offsets* offsets, bool exclusive,
+                  typename M::value_type init, const options& opt, std::string_view call_name) {
+    const index_t n = in.extent(0);
+    const bool reverse = opt.dir == direction::reverse;
+    const index_t* off = offsets ? offsets->data() : nullptr;
+    const index_t segments = offsets ? offsets->extent(0) - 1 : 0;
+    std::size_t need = 0;
+    LOOM_CUDA_TRY(call(nullptr, need, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
+    with_workspace<std::byte>(b, opt, static_cast<index_t>(need), call_name, [&](std::byte* ws) {
+      std::size_t bytes = need;
+      LOOM_CUDA_TRY(call(ws, bytes, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
+    });
+  }
+};
+
+}  // namespace loom::scan::detail
