@@ -6,7 +6,7 @@
 //             cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008.
 // Prints a markdown table. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
 //
-//   loom.bench.cuda [--quick]
+//   loom.bench.cuda [--quick | --scan]   (--quick: small sizes; --scan: the scan rows only)
 
 #include <loom/backend/cuda.hpp>
 #include <loom/scan/scan.hpp>
@@ -176,6 +176,7 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
 
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  const bool scan_only = argc > 1 && std::strcmp(argv[1], "--scan") == 0;
   cudaDeviceProp prop{};
   LOOM_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
   int driver = 0, runtime = 0;
@@ -184,6 +185,7 @@ int main(int argc, char** argv) {
   std::printf("## loom.bench.cuda: %s, %d SMs, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount, driver,
               runtime);
   scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+  if (scan_only) return 0;
   cublasHandle_t h;
   check_cublas(cublasCreate(&h), "cublasCreate");
   const std::vector<int> pcts = {50, 70, 80, 90};
