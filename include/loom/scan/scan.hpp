@@ -8,10 +8,11 @@
 //!   loom::scan::segmented_inclusive_scan(b, m, in, out, cu_seqlens, {.dir = loom::scan::direction::reverse});
 //!
 //! Determinism: the combine tree is fixed by n and options.block, so the result has the same bits
-//! on every backend and thread count (see detail/engine.hpp). On loom::cuda, options.reproducible
-//! = false (and integer plus / minimum / maximum always) runs CUB's device scan instead
-//! (detail/monoid_cuda.cuh): fast, but for floating-point monoids its bits may vary run to run. Work O(n) combines plus
-//! O(n / block) for the carries; the data is read about twice and written once.
+//! on every backend and thread count (see detail/engine.hpp). Work O(n) combines plus O(n / block)
+//! for the carries; the data is read about twice and written once. On loom::cuda,
+//! options.reproducible = false (and integer plus / minimum / maximum always) runs CUB's device
+//! scan instead (detail/monoid_cuda.cuh): fast, but for floating-point monoids its bits may vary
+//! from run to run.
 
 #include <loom/scan/detail/engine.hpp>
 #include <loom/scan/detail/monoid_kernel.hpp>
@@ -78,10 +79,7 @@ inline constexpr bool exact_combine<minimum<T>> = std::is_integral_v<T>;
 
 template <class B, monoid M>
 bool use_vendor_scan(const options& opt) {
-  if constexpr (vendor_scan<B>::available)
-    return !opt.reproducible || exact_combine<M>;
-  else
-    return false;
+  return vendor_scan<B>::available && (!opt.reproducible || exact_combine<M>);
 }
 
 template <backend B, monoid M, class In, class Out, class Offsets>

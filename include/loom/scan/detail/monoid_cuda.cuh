@@ -34,10 +34,10 @@ struct scan_order {
 //! Position j of the scan order -> the segment of its element (the last offset <= the element).
 struct segment_key {
   const index_t* offsets;
-  index_t segments, n;
-  bool reverse;
+  index_t segments;
+  scan_order order;  //!< with stride 1: the element at position j
   LOOM_HD index_t operator()(index_t j) const {
-    const index_t i = reverse ? n - 1 - j : j;
+    const index_t i = order(j);
     index_t lo = 0, hi = segments;  // offsets[lo] <= i < offsets[hi] for a valid segmentation
     while (hi - lo > 1) {
       const index_t mid = lo + (hi - lo) / 2;
@@ -72,25 +72,19 @@ cudaError_t cub_monoid_scan(void* temp, std::size_t& bytes, const M& m, InIt in,
     return cub::DeviceScan::InclusiveScan(temp, bytes, in, out, op, n, stream);
   }
   const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0),
-                                                    segment_key{offsets, segments, n, reverse});
+                                                    segment_key{offsets, segments, scan_order{n, 1, reverse}});
   if (exclusive)
     return cub::DeviceScan::ExclusiveScanByKey(temp, bytes, keys, in, out, op, init, n, ::cuda::std::equal_to<>{},
                                                stream);
   return cub::DeviceScan::InclusiveScanByKey(temp, bytes, keys, in, out, op, n, ::cuda::std::equal_to<>{}, stream);
 }
 
-template <class M>
-struct cuda_scan_iterators {
-  using T = typename M::value_type;
-  static auto input(const T* p, index_t n, index_t stride, bool reverse) {
-    return thrust::make_permutation_iterator(
-        p, thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), scan_order{n, stride, reverse}));
-  }
-  static auto output(T* p, index_t n, index_t stride, bool reverse) {
-    return thrust::make_permutation_iterator(
-        p, thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), scan_order{n, stride, reverse}));
-  }
-};
+//! p's elements in scan order (const or not: the same iterator serves input and output).
+template <class T>
+auto in_scan_order(T* p, index_t n, index_t stride, bool reverse) {
+  return thrust::make_permutation_iterator(
+      p, thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), scan_order{n, stride, reverse}));
+}
 
 template <>
 struct vendor_scan<cuda> {
@@ -102,12 +96,11 @@ struct vendor_scan<cuda> {
   static cudaError_t call(void* temp, std::size_t& bytes, const M& m, const In& in, const Out& out, index_t n,
                           const index_t* off, index_t segments, bool reverse, bool exclusive,
                           typename M::value_type init, cudaStream_t stream) {
-    using its = cuda_scan_iterators<M>;
     if (!reverse && in.stride(0) == 1 && out.stride(0) == 1)
       return cub_monoid_scan<false>(temp, bytes, m, in.data(), out.data(), n, off, segments, false, exclusive, init,
                                     stream);
-    const auto src = its::input(in.data(), n, in.stride(0), reverse);
-    const auto dst = its::output(out.data(), n, out.stride(0), reverse);
+    const auto src = in_scan_order(in.data(), n, in.stride(0), reverse);
+    const auto dst = in_scan_order(out.data(), n, out.stride(0), reverse);
     if (reverse)
       return cub_monoid_scan<true>(temp, bytes, m, src, dst, n, off, segments, true, exclusive, init, stream);
     return cub_monoid_scan<false>(temp, bytes, m, src, dst, n, off, segments, false, exclusive, init, stream);
@@ -119,13 +112,14 @@ struct vendor_scan<cuda> {
     using T = typename M::value_type;
     static const index_t fake_offsets[2] = {0, 0};
     std::size_t most = 0;
+    // v: bit 0 exclusive, bit 1 segmented, v / 4: forward raw pointers, forward mapped, reverse.
     for (int v = 0; v < 12; ++v) {
-      const index_t stride = v & 4 ? 2 : 1;  // 1: raw pointers; 2: the mapped iterators
+      const index_t stride = v / 4 == 1 ? 2 : 1;
       const tensor_view<const T, 1, cuda_memory> in(nullptr, {n}, {stride});
       const tensor_view<T, 1, cuda_memory> out(nullptr, {n}, {stride});
       std::size_t b = 0;
       LOOM_CUDA_TRY(
-          call(nullptr, b, m, in, out, n, v & 2 ? fake_offsets : nullptr, 1, v >= 8, v & 1, m.identity(), nullptr));
+          call(nullptr, b, m, in, out, n, v & 2 ? fake_offsets : nullptr, 1, v / 4 == 2, v & 1, m.identity(), nullptr));
       most = std::max(most, b);
     }
     return most;

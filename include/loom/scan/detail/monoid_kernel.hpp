@@ -121,8 +121,6 @@ struct plus_vectors {
     return acc + r;
   }
 
-  //! out[i] = acc + x[0] + ... + x[i] (inclusive) or acc + x[0] + ... + x[i - 1] (exclusive), i < len;
-  //! returns acc + the sum of all len.
   //! Lane 0 <- p[n - 1], lane i <- x[i - 1]: the exclusive form of an inclusive prefix x whose
   //! preceding prefix ends in p.
   template <int... I>
@@ -133,8 +131,9 @@ struct plus_vectors {
     return shift_in(x, p, std::make_integer_sequence<int, n>{});
   }
 
-  //! `stream`: with out 16-byte aligned, the vectors go to memory with non-temporal stores (the
-  //! sums are the same either way).
+  //! out[i] = acc + x[0] + ... + x[i] (inclusive) or acc + x[0] + ... + x[i - 1] (exclusive), i < len;
+  //! returns acc + the sum of all len. `stream`: with out 16-byte aligned, the vectors go to
+  //! memory with non-temporal stores (the sums are the same either way).
   LOOM_SCAN_INLINE static T scan(const T* x, T* out, index_t len, T acc, bool exclusive, bool stream) {
     const bool nt = stream && reinterpret_cast<std::uintptr_t>(out) % 16 == 0;
     auto put = [&](T* to, const V& v) {
