@@ -25,19 +25,14 @@ namespace {
 
 using loom::index_t;
 
+//! Device memory from loom's stream-ordered scratch (default stream), optionally filled from the host.
 template <class T>
-struct device_array {
-  T* p = nullptr;
-  std::size_t n = 0;
-  explicit device_array(std::size_t count) : n(count) {
-    LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&p), sizeof(T) * (count ? count : 1)));
-  }
+struct device_array : loom::temporary_buffer<loom::cuda, T> {
+  explicit device_array(std::size_t count)
+      : loom::temporary_buffer<loom::cuda, T>(loom::cuda{}, static_cast<index_t>(count)) {}
   explicit device_array(const std::vector<T>& h) : device_array(h.size()) {
-    LOOM_CUDA_TRY(cudaMemcpy(p, h.data(), sizeof(T) * n, cudaMemcpyHostToDevice));
+    LOOM_CUDA_TRY(cudaMemcpy(this->data(), h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
   }
-  device_array(const device_array&) = delete;
-  device_array& operator=(const device_array&) = delete;
-  ~device_array() { cudaFree(p); }
 };
 
 //! Median milliseconds of `reps` calls of f after `warm` untimed ones.
@@ -78,8 +73,8 @@ void scan_rows(std::size_t n) {
   for (auto& x : h) x = u(g);
   device_array<float> in(h), out(n), out_cub(n);
   const loom::cuda b{};
-  const loom::tensor_view<const float, 1, loom::cuda_memory> iv(in.p, {static_cast<index_t>(n)});
-  const loom::tensor_view<float, 1, loom::cuda_memory> ov(out.p, {static_cast<index_t>(n)});
+  const loom::tensor_view<const float, 1, loom::cuda_memory> iv(in.data(), {static_cast<index_t>(n)});
+  const loom::tensor_view<float, 1, loom::cuda_memory> ov(out.data(), {static_cast<index_t>(n)});
   // Workspaces allocated once, outside the timed calls.
   // loom with its defaults (reproducible: the blocked engine), with shorter blocks (more of them
   // in flight), and with reproducible = false (CUB's scan behind loom's API).
@@ -94,22 +89,25 @@ void scan_rows(std::size_t n) {
   for (auto& v : vs) {
     const auto bytes = loom::scan::workspace_bytes(b, loom::scan::plus<float>{}, static_cast<index_t>(n), v.opt);
     device_array<std::byte> ws(bytes);
-    v.opt.workspace = ws.p;
+    v.opt.workspace = ws.data();
     v.opt.workspace_bytes = bytes;
     loom_ms.push_back(median_ms([&] { loom::scan::inclusive_scan(b, loom::scan::plus<float>{}, iv, ov, v.opt); }));
   }
   std::size_t cub_bytes = 0;
-  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, cub_bytes, in.p, out_cub.p, static_cast<int>(n)));
+  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, cub_bytes, in.data(), out_cub.data(), static_cast<int>(n)));
   device_array<std::byte> cub_ws(cub_bytes);
-  const double cub_ms = median_ms(
-      [&] { LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(cub_ws.p, cub_bytes, in.p, out_cub.p, static_cast<int>(n))); });
-  const double copy_ms =
-      median_ms([&] { LOOM_CUDA_TRY(cudaMemcpyAsync(out_cub.p, in.p, sizeof(float) * n, cudaMemcpyDeviceToDevice)); });
+  const double cub_ms = median_ms([&] {
+    LOOM_CUDA_TRY(
+        cub::DeviceScan::InclusiveSum(cub_ws.data(), cub_bytes, in.data(), out_cub.data(), static_cast<int>(n)));
+  });
+  const double copy_ms = median_ms(
+      [&] { LOOM_CUDA_TRY(cudaMemcpyAsync(out_cub.data(), in.data(), sizeof(float) * n, cudaMemcpyDeviceToDevice)); });
   // Agreement with CUB (different summation orders: relative to the running magnitude).
   std::vector<float> a(n), c(n);
-  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(cub_ws.p, cub_bytes, in.p, out_cub.p, static_cast<int>(n)));
-  LOOM_CUDA_TRY(cudaMemcpy(a.data(), out.p, sizeof(float) * n, cudaMemcpyDeviceToHost));
-  LOOM_CUDA_TRY(cudaMemcpy(c.data(), out_cub.p, sizeof(float) * n, cudaMemcpyDeviceToHost));
+  LOOM_CUDA_TRY(
+      cub::DeviceScan::InclusiveSum(cub_ws.data(), cub_bytes, in.data(), out_cub.data(), static_cast<int>(n)));
+  LOOM_CUDA_TRY(cudaMemcpy(a.data(), out.data(), sizeof(float) * n, cudaMemcpyDeviceToHost));
+  LOOM_CUDA_TRY(cudaMemcpy(c.data(), out_cub.data(), sizeof(float) * n, cudaMemcpyDeviceToHost));
   double worst = 0;
   for (std::size_t i = 0; i < n; i += 997) worst = std::max(worst, static_cast<double>(std::abs(a[i] - c[i])));
   const double gb = 8.0 * static_cast<double>(n) * 1e-9;
@@ -147,11 +145,11 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
     device_array<std::uint64_t> masks(bm.masks());
     device_array<index_t> off(bm.tile_offsets());
     device_array<float> val(bm.values());
-    const auto av = loom::sparse::make_bitmap_view<loom::cuda_memory>(m, k, masks.p, off.p, val.p);
+    const auto av = loom::sparse::make_bitmap_view<loom::cuda_memory>(m, k, masks.data(), off.data(), val.data());
     for (std::size_t ni = 0; ni < ns.size(); ++ni) {
       const index_t n = ns[ni];
-      const loom::tensor_view<const float, 2, loom::cuda_memory> bv(bd.p, {k, n});
-      const loom::tensor_view<float, 2, loom::cuda_memory> cv(cd.p, {m, n});
+      const loom::tensor_view<const float, 2, loom::cuda_memory> bv(bd.data(), {k, n});
+      const loom::tensor_view<float, 2, loom::cuda_memory> cv(cd.data(), {m, n});
       loom_ms[si][ni] = median_ms([&] { loom::sparse::spmm(loom::cuda{}, av, bv, cv); });
     }
   }
@@ -160,10 +158,10 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
     const float one = 1, zero = 0;
     // Row-major C (M x N) = A (M x K) B (K x N) is column-major C^T = B^T A^T.
     const double sgemm_ms = median_ms([&] {
-      check_cublas(
-          cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
-                      bd.p, static_cast<int>(n), ad.p, static_cast<int>(k), &zero, cd.p, static_cast<int>(n)),
-          "cublasSgemm");
+      check_cublas(cublasSgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m),
+                               static_cast<int>(k), &one, bd.data(), static_cast<int>(n), ad.data(),
+                               static_cast<int>(k), &zero, cd.data(), static_cast<int>(n)),
+                   "cublasSgemm");
     });
     std::printf("| %ld | %.1f µs |", static_cast<long>(n), sgemm_ms * 1e3);
     for (std::size_t si = 0; si < pcts.size(); ++si)
