@@ -62,35 +62,38 @@ inline bool avx512_available() {
   return cpu && avx512_allowed().load(std::memory_order_relaxed);
 }
 
-//! The first `count` (<= 16) values at s, placed at the set bits of m (zeros elsewhere), as floats:
-//! float expanded as is; bfloat16 / half expanded as 16-bit lanes, then widened.
-LOOM_SPARSE_X86_TARGET inline __m512 expand16(const float* s, unsigned count, __mmask16 m) {
-  const __m512 v =
-      count == 16 ? _mm512_loadu_ps(s) : _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
-  return _mm512_maskz_expand_ps(m, v);
-}
-LOOM_SPARSE_X86_TARGET inline __m256i expand16_bits(const void* s, unsigned count, __mmask16 m) {
-  const __m256i v = count == 16 ? _mm256_loadu_si256(static_cast<const __m256i*>(s))
-                                : _mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
-  return _mm256_maskz_expand_epi16(m, v);
-}
-LOOM_SPARSE_X86_TARGET inline __m512 expand16(const bfloat16* s, unsigned count, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(expand16_bits(s, count, m)), 16));
-}
-LOOM_SPARSE_X86_TARGET inline __m512 expand16(const half* s, unsigned count, __mmask16 m) {
-  return _mm512_cvtph_ps(expand16_bits(s, count, m));
+//! The mask of the first `count` (<= 16) lanes.
+LOOM_SPARSE_X86_TARGET inline __mmask16 first_lanes(unsigned count) {
+  return static_cast<__mmask16>(_bzhi_u32(0xffffu, count));
 }
 
-//! The first `count` (<= 16) values at s, as floats, zeros after them (a masked load, no expand).
+//! The first `count` (<= 16) values at s, as floats, zeros after them (a masked load).
 LOOM_SPARSE_X86_TARGET inline __m512 load16(const float* s, unsigned count) {
-  return _mm512_maskz_loadu_ps(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+  return _mm512_maskz_loadu_ps(first_lanes(count), s);
 }
-LOOM_SPARSE_X86_TARGET inline __m512 load16(const bfloat16* s, unsigned count) {
-  const __m256i v = _mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s);
+LOOM_SPARSE_X86_TARGET inline __m256i load16_bits(const void* s, unsigned count) {
+  return _mm256_maskz_loadu_epi16(first_lanes(count), s);
+}
+LOOM_SPARSE_X86_TARGET inline __m512 widen(const bfloat16*, __m256i v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
-LOOM_SPARSE_X86_TARGET inline __m512 load16(const half* s, unsigned count) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>(_bzhi_u32(0xffffu, count)), s));
+LOOM_SPARSE_X86_TARGET inline __m512 widen(const half*, __m256i v) { return _mm512_cvtph_ps(v); }
+template <class T>
+LOOM_SPARSE_X86_TARGET inline __m512 load16(const T* s, unsigned count) {
+  return widen(s, load16_bits(s, count));
+}
+
+//! The first `count` (<= 16) values at s, placed at the set bits of m (zeros elsewhere), as floats:
+//! float expanded as is; bfloat16 / half expanded as 16-bit lanes, then widened. A full load when
+//! count is 16: a masked load feeding the expand costs 3x at N = 1, 50 % zeros, on the benchmark
+//! machine.
+LOOM_SPARSE_X86_TARGET inline __m512 expand16(const float* s, unsigned count, __mmask16 m) {
+  return _mm512_maskz_expand_ps(m, count == 16 ? _mm512_loadu_ps(s) : load16(s, count));
+}
+template <class T>
+LOOM_SPARSE_X86_TARGET inline __m512 expand16(const T* s, unsigned count, __mmask16 m) {
+  const __m256i v = count == 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)) : load16_bits(s, count);
+  return widen(s, _mm256_maskz_expand_epi16(m, v));
 }
 
 //! Whether the AVX-512 kernels take weights of type T.
