@@ -11,16 +11,20 @@
 //! - a rank that does not arrive within the timeout makes the waiting ranks throw errc::timeout
 //!   naming the call; a rank whose function returned is reported at once;
 //! - an exception in one rank releases the others and run_local rethrows the original exception;
-//! - a rank that returns with requests it never waited on is an error.
+//!   a rank still running one timeout after the first failure is reported by number (run_local
+//!   never waits longer than that for it);
+//! - a rank that returns with requests it never waited on is an error; waiting a request twice
+//!   (or a copy of a waited one) is a no-op;
+//! - a send and its matching receive whose buffers overlap throw invalid_argument.
 //! Collectives combine ranks in rank order, so reductions are bitwise reproducible.
 
 #include <loom/comm/communicator.hpp>
 #include <loom/comm/detail/local_state.hpp>
+#include <loom/comm/detail/timeout.hpp>
 #include <loom/core/error.hpp>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <numeric>
@@ -33,18 +37,11 @@
 
 namespace loom::comm {
 
-//! The timeout used when none is given: LOOM_COMM_TIMEOUT_MS from the environment, else 120 s.
-inline std::chrono::milliseconds default_timeout() {
-  if (const char* env = std::getenv("LOOM_COMM_TIMEOUT_MS")) {
-    const long long ms = std::atoll(env);
-    if (ms > 0) return std::chrono::milliseconds(ms);
-  }
-  return std::chrono::milliseconds(120000);
-}
-
 //! Options of run_local.
 struct local_options {
-  //! How long a rank waits for its peers in any call before failing with errc::timeout.
+  //! How long a rank waits for its peers in any call before failing with errc::timeout, and how
+  //! long run_local waits for the remaining ranks after the first failure. Must be > 0. The
+  //! default reads LOOM_COMM_TIMEOUT_MS (see default_timeout(), which throws on a malformed value).
   std::chrono::milliseconds timeout = default_timeout();
 };
 
@@ -89,13 +86,21 @@ class local {
     return request(std::move(op));
   }
 
-  //! Completes the request or throws (size mismatch: comm_failure; no peer in time: timeout).
+  //! Completes the request. Waits at most the run's timeout for the peer.
+  //! @throws loom::error: comm_failure (the counts or types of the pair differ, the peer returned
+  //! without a matching call, the run was aborted by another rank's failure), invalid_argument (the
+  //! send and receive buffers overlap), timeout (no matching peer within the timeout: the run is
+  //! aborted). An empty request, or one that was already waited (through any copy), returns at once.
   void wait(request& req) {
     if (!req.op_) return;
     auto& w = *g_->w;
     std::unique_lock lk(w.m);
     const auto op = req.op_;
-    const auto deadline = detail::clock::now() + w.timeout;
+    if (op->waited) {  // a copy of this request was waited already: it counts once
+      req.op_.reset();
+      return;
+    }
+    const auto deadline = detail::deadline_after(w.timeout);
     while (!op->done) {
       const std::string what = describe(*op);
       if (w.aborted) throw error(errc::comm_failure, what + ": aborted: " + w.abort_reason);
@@ -112,9 +117,10 @@ class local {
         throw error(errc::timeout, msg);
       }
     }
+    op->waited = true;
     --w.outstanding[global_rank()];
     req.op_.reset();
-    if (!op->error.empty()) throw error(errc::comm_failure, op->error);
+    if (!op->error.empty()) throw error(op->code, op->error);
   }
 
   //! Sends to dest and receives from src at once; the step of a ring.

@@ -5,26 +5,31 @@
 //! MPI_Init / MPI_Finalize (MPI_THREAD_FUNNELED or higher is enough: one thread per rank calls it).
 //!
 //! - MPI errors become loom::error(comm_failure): the wrapper sets MPI_ERRORS_RETURN on the comm.
+//! - No wait is unbounded: every call posts nonblocking MPI operations (MPI_Isend / MPI_Irecv,
+//!   MPI_Iallreduce, MPI_Iallgather, MPI_Ialltoall(v), MPI_Ireduce_scatter_block, MPI_Ibcast,
+//!   MPI_Ibarrier) and polls them with MPI_Test until options.timeout; past it the call throws
+//!   loom::error(timeout) naming the call (or, with options.abort_on_timeout, MPI_Aborts).
+//!   After a timeout the communicator and its copies are unusable except for abort() and
+//!   destruction: later calls throw comm_failure. An abandoned receive is cancelled, an abandoned
+//!   send is freed (MPI may still read its buffer if the peer receives it late); an abandoned
+//!   collective cannot be cancelled and may still complete into its buffers.
 //! - A receive whose posted count differs from the message is an error (MPI would silently accept a
 //!   shorter message).
 //! - With options.check_collectives (default on), every collective first agrees on (call, element
-//!   type, count, op, root) with one small MPI_Allreduce, so ranks that disagree throw on every
-//!   rank instead of corrupting memory or hanging. all_to_allv checks (call, type) only.
+//!   type, count, op, root, argument errors) with one small allreduce, so ranks that disagree, or
+//!   one rank's bad arguments, throw on every rank instead of corrupting memory or hanging;
+//!   all_to_allv also exchanges its per-peer counts, so a sender and receiver that disagree throw
+//!   on every rank.
 //! - bfloat16 / half reductions use MPI_Op_create operators (reduced through float).
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/detail/mpi_support.hpp>
 #include <loom/core/error.hpp>
 
-// Only MPI's C API is used: keep the deprecated C++ bindings (and their warnings) out.
-#ifndef OMPI_SKIP_MPICXX
-#define OMPI_SKIP_MPICXX 1
-#endif
-#ifndef MPICH_SKIP_MPICXX
-#define MPICH_SKIP_MPICXX 1
-#endif
-#include <mpi.h>
-
+#include <algorithm>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -34,174 +39,93 @@
 
 namespace loom::comm {
 
-namespace detail {
-
-inline void mpi_check(int rc, const char* call) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw error(errc::comm_failure,
-              std::string("comm::mpi ") + call + " failed: " + std::string(text, static_cast<std::size_t>(len)));
-}
-
-template <class T>
-MPI_Datatype mpi_datatype() {
-  constexpr dtype t = dtype_of<T>();
-  if constexpr (t == dtype::i8)
-    return MPI_INT8_T;
-  else if constexpr (t == dtype::u8)
-    return MPI_UINT8_T;
-  else if constexpr (t == dtype::i32)
-    return MPI_INT32_T;
-  else if constexpr (t == dtype::u32)
-    return MPI_UINT32_T;
-  else if constexpr (t == dtype::i64)
-    return MPI_INT64_T;
-  else if constexpr (t == dtype::u64)
-    return MPI_UINT64_T;
-  else if constexpr (t == dtype::f16 || t == dtype::bf16)
-    return MPI_UINT16_T;
-  else if constexpr (t == dtype::f32)
-    return MPI_FLOAT;
-  else if constexpr (t == dtype::f64)
-    return MPI_DOUBLE;
-  else
-    return MPI_BYTE;
-}
-
-//! Elements as MPI sees them: T's own datatype, or sizeof(T) bytes for other trivially copyable T.
-template <class T>
-int mpi_count(std::size_t n, const char* call) {
-  const std::size_t c = dtype_of<T>() == dtype::bytes ? n * sizeof(T) : n;
-  LOOM_EXPECTS(c <= static_cast<std::size_t>(INT_MAX), errc::unsupported, "comm::mpi ", call, ": ", c,
-               " elements exceed MPI's int count; split the message");
-  return static_cast<int>(c);
-}
-
-template <class T, reduce_op Op>
-void mpi_user_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
-  const auto* a = static_cast<const T*>(in);
-  auto* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) b[i] = apply(Op, a[i], b[i]);
-}
-
-template <class T>
-MPI_Op mpi_op(reduce_op op) {
-  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
-    // MPI has no 16-bit floats: user operators over the 2-byte carrier, created once.
-    static const MPI_Op ops[4] = {[] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::sum>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::prod>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::min>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::max>, 1, &o);
-                                    return o;
-                                  }()};
-    return ops[static_cast<int>(op)];
-  } else {
-    switch (op) {
-      case reduce_op::sum:
-        return MPI_SUM;
-      case reduce_op::prod:
-        return MPI_PROD;
-      case reduce_op::min:
-        return MPI_MIN;
-      case reduce_op::max:
-        return MPI_MAX;
-    }
-    return MPI_SUM;
-  }
-}
-
-inline bool overlaps(const void* a, std::size_t an, const void* b, std::size_t bn) {
-  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
-  return an && bn && x < y + bn && y < x + an;
-}
-
-}  // namespace detail
-
-//! Options of comm::mpi.
-struct mpi_options {
-  //! Agree on every collective's signature first (one extra small allreduce per collective).
-  bool check_collectives = true;
-};
-
-//! One rank's handle on an MPI communicator. Copies share the underlying MPI_Comm.
+//! One rank's handle on an MPI communicator. Copies share the underlying MPI_Comm and its state
+//! (a timeout makes every copy unusable); use them from one thread per rank.
 class mpi {
  public:
-  //! A pending isend / irecv.
+  //! A pending isend / irecv. Copies share it: once any copy is waited, waiting again is a no-op.
   class request {
    public:
     request() = default;
-    [[nodiscard]] bool valid() const noexcept { return req_ != MPI_REQUEST_NULL; }
+    [[nodiscard]] bool valid() const noexcept { return p_ && p_->req != MPI_REQUEST_NULL; }
 
    private:
     friend class mpi;
-    MPI_Request req_ = MPI_REQUEST_NULL;
-    MPI_Datatype type_ = MPI_BYTE;
-    int expected_ = -1;  // receives: the posted count, checked against the message
-    int peer_ = 0, tag_ = 0;
+    std::shared_ptr<detail::mpi_p2p> p_;
   };
 
   //! Wraps `comm` without owning it and sets MPI_ERRORS_RETURN on it.
-  //! @throws loom::error(comm_failure) if MPI is not initialised.
-  explicit mpi(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : comm_(comm), options_(options) {
+  //! @throws loom::error(comm_failure) if MPI is not initialised; loom::error(invalid_argument) if
+  //! options.timeout <= 0.
+  explicit mpi(MPI_Comm comm = MPI_COMM_WORLD, mpi_options options = {}) : s_(std::make_shared<detail::mpi_state>()) {
     int init = 0;
     MPI_Initialized(&init);
     LOOM_EXPECTS(init, errc::comm_failure, "comm::mpi: MPI_Init has not been called");
-    detail::mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-    detail::mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    detail::mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    LOOM_EXPECTS(options.timeout.count() > 0, errc::invalid_argument, "comm::mpi: options.timeout must be > 0 ms, got ",
+                 options.timeout.count());
+    s_->comm = comm;
+    s_->options = options;
+    detail::mpi_check(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    detail::mpi_check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
+    detail::mpi_check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
   }
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return size_; }
-  [[nodiscard]] MPI_Comm native() const noexcept { return comm_; }
+  [[nodiscard]] MPI_Comm native() const noexcept { return s_->comm; }
+  [[nodiscard]] const mpi_options& options() const noexcept { return s_->options; }
+  //! False once a call timed out: every call but abort() then throws comm_failure.
+  [[nodiscard]] bool usable() const noexcept { return s_->broken.empty(); }
+
+  //! MPI_Abort(native(), errorcode): ends every process of this communicator (OpenMPI ends the
+  //! whole job). Never returns. The way out after a timeout when the peers cannot be trusted to
+  //! finish (a rank that skipped a collective, a rank stuck outside MPI).
+  [[noreturn]] void abort(int errorcode = 1) const noexcept {
+    MPI_Abort(s_->comm, errorcode);
+    std::abort();  // MPI_Abort does not return; this only satisfies [[noreturn]]
+  }
 
   template <class T>
   requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     using U = std::remove_const_t<T>;
-    request r;
-    r.type_ = detail::mpi_datatype<U>();
-    detail::mpi_check(MPI_Isend(const_cast<U*>(data.data()), detail::mpi_count<U>(data.size(), "isend"), r.type_, dest,
-                                tag, comm_, &r.req_),
-                      "MPI_Isend");
+    ensure_usable("isend");
+    request r = make_request<U>(true, data.size(), dest, tag);
+    detail::mpi_check(MPI_Isend(const_cast<U*>(data.data()), detail::mpi_count<U>(data.size(), "isend"), r.p_->type,
+                                dest, tag, s_->comm, &r.p_->req),
+                      "isend", "MPI_Isend");
     return r;
   }
 
   template <transferable T>
   request irecv(std::span<T> data, int src, int tag) {
-    request r;
-    r.type_ = detail::mpi_datatype<T>();
-    r.expected_ = detail::mpi_count<T>(data.size(), "irecv");
-    r.peer_ = src;
-    r.tag_ = tag;
-    detail::mpi_check(MPI_Irecv(data.data(), r.expected_, r.type_, src, tag, comm_, &r.req_), "MPI_Irecv");
+    ensure_usable("irecv");
+    request r = make_request<T>(false, data.size(), src, tag);
+    r.p_->expected = detail::mpi_count<T>(data.size(), "irecv");
+    detail::mpi_check(MPI_Irecv(data.data(), r.p_->expected, r.p_->type, src, tag, s_->comm, &r.p_->req), "irecv",
+                      "MPI_Irecv");
     return r;
   }
 
+  //! Completes the request, waiting at most options().timeout for the peer.
+  //! @throws loom::error: timeout (naming the isend / irecv and the peer; the receive is cancelled,
+  //! the send freed, the communicator unusable), comm_failure (a receive whose message holds another
+  //! count, an MPI error, a communicator already unusable). An empty or already waited request
+  //! returns at once.
   void wait(request& r) {
-    if (r.req_ == MPI_REQUEST_NULL) return;
+    if (!r.valid()) return;
+    auto& q = *r.p_;
+    ensure_usable("wait");
     MPI_Status status;
-    detail::mpi_check(MPI_Wait(&r.req_, &status), "MPI_Wait");
-    if (r.expected_ >= 0) {
+    const char* call = q.is_send ? "MPI_Isend" : "MPI_Irecv";
+    if (!detail::mpi_poll(q.req, &status, detail::deadline_after(s_->options.timeout), "wait", call) &&
+        !abandon(q, status))
+      timed_out(describe(q) + ": timed out after " + std::to_string(s_->options.timeout.count()) +
+                " ms waiting for rank " + std::to_string(q.peer));
+    if (q.expected >= 0) {
       int got = 0;
-      MPI_Get_count(&status, r.type_, &got);
-      LOOM_EXPECTS(got == r.expected_, errc::comm_failure, "comm::mpi: irecv on rank ", rank_, " from rank ", r.peer_,
-                   " (tag ", r.tag_, ") expects ", r.expected_, " elements, but the message held ", got);
+      MPI_Get_count(&status, q.type, &got);
+      LOOM_EXPECTS(got == q.expected, errc::comm_failure, "comm::mpi: irecv on rank ", rank_, " from rank ", q.peer,
+                   " (tag ", q.tag, ") expects ", q.expected, " elements, but the message held ", got);
     }
   }
 
@@ -217,155 +141,345 @@ class mpi {
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_gather(std::span<S> send, std::span<R> recv) {
-    agree(1, detail_type<R>(), send.size(), 0, 0);
-    LOOM_EXPECTS(recv.size() == send.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
-                 "comm::mpi all_gather: recv holds ", recv.size(), " elements, expected ", size_, " x ", send.size());
-    const void* s = stage(send);
-    detail::mpi_check(
-        MPI_Allgather(s, detail::mpi_count<R>(send.size(), "all_gather"), detail::mpi_datatype<R>(), recv.data(),
-                      detail::mpi_count<R>(send.size(), "all_gather"), detail::mpi_datatype<R>(), comm_),
-        "MPI_Allgather");
+    const std::size_t n = send.size();
+    arg_error bad;
+    if (recv.size() != n * static_cast<std::size_t>(size_))
+      bad.set(errc::shape_mismatch, "recv holds ", recv.size(), " elements, expected ", size_, " x ", n);
+    fits<R>(bad, n);
+    agree(k_all_gather, type_code<R>(), n, 0, 0, bad);
+    const int c = detail::mpi_count<R>(n);
+    // Rank r's own block already in place is MPI_IN_PLACE; any other overlap is staged aside.
+    const void* s = n && static_cast<const void*>(send.data()) == recv.data() + static_cast<std::size_t>(rank_) * n
+                        ? MPI_IN_PLACE
+                        : stage(send, recv);
+    run("all_gather", "MPI_Iallgather", [&](MPI_Request* q) {
+      return MPI_Iallgather(s, c, detail::mpi_datatype<R>(), recv.data(), c, detail::mpi_datatype<R>(), s_->comm, q);
+    });
   }
 
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
-    agree(2, detail_type<R>(), send.size(), 0, 0);
-    LOOM_EXPECTS(send.size() % static_cast<std::size_t>(size_) == 0 && recv.size() == send.size(), errc::shape_mismatch,
-                 "comm::mpi all_to_all: send (", send.size(), ") and recv (", recv.size(),
-                 ") must be equal multiples of ", size_, " ranks");
+    arg_error bad;
+    if (send.size() % static_cast<std::size_t>(size_) != 0 || recv.size() != send.size())
+      bad.set(errc::shape_mismatch, "send (", send.size(), ") and recv (", recv.size(), ") must be equal multiples of ",
+              size_, " ranks");
     const std::size_t block = send.size() / static_cast<std::size_t>(size_);
-    const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                     : send.data();
-    detail::mpi_check(MPI_Alltoall(s, detail::mpi_count<R>(block, "all_to_all"), detail::mpi_datatype<R>(), recv.data(),
-                                   detail::mpi_count<R>(block, "all_to_all"), detail::mpi_datatype<R>(), comm_),
-                      "MPI_Alltoall");
+    fits<R>(bad, block);
+    agree(k_all_to_all, type_code<R>(), send.size(), 0, 0, bad);
+    const int c = detail::mpi_count<R>(block);
+    const void* s = stage(send, recv);
+    run("all_to_all", "MPI_Ialltoall", [&](MPI_Request* q) {
+      return MPI_Ialltoall(s, c, detail::mpi_datatype<R>(), recv.data(), c, detail::mpi_datatype<R>(), s_->comm, q);
+    });
   }
 
+  //! Counts and displacements are in elements, one per rank. With options.check_collectives the
+  //! per-peer counts are exchanged first (one MPI_Ialltoall of P integers and one small
+  //! MPI_Iallreduce): a rank that sends n elements to a peer that expects m != n throws
+  //! comm_failure on every rank, naming both ranks and both counts.
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && transferable<R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    agree(3, detail_type<R>(), 0, 0, 0);
     const auto p = static_cast<std::size_t>(size_);
-    LOOM_EXPECTS(
-        send_counts.size() == p && send_displs.size() == p && recv_counts.size() == p && recv_displs.size() == p,
-        errc::shape_mismatch, "comm::mpi all_to_allv: counts and displacements need one entry per rank (", p, ")");
-    ints_.resize(4 * p);
+    arg_error bad;
+    check_v<R>(bad, "send", send.size(), send_counts, send_displs);
+    check_v<R>(bad, "recv", recv.size(), recv_counts, recv_displs);
+    agree(k_all_to_allv, type_code<R>(), 0, 0, 0, bad);
+    if (s_->options.check_collectives && size_ > 1) agree_counts(send_counts, recv_counts);
+    auto& ints = s_->ints;
+    ints.resize(4 * p);
     for (std::size_t q = 0; q < p; ++q) {
-      LOOM_EXPECTS(send_displs[q] + send_counts[q] <= send.size() && recv_displs[q] + recv_counts[q] <= recv.size(),
-                   errc::shape_mismatch, "comm::mpi all_to_allv: the block for rank ", q, " lies outside its buffer");
-      ints_[q] = detail::mpi_count<R>(send_counts[q], "all_to_allv");
-      ints_[p + q] = detail::mpi_count<R>(send_displs[q], "all_to_allv");
-      ints_[2 * p + q] = detail::mpi_count<R>(recv_counts[q], "all_to_allv");
-      ints_[3 * p + q] = detail::mpi_count<R>(recv_displs[q], "all_to_allv");
+      ints[q] = detail::mpi_count<R>(send_counts[q]);
+      ints[p + q] = detail::mpi_count<R>(send_displs[q]);
+      ints[2 * p + q] = detail::mpi_count<R>(recv_counts[q]);
+      ints[3 * p + q] = detail::mpi_count<R>(recv_displs[q]);
     }
-    const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                     : send.data();
-    detail::mpi_check(MPI_Alltoallv(s, ints_.data(), ints_.data() + p, detail::mpi_datatype<R>(), recv.data(),
-                                    ints_.data() + 2 * p, ints_.data() + 3 * p, detail::mpi_datatype<R>(), comm_),
-                      "MPI_Alltoallv");
+    const void* s = stage(send, recv);
+    run("all_to_allv", "MPI_Ialltoallv", [&](MPI_Request* q) {
+      return MPI_Ialltoallv(s, ints.data(), ints.data() + p, detail::mpi_datatype<R>(), recv.data(),
+                            ints.data() + 2 * p, ints.data() + 3 * p, detail::mpi_datatype<R>(), s_->comm, q);
+    });
   }
 
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
-    agree(4, detail_type<R>(), send.size(), static_cast<long long>(op), 0);
-    LOOM_EXPECTS(recv.size() == send.size(), errc::shape_mismatch, "comm::mpi all_reduce: recv holds ", recv.size(),
-                 " elements, expected ", send.size());
+    arg_error bad;
+    if (recv.size() != send.size())
+      bad.set(errc::shape_mismatch, "recv holds ", recv.size(), " elements, expected ", send.size());
+    fits<R>(bad, recv.size());
+    agree(k_all_reduce, type_code<R>(), send.size(), static_cast<long long>(op), 0, bad);
     const void* s = static_cast<const void*>(send.data()) == static_cast<const void*>(recv.data()) ? MPI_IN_PLACE
-                    : detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes())
-                        ? stage(send, true)
-                        : send.data();
-    detail::mpi_check(MPI_Allreduce(s, recv.data(), detail::mpi_count<R>(recv.size(), "all_reduce"),
-                                    detail::mpi_datatype<R>(), detail::mpi_op<R>(op), comm_),
-                      "MPI_Allreduce");
+                                                                                                   : stage(send, recv);
+    run("all_reduce", "MPI_Iallreduce", [&](MPI_Request* q) {
+      return MPI_Iallreduce(s, recv.data(), detail::mpi_count<R>(recv.size()), detail::mpi_datatype<R>(),
+                            detail::mpi_op<R>(op), s_->comm, q);
+    });
   }
 
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
-    agree(5, detail_type<R>(), send.size(), static_cast<long long>(op), 0);
-    LOOM_EXPECTS(send.size() == recv.size() * static_cast<std::size_t>(size_), errc::shape_mismatch,
-                 "comm::mpi reduce_scatter: send holds ", send.size(), " elements, expected ", size_, " x ",
-                 recv.size());
-    const void* s = detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes()) ? stage(send, true)
-                                                                                                     : send.data();
-    detail::mpi_check(MPI_Reduce_scatter_block(s, recv.data(), detail::mpi_count<R>(recv.size(), "reduce_scatter"),
-                                               detail::mpi_datatype<R>(), detail::mpi_op<R>(op), comm_),
-                      "MPI_Reduce_scatter_block");
+    arg_error bad;
+    if (send.size() != recv.size() * static_cast<std::size_t>(size_))
+      bad.set(errc::shape_mismatch, "send holds ", send.size(), " elements, expected ", size_, " x ", recv.size());
+    fits<R>(bad, recv.size());
+    agree(k_reduce_scatter, type_code<R>(), send.size(), static_cast<long long>(op), 0, bad);
+    const void* s = stage(send, recv);
+    run("reduce_scatter", "MPI_Ireduce_scatter_block", [&](MPI_Request* q) {
+      return MPI_Ireduce_scatter_block(s, recv.data(), detail::mpi_count<R>(recv.size()), detail::mpi_datatype<R>(),
+                                       detail::mpi_op<R>(op), s_->comm, q);
+    });
   }
 
   template <transferable T>
   void broadcast(std::span<T> data, int root) {
-    agree(6, detail_type<T>(), data.size(), 0, root);
-    detail::mpi_check(
-        MPI_Bcast(data.data(), detail::mpi_count<T>(data.size(), "broadcast"), detail::mpi_datatype<T>(), root, comm_),
-        "MPI_Bcast");
+    arg_error bad;
+    if (root < 0 || root >= size_) bad.set(errc::invalid_argument, "root must be in [0, ", size_, "), got ", root);
+    fits<T>(bad, data.size());
+    agree(k_broadcast, type_code<T>(), data.size(), 0, root, bad);
+    run("broadcast", "MPI_Ibcast", [&](MPI_Request* q) {
+      return MPI_Ibcast(data.data(), detail::mpi_count<T>(data.size()), detail::mpi_datatype<T>(), root, s_->comm, q);
+    });
   }
 
   void barrier() {
-    agree(7, 0, 0, 0, 0);
-    detail::mpi_check(MPI_Barrier(comm_), "MPI_Barrier");
+    agree(k_barrier, 0, 0, 0, 0, {});
+    run("barrier", "MPI_Ibarrier", [&](MPI_Request* q) { return MPI_Ibarrier(s_->comm, q); });
   }
 
-  //! MPI_Comm_split; the new communicator is freed when the last copy goes (before MPI_Finalize).
+  //! MPI_Comm_split; the new communicator is freed when the last copy goes (before MPI_Finalize)
+  //! and inherits the options. The ranks always agree first (even without check_collectives), so
+  //! the blocking MPI_Comm_split starts only once every rank has called split.
   mpi split(int color, int key) {
-    LOOM_EXPECTS(color >= 0, errc::invalid_argument, "comm::mpi split: color must be >= 0, got ", color);
-    agree(8, 0, 0, 0, 0);
+    arg_error bad;
+    if (color < 0) bad.set(errc::invalid_argument, "color must be >= 0, got ", color);
+    agree(k_split, 0, 0, 0, 0, bad, /*always=*/true);
     MPI_Comm out = MPI_COMM_NULL;
-    detail::mpi_check(MPI_Comm_split(comm_, color, key, &out), "MPI_Comm_split");
-    mpi result(out, options_);
-    result.owned_ = std::shared_ptr<MPI_Comm>(new MPI_Comm(out), [](MPI_Comm* c) {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized) MPI_Comm_free(c);
-      delete c;
-    });
+    detail::mpi_check(MPI_Comm_split(s_->comm, color, key, &out), "split", "MPI_Comm_split");
+    mpi result(out, s_->options);
+    result.s_->owned = true;
     return result;
   }
 
  private:
-  MPI_Comm comm_;
-  mpi_options options_;
+  std::shared_ptr<detail::mpi_state> s_;
   int rank_ = 0, size_ = 1;
-  std::shared_ptr<MPI_Comm> owned_;
-  std::vector<int> ints_;
-  std::vector<std::byte> scratch_;
+
+  enum call_kind : int {
+    k_none,
+    k_all_gather,
+    k_all_to_all,
+    k_all_to_allv,
+    k_all_reduce,
+    k_reduce_scatter,
+    k_broadcast,
+    k_barrier,
+    k_split
+  };
+  static constexpr const char* call_name(long long k) {
+    constexpr const char* names[] = {"?",           "all_gather", "all_to_all",
+                                     "all_to_allv", "all_reduce", "reduce_scatter",
+                                     "broadcast",   "barrier",    "split"};
+    return k >= 0 && k <= k_split ? names[k] : "?";
+  }
+
+  //! An argument error found on this rank alone: reported on every rank by agree().
+  struct arg_error {
+    errc code = errc::invalid_argument;
+    std::string what;
+    template <class... Parts>
+    void set(errc c, const Parts&... parts) {
+      if (!what.empty()) return;
+      code = c;
+      what = loom::detail::concat(parts...);
+    }
+  };
 
   template <class T>
-  static long long detail_type() {
+  static void fits(arg_error& bad, std::size_t n) {
+    if (!detail::mpi_fits<T>(n)) bad.set(errc::unsupported, n, " elements exceed MPI's int count; split the message");
+  }
+
+  template <class T>
+  static long long type_code() {
     return static_cast<long long>(dtype_of<T>()) * 1000 + static_cast<long long>(sizeof(T));
   }
 
-  //! Copies send aside when it overlaps recv (MPI forbids aliasing other than MPI_IN_PLACE).
-  template <class S>
-  const void* stage(std::span<S> send, bool copy = false) {
-    if (!copy) return send.data();
-    scratch_.resize(send.size_bytes());
-    if (!send.empty()) std::memcpy(scratch_.data(), send.data(), send.size_bytes());
-    return scratch_.data();
+  template <class T>
+  request make_request(bool is_send, std::size_t n, int peer, int tag) const {
+    LOOM_EXPECTS(peer >= 0 && peer < size_, errc::invalid_argument, "comm::mpi ",
+                 is_send ? "isend: dest" : "irecv: src", " must be in [0, ", size_, "), got ", peer);
+    LOOM_EXPECTS(tag >= 0, errc::invalid_argument, "comm::mpi ", is_send ? "isend" : "irecv",
+                 ": tag must be >= 0, got ", tag);
+    request r;
+    r.p_ = std::make_shared<detail::mpi_p2p>();
+    r.p_->type = detail::mpi_datatype<T>();
+    r.p_->is_send = is_send;
+    r.p_->peer = peer;
+    r.p_->tag = tag;
+    r.p_->elem = dtype_of<T>();
+    r.p_->count = n;
+    return r;
   }
 
-  //! All ranks agree on the call's signature, or all throw.
-  void agree(long long call, long long type, std::size_t count, long long op, long long root) {
-    if (!options_.check_collectives || size_ == 1) return;
-    const long long mine[5] = {call, type, static_cast<long long>(count), op, root};
-    long long both[10];
-    for (int i = 0; i < 5; ++i) {
-      both[i] = mine[i];
-      both[5 + i] = -mine[i];
+  std::string describe(const detail::mpi_p2p& q) const {
+    return "comm::mpi wait on rank " + std::to_string(rank_) + " for " + (q.is_send ? "isend(dest=" : "irecv(src=") +
+           std::to_string(q.peer) + ", tag=" + std::to_string(q.tag) + ", " + std::to_string(q.count) + " x " +
+           std::string(to_string(q.elem)) + ")";
+  }
+
+  void ensure_usable(const char* call) const {
+    if (!s_->broken.empty())
+      throw error(errc::comm_failure, std::string("comm::mpi ") + call + " on rank " + std::to_string(rank_) +
+                                          ": the communicator is unusable after an earlier timeout (" + s_->broken +
+                                          "); destroy it or call abort()");
+  }
+
+  //! A p2p request that missed its deadline: a receive is cancelled (true if the message arrived
+  //! meanwhile: the wait succeeds after all), a send is freed; false means timed out.
+  bool abandon(detail::mpi_p2p& q, MPI_Status& status) const {
+    if (!q.is_send && MPI_Cancel(&q.req) == MPI_SUCCESS) {
+      const auto grace = detail::deadline_after(std::min(s_->options.timeout, std::chrono::milliseconds(1000)));
+      int done = 0;
+      while (!done && detail::clock::now() < grace)
+        if (MPI_Test(&q.req, &done, &status) != MPI_SUCCESS) break;
+      if (done) {
+        int cancelled = 0;
+        MPI_Test_cancelled(&status, &cancelled);
+        return !cancelled;
+      }
     }
-    detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, both, 10, MPI_LONG_LONG, MPI_MAX, comm_), "MPI_Allreduce (check)");
+    if (q.req != MPI_REQUEST_NULL) MPI_Request_free(&q.req);
+    return false;
+  }
+
+  //! Marks the communicator unusable and throws errc::timeout (or aborts, if so configured).
+  [[noreturn]] void timed_out(const std::string& what) const {
+    s_->broken = what;
+    detail::mpi_keep_alive(s_);
+    if (s_->options.abort_on_timeout) {
+      std::fprintf(stderr, "loom::timeout: %s; aborting (mpi_options::abort_on_timeout)\n", what.c_str());
+      std::fflush(stderr);
+      abort(1);
+    }
+    throw error(errc::timeout, what + "; the communicator is unusable now: destroy it or call abort()");
+  }
+
+  //! Posts one nonblocking collective and completes it within the timeout.
+  template <class Post>
+  void run(const char* op, const char* call, Post&& post) {
+    MPI_Request q = MPI_REQUEST_NULL;
+    detail::mpi_check(post(&q), op, call);
+    if (detail::mpi_poll(q, MPI_STATUS_IGNORE, detail::deadline_after(s_->options.timeout), op, call)) return;
+    s_->orphans.push_back(q);  // a started collective can be neither cancelled nor freed
+    timed_out("comm::mpi " + std::string(op) + " on rank " + std::to_string(rank_) + " (communicator of " +
+              std::to_string(size_) + " ranks): " + call + " did not complete within " +
+              std::to_string(s_->options.timeout.count()) +
+              " ms; a rank has not entered this call (it skipped it, or an earlier one, or is stuck)");
+  }
+
+  //! The send buffer, or a copy of it when it overlaps recv (MPI forbids aliasing other than
+  //! MPI_IN_PLACE).
+  template <class S, class R>
+  const void* stage(std::span<S> send, std::span<R> recv) {
+    if (!detail::overlaps(send.data(), send.size_bytes(), recv.data(), recv.size_bytes())) return send.data();
+    s_->scratch.resize(send.size_bytes());
+    std::memcpy(s_->scratch.data(), send.data(), send.size_bytes());
+    return s_->scratch.data();
+  }
+
+  template <class R>
+  void check_v(arg_error& bad, const char* which, std::size_t n, std::span<const std::size_t> counts,
+               std::span<const std::size_t> displs) const {
+    const auto p = static_cast<std::size_t>(size_);
+    if (counts.size() != p || displs.size() != p) {
+      bad.set(errc::shape_mismatch, which, "_counts and ", which, "_displs must hold one entry per rank (", p,
+              "), got ", counts.size(), " and ", displs.size());
+      return;
+    }
+    for (std::size_t q = 0; q < p; ++q) {
+      if (displs[q] > n || counts[q] > n - displs[q])
+        bad.set(errc::shape_mismatch, which, " block for rank ", q, " [", displs[q], ", ", displs[q] + counts[q],
+                ") lies outside the buffer of ", n, " elements");
+      else if (!detail::mpi_fits<R>(displs[q] + counts[q]))
+        bad.set(errc::unsupported, which, " block for rank ", q, " ends at element ", displs[q] + counts[q],
+                ", beyond MPI's int count; split the message");
+    }
+  }
+
+  //! All ranks agree on the call's signature and on whether some rank rejected its arguments, or
+  //! all throw. Skipped (the local error alone is thrown) without check_collectives or on 1 rank.
+  void agree(long long call, long long type, std::size_t count, long long op, long long root, const arg_error& bad,
+             bool always = false) {
+    const char* name = call_name(call);
+    ensure_usable(name);
+    const auto local_failure = [&] {
+      return error(bad.code, std::string("comm::mpi ") + name + " on rank " + std::to_string(rank_) + ": " + bad.what);
+    };
+    if ((!s_->options.check_collectives && !always) || size_ == 1) {
+      if (!bad.what.empty()) throw local_failure();
+      return;
+    }
+    // The lowest failing rank wins the max: (size - rank) * 16 + code.
+    const long long err = bad.what.empty() ? 0 : (size_ - rank_) * 16LL + static_cast<long long>(bad.code);
+    const long long mine[6] = {call, type, static_cast<long long>(count), op, root, err};
+    long long* both = s_->check;
+    for (int i = 0; i < 6; ++i) {
+      both[i] = mine[i];
+      both[6 + i] = -mine[i];
+    }
+    run(name, "MPI_Iallreduce (signature check)",
+        [&](MPI_Request* q) { return MPI_Iallreduce(MPI_IN_PLACE, both, 12, MPI_LONG_LONG, MPI_MAX, s_->comm, q); });
     static constexpr const char* fields[5] = {"call", "element type", "element count", "reduce op", "root"};
-    static constexpr const char* calls[9] = {"?",           "all_gather", "all_to_all",
-                                             "all_to_allv", "all_reduce", "reduce_scatter",
-                                             "broadcast",   "barrier",    "split"};
-    for (int i = 0; i < 5; ++i)
-      LOOM_EXPECTS(both[i] == -both[5 + i], errc::comm_failure, "comm::mpi ", calls[call], " on rank ", rank_,
-                   ": ranks disagree on the ", fields[i], " (this rank: ", mine[i], ", range over ranks: [",
-                   -both[5 + i], ", ", both[i], "])");
+    const auto disagree = [&](int i) {
+      return error(errc::comm_failure, std::string("comm::mpi ") + name + " on rank " + std::to_string(rank_) +
+                                           ": ranks disagree on the " + fields[i] +
+                                           " (this rank: " + std::to_string(mine[i]) + ", range over ranks: [" +
+                                           std::to_string(-both[6 + i]) + ", " + std::to_string(both[i]) + "])");
+    };
+    if (both[0] != -both[6]) throw disagree(0);
+    if (!bad.what.empty()) throw local_failure();
+    if (both[5] > 0) {
+      const long long failing = size_ - both[5] / 16;
+      const auto code = static_cast<errc>(both[5] % 16);
+      throw error(code, std::string("comm::mpi ") + name + " on rank " + std::to_string(rank_) + ": rank " +
+                            std::to_string(failing) + " rejected its arguments (" + std::string(to_string(code)) +
+                            "; its own error says why)");
+    }
+    for (int i = 1; i < 5; ++i)
+      if (both[i] != -both[6 + i]) throw disagree(i);
+  }
+
+  //! all_to_allv: each rank learns what every peer will send it and compares with its recv_counts;
+  //! the lowest rank that finds a mismatch is reported on every rank.
+  void agree_counts(std::span<const std::size_t> send_counts, std::span<const std::size_t> recv_counts) {
+    const auto p = static_cast<std::size_t>(size_);
+    auto& c = s_->counts;
+    c.resize(2 * p);
+    for (std::size_t q = 0; q < p; ++q) c[q] = static_cast<long long>(send_counts[q]);
+    run("all_to_allv", "MPI_Ialltoall (count check)", [&](MPI_Request* q) {
+      return MPI_Ialltoall(c.data(), 1, MPI_LONG_LONG, c.data() + p, 1, MPI_LONG_LONG, s_->comm, q);
+    });
+    int* v = s_->verdict;  // three (value, index) pairs under MPI_MINLOC: value = the reporting rank
+    for (int i = 0; i < 6; i += 2) v[i] = INT_MAX, v[i + 1] = 0;
+    for (std::size_t q = 0; q < p; ++q)
+      if (c[p + q] != static_cast<long long>(recv_counts[q])) {
+        // Counts passed agree(), so they fit an int.
+        const int at[3] = {static_cast<int>(q), static_cast<int>(c[p + q]), static_cast<int>(recv_counts[q])};
+        for (int i = 0; i < 3; ++i) v[2 * i] = rank_, v[2 * i + 1] = at[i];
+        break;
+      }
+    run("all_to_allv", "MPI_Iallreduce (count check)",
+        [&](MPI_Request* q) { return MPI_Iallreduce(MPI_IN_PLACE, v, 3, MPI_2INT, MPI_MINLOC, s_->comm, q); });
+    if (v[0] != INT_MAX)
+      throw error(errc::comm_failure, "comm::mpi all_to_allv on rank " + std::to_string(rank_) +
+                                          ": the counts of a pair disagree: rank " + std::to_string(v[1]) + " sends " +
+                                          std::to_string(v[3]) + " elements to rank " + std::to_string(v[0]) +
+                                          ", which expects " + std::to_string(v[5]) + " from it");
   }
 };
 

@@ -42,6 +42,17 @@ inline void local::post(const std::shared_ptr<detail::p2p_op>& op) {
         std::to_string(r.elem_size) + " B each), but the matching isend sent " + std::to_string(s.count) + " x " +
         std::string(to_string(s.type)) + " (" + std::to_string(s.elem_size) + " B each)";
     s.error = r.error = msg;
+  } else if (const std::size_t bytes = s.count * s.elem_size;
+             bytes && s.sbuf < r.rbuf + bytes && r.rbuf < s.sbuf + bytes) {
+    // memcpy of overlapping ranges is undefined; ranks of one process may share memory, and a
+    // rank may send to itself.
+    const std::string msg = "comm::local: isend(dest=" + std::to_string(r.self) + ", tag=" + std::to_string(s.tag) +
+                            ") on rank " + std::to_string(s.self) +
+                            " and the matching irecv(src=" + std::to_string(s.self) + ") on rank " +
+                            std::to_string(r.self) + ": the receive buffer overlaps the send buffer (" +
+                            std::to_string(bytes) + " B each); use separate buffers";
+    s.error = r.error = msg;
+    s.code = r.code = errc::invalid_argument;
   } else if (s.count) {
     // Both buffers stay put until the ops are done; copy without holding the world lock.
     lk.unlock();
@@ -62,7 +73,7 @@ inline void local::barrier_wait(std::unique_lock<std::mutex>& lk, const detail::
     w.cv.notify_all();
     return;
   }
-  const auto deadline = detail::clock::now() + w.timeout;
+  const auto deadline = detail::deadline_after(w.timeout);
   const std::string call = std::string("comm::local ") + detail::to_string(d.kind) + " (collective #" +
                            std::to_string(d.seq) + " on a communicator of " + std::to_string(g.size) +
                            " ranks) on rank " + std::to_string(rank_);
@@ -186,8 +197,17 @@ inline std::string what_of(const std::exception_ptr& e) {
 
 //! Runs fn(local&) on `ranks` threads, one per rank, and waits for all of them. Returns nothing
 //! if fn returns void, else a std::vector of the per-rank results (index = rank).
+//!
+//! While no rank has failed, run_local waits for the ranks as long as they run (a rank may compute
+//! for as long as it needs). Once one has failed (thrown, or timed out waiting for a peer), the
+//! others are released and run_local waits at most options.timeout more: a rank still running then
+//! (spinning, or blocked outside loom) is reported, and its thread is detached. A detached thread
+//! keeps running fn; it must not use anything that dies with run_local's caller, and its comm
+//! calls throw at once (the run is aborted).
 //! @throws the first exception a rank raised that was not a consequence of another rank's failure
-//! (the others were released with comm_failure); loom::error(invalid_argument) if ranks < 1.
+//! (the others were released with comm_failure); loom::error(timeout) naming the ranks still
+//! running one timeout after the first failure (the message carries that failure);
+//! loom::error(invalid_argument) if ranks < 1 or options.timeout <= 0.
 template <class F>
 auto run_local(int ranks, F&& fn, local_options options) {
   LOOM_EXPECTS(ranks >= 1, errc::invalid_argument, "run_local: ranks must be >= 1, got ", ranks);
@@ -203,46 +223,88 @@ auto run_local(int ranks, F&& fn, local_options options) {
   std::iota(members.begin(), members.end(), 0);
   auto g = std::make_shared<detail::group>(w, std::move(members));
 
-  std::vector<slot_t> results(p);
-  std::vector<std::exception_ptr> errors(p);
-  std::vector<char> primary(p, 0);
-  auto body = [&](int r) {
+  // Shared with the rank threads, so a thread detached past the deadline never touches this frame.
+  struct outcome {
+    explicit outcome(std::size_t n) : results(n), errors(n), primary(n, 0), exited(n, 0) {}
+    std::vector<slot_t> results;
+    std::vector<std::exception_ptr> errors;
+    std::vector<char> primary, exited;  // exited: the thread is past fn and every shared write
+  };
+  auto out = std::make_shared<outcome>(p);
+  auto body = [out, w, g, &fn](int r) {
     const auto ur = static_cast<std::size_t>(r);
     try {
       local comm(g, r);
       if constexpr (returns_void) {
         fn(comm);
       } else {
-        results[ur] = fn(comm);
+        out->results[ur] = fn(comm);
       }
       std::lock_guard lk(w->m);
       if (const int n = w->outstanding[ur]; n > 0)
         throw error(errc::comm_failure, "comm::local: rank " + std::to_string(r) + " returned with " +
                                             std::to_string(n) + " request(s) it never waited on");
       w->finished[ur] = 1;
+      out->exited[ur] = 1;
       w->cv.notify_all();
     } catch (...) {
       std::lock_guard lk(w->m);
-      errors[ur] = std::current_exception();
-      primary[ur] = !w->aborted;
+      out->errors[ur] = std::current_exception();
+      out->primary[ur] = !w->aborted;
       w->finished[ur] = 1;
-      w->abort("rank " + std::to_string(r) + " failed: " + detail::what_of(errors[ur]));
+      out->exited[ur] = 1;
+      w->abort("rank " + std::to_string(r) + " failed: " + detail::what_of(out->errors[ur]));
     }
   };
   std::vector<std::thread> threads;
   threads.reserve(p);
   for (int r = 0; r < ranks; ++r) threads.emplace_back(body, r);
-  for (auto& t : threads) t.join();
+
+  std::string stuck;  // ranks still running one timeout after the first failure
+  std::string first_failure;
+  {
+    std::unique_lock lk(w->m);
+    const auto all_exited = [&] {
+      return std::all_of(out->exited.begin(), out->exited.end(), [](char e) { return e; });
+    };
+    while (!all_exited()) {
+      if (!w->aborted) {
+        w->cv.wait(lk);
+      } else if (w->cv.wait_until(lk, detail::deadline_after(w->timeout, w->aborted_at)) == std::cv_status::timeout &&
+                 !all_exited()) {
+        for (std::size_t r = 0; r < p; ++r)
+          if (!out->exited[r]) stuck += (stuck.empty() ? "" : ", ") + std::to_string(r);
+        first_failure = w->abort_reason;
+        break;
+      }
+    }
+  }
+  for (std::size_t r = 0; r < p; ++r) {
+    // Exited threads finish at once; the others are left to themselves (they own their state).
+    bool exited;
+    {
+      std::lock_guard lk(w->m);
+      exited = out->exited[r];
+    }
+    if (exited || stuck.empty())
+      threads[r].join();
+    else
+      threads[r].detach();
+  }
+  if (!stuck.empty())
+    throw error(errc::timeout, "run_local: rank(s) " + stuck + " still running " + std::to_string(w->timeout.count()) +
+                                   " ms after the first failure (" + first_failure +
+                                   "); their threads were detached and are still running");
 
   for (std::size_t r = 0; r < p; ++r)
-    if (errors[r] && primary[r]) std::rethrow_exception(errors[r]);
+    if (out->errors[r] && out->primary[r]) std::rethrow_exception(out->errors[r]);
   for (std::size_t r = 0; r < p; ++r)
-    if (errors[r]) std::rethrow_exception(errors[r]);
+    if (out->errors[r]) std::rethrow_exception(out->errors[r]);
   if constexpr (!returns_void) {
-    std::vector<R> out;
-    out.reserve(p);
-    for (auto& x : results) out.push_back(std::move(*x));
-    return out;
+    std::vector<R> values;
+    values.reserve(p);
+    for (auto& x : out->results) values.push_back(std::move(*x));
+    return values;
   }
 }
 

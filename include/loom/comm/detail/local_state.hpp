@@ -6,6 +6,7 @@
 //! reach every waiting rank; element data is always copied outside the lock.
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/detail/timeout.hpp>
 #include <loom/core/error.hpp>
 
 #include <chrono>
@@ -22,8 +23,6 @@
 
 namespace loom::comm::detail {
 
-using clock = std::chrono::steady_clock;
-
 //! Everything one run_local call shares: abort state and which ranks have returned.
 struct world {
   explicit world(int p, std::chrono::milliseconds t)
@@ -34,13 +33,15 @@ struct world {
   std::condition_variable cv;
   bool aborted = false;
   std::string abort_reason;
-  std::vector<char> finished;    // by global rank: its function has returned
-  std::vector<int> outstanding;  // by global rank: requests posted and not yet waited on
+  clock::time_point aborted_at{};  // when the first failure happened: run_local's wait is bounded from it
+  std::vector<char> finished;      // by global rank: its function has returned
+  std::vector<int> outstanding;    // by global rank: requests posted and not yet waited on
 
   void abort(std::string reason) {  // caller holds m
     if (!aborted) {
       aborted = true;
       abort_reason = std::move(reason);
+      aborted_at = clock::now();
     }
     cv.notify_all();
   }
@@ -101,6 +102,8 @@ struct p2p_op {
   const std::byte* sbuf;
   std::byte* rbuf;
   bool done = false;
+  bool waited = false;             // wait() has returned or thrown for it: waiting again is a no-op
+  errc code = errc::comm_failure;  // what wait() throws when error is set
   std::string error;
 };
 
