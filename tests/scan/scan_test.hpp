@@ -543,3 +543,282 @@ TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]
                       Catch::Contains("must equal the sequence length 10, got 11"));
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// In place, overlapping views and options.block
+
+namespace {
+
+// Runs f and requires a loom::error with `code` whose message contains every part (the call and
+// the names of the arguments).
+template <class F>
+void require_loom_error(F&& f, loom::errc code, std::initializer_list<const char*> parts) {
+  try {
+    f();
+    FAIL("no loom::error was thrown");
+  } catch (const loom::error& e) {
+    INFO(e.what());
+    CHECK(e.code() == code);
+    for (const char* p : parts) CHECK(std::string(e.what()).find(p) != std::string::npos);
+  }
+}
+
+// The inclusive scan of x in place: one buffer is both in and out.
+template <class B, class M>
+std::vector<typename M::value_type> run_scan_in_place(const B& b, const M& m,
+                                                      const std::vector<typename M::value_type>& x,
+                                                      const std::vector<index_t>& offsets, bool reverse, index_t block,
+                                                      bool reproducible) {
+  using T = typename M::value_type;
+  const auto n = static_cast<index_t>(x.size());
+  buffer<T> io(x);
+  buffer<index_t> off(offsets);
+  ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, block};
+  opt.reproducible = reproducible;
+  auto v = view_of<T, 1>(io, {n});
+  const loom::tensor_view<const T, 1, space> vi = v;
+  if (offsets.empty())
+    ls::inclusive_scan(b, m, vi, v, opt);
+  else
+    ls::segmented_inclusive_scan(b, m, vi, v, view_of<const index_t, 1>(off, {static_cast<index_t>(offsets.size())}),
+                                 opt);
+  return io.to_host();
+}
+
+}  // namespace
+
+TEST_CASE("scan: inclusive scans in place (out is in), every variant, exact" LOOM_BACKEND_TAG, "[scan][in_place]") {
+  const auto b = make_backend();
+  const lt::mat2_product m;
+  for (index_t n : lengths) {
+    auto g = lt::rng(700 + static_cast<std::uint64_t>(n));
+    std::vector<lt::mat2> x(static_cast<std::size_t>(n));
+    for (auto& e : x) e = {g() % 5, g() % 3, g() % 3, g() % 5};
+    const auto xf = lt::small_integers<float>(n, -3, 3, 701 + static_cast<std::uint64_t>(n));
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool reverse = variant & 1, segmented = variant & 2;
+      const auto offsets = segmented ? ragged_offsets(n, 17 + n) : std::vector<index_t>{};
+      const auto want = scan_oracle(m, x, offsets, false, reverse, m.identity());
+      const auto wantf = scan_oracle(ls::plus<float>{}, xf, offsets, false, reverse, 0.0f);
+      for (index_t block : {index_t{0}, index_t{7}, index_t{64}})
+        for (bool reproducible : {true, false}) {
+          INFO("n = " << n << ", reverse " << reverse << ", segmented " << segmented << ", block " << block
+                      << ", reproducible " << reproducible);
+          REQUIRE(run_scan_in_place(b, m, x, offsets, reverse, block, reproducible) == want);
+          REQUIRE(run_scan_in_place(b, ls::plus<float>{}, xf, offsets, reverse, block, reproducible) == wantf);
+        }
+    }
+  }
+}
+
+TEST_CASE("scan: out overlapping in without being in is rejected; interleaved views are not" LOOM_BACKEND_TAG,
+          "[scan][errors]") {
+  const auto b = make_backend();
+  const index_t n = 64;
+  buffer<float> buf(std::vector<float>(static_cast<std::size_t>(2 * n + 1), 1.0f));
+  const loom::tensor_view<const float, 1, space> in(buf.data(), {n});
+  for (index_t shift : {index_t{1}, index_t{-1}, index_t{n - 1}}) {
+    INFO("out starts " << shift << " elements after in");
+    const index_t in0 = shift < 0 ? -shift : 0;
+    const loom::tensor_view<const float, 1, space> in_at(buf.data() + in0, {n});
+    const loom::tensor_view<float, 1, space> out_at(buf.data() + in0 + shift, {n});
+    for (bool exclusive : {false, true})
+      require_loom_error(
+          [&] {
+            if (exclusive)
+              ls::exclusive_scan(b, ls::plus<float>{}, in_at, out_at, 0.0f);
+            else
+              ls::inclusive_scan(b, ls::plus<float>{}, in_at, out_at);
+          },
+          loom::errc::invalid_argument,
+          {exclusive ? "exclusive_scan" : "inclusive_scan", "out and in share memory",
+           exclusive ? "out must not overlap in" : "out must be the same view as in"});
+  }
+  // Exclusive scans do not run in place: the same view as out and in is rejected.
+  const loom::tensor_view<float, 1, space> same(buf.data(), {n});
+  require_loom_error([&] { ls::exclusive_scan(b, ls::plus<float>{}, in, same, 0.0f); }, loom::errc::invalid_argument,
+                     {"exclusive_scan: out and in share memory", "out must not overlap in"});
+  buffer<index_t> two(std::vector<index_t>{0, n});
+  require_loom_error(
+      [&] { ls::segmented_exclusive_scan(b, ls::plus<float>{}, in, same, view_of<const index_t, 1>(two, {2}), 0.0f); },
+      loom::errc::invalid_argument, {"segmented_exclusive_scan: out and in share memory", "out must not overlap in"});
+  // The same first element, another stride: the elements differ.
+  require_loom_error(
+      [&] { ls::inclusive_scan(b, ls::plus<float>{}, in, loom::tensor_view<float, 1, space>(buf.data(), {n}, {2})); },
+      loom::errc::invalid_argument, {"inclusive_scan", "out and in share memory"});
+  // in read backwards from its end while out is written forwards over the same elements.
+  require_loom_error(
+      [&] {
+        ls::inclusive_scan(b, ls::plus<float>{},
+                           loom::tensor_view<const float, 1, space>(buf.data() + (n - 1), {n}, {-1}),
+                           loom::tensor_view<float, 1, space>(buf.data(), {n}));
+      },
+      loom::errc::invalid_argument, {"inclusive_scan", "out and in share memory"});
+  // Segment offsets overwritten by the output.
+  buffer<index_t> ob(std::vector<index_t>{0, 2, 4});
+  require_loom_error(
+      [&] {
+        ls::segmented_inclusive_scan(b, ls::plus<index_t>{}, view_of<const index_t, 1>(ob, {2}),
+                                     loom::tensor_view<index_t, 1, space>(ob.data() + 1, {2}),
+                                     view_of<const index_t, 1>(ob, {3}));
+      },
+      loom::errc::invalid_argument, {"segmented_inclusive_scan", "out and in share memory"});
+  // Interleaved views of one buffer share no element: the even elements scanned into the odd ones.
+  std::vector<float> x(static_cast<std::size_t>(2 * n + 1), -1.0f);
+  for (index_t i = 0; i < n; ++i) x[static_cast<std::size_t>(2 * i)] = static_cast<float>(i % 5);
+  buffer<float> mixed(x);
+  ls::inclusive_scan(b, ls::plus<float>{}, loom::tensor_view<const float, 1, space>(mixed.data(), {n}, {2}),
+                     loom::tensor_view<float, 1, space>(mixed.data() + 1, {n}, {2}));
+  const auto got = mixed.to_host();
+  float acc = 0;
+  for (index_t i = 0; i < n; ++i) {
+    acc += static_cast<float>(i % 5);
+    REQUIRE(got[static_cast<std::size_t>(2 * i)] == static_cast<float>(i % 5));
+    REQUIRE(got[static_cast<std::size_t>(2 * i + 1)] == acc);
+  }
+}
+
+TEST_CASE("scan: options.block < 0 is rejected" LOOM_BACKEND_TAG, "[scan][errors]") {
+  const auto b = make_backend();
+  buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(10));
+  ls::options opt;
+  opt.block = -8;
+  const auto parts = {"options.block must be >= 0", "got -8"};
+  require_loom_error(
+      [&] {
+        ls::inclusive_scan(b, ls::plus<float>{}, view_of<const float, 1>(in, {10}), view_of<float, 1>(out, {10}), opt);
+      },
+      loom::errc::invalid_argument, parts);
+  require_loom_error([&] { (void)ls::workspace_bytes(b, ls::plus<float>{}, 10, opt); }, loom::errc::invalid_argument,
+                     parts);
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(b, ls::scalar{}, view_of<const float, 1>(in, {10}), view_of<const float, 2>(in, {10, 1}),
+                              view_of<float, 2>(out, {10, 1}), opt);
+      },
+      loom::errc::invalid_argument, {"linear_recurrence: options.block must be >= 0", "got -8"});
+}
+
+namespace {
+
+// run_recurrence (forward) with h written over b: one buffer is both.
+template <class St, class T, class B>
+std::pair<std::vector<double>, std::vector<double>> run_recurrence_in_place(
+    const B& b, const rec_case& c, const std::vector<double>& a, const std::vector<double>& bv,
+    const std::vector<index_t>& offsets, const std::vector<double>& init, index_t block) {
+  const index_t n = c.n, d = c.d;
+  const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
+  buffer<T> ab(cast_vec<T>(a)), io(cast_vec<T>(bv)), ib(cast_vec<T>(init)),
+      fb(std::vector<T>(static_cast<std::size_t>(segs * d), T(-7.0f)));
+  buffer<index_t> ob(offsets);
+  auto av = [&] {  // scalar or diagonal transitions
+    if constexpr (St::a_rank == 1)
+      return view_of<const T, 1>(ab, {n});
+    else
+      return view_of<const T, 2>(ab, {n, d});
+  }();
+  const auto offv = offsets.empty() ? loom::tensor_view<const index_t, 1, space>{}
+                                    : view_of<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
+  const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view_of<const T, 2>(ib, {segs, d});
+  ls::options opt;
+  opt.block = block;
+  const auto hv = view_of<T, 2>(io, {n, d});
+  ls::linear_recurrence(b, St{}, av, loom::tensor_view<const T, 2, space>(hv), hv,
+                        ls::segments<T, space>{offv, initv, view_of<T, 2>(fb, {segs, d})}, opt);
+  return {to_double(io.to_host()), to_double(fb.to_host())};
+}
+
+}  // namespace
+
+TEST_CASE("recurrence: h written over b gives the same bits as separate buffers" LOOM_BACKEND_TAG,
+          "[scan][recurrence][in_place]") {
+  const auto b = make_backend();
+  for (index_t n : {index_t{1}, index_t{65}, index_t{4097}}) {
+    const index_t d = 3;
+    const auto seed = static_cast<std::uint64_t>(900 + n);
+    const auto offsets = ragged_offsets(n, seed);
+    const index_t segs = static_cast<index_t>(offsets.size()) - 1;
+    const auto init = lt::uniform<double>(segs * d, -1.0, 1.0, seed + 1);
+    const auto bv = lt::uniform<double>(n * d, -1.0, 1.0, seed + 2);
+    const auto a1 = random_transitions(lt::shape::scalar, n, d, seed + 3);
+    const auto a2 = random_transitions(lt::shape::diagonal, n, d, seed + 4);
+    for (index_t block : {index_t{0}, index_t{13}}) {
+      INFO("n = " << n << ", block " << block);
+      const rec_case cs{lt::shape::scalar, n, d, true, true}, cd{lt::shape::diagonal, n, d, true, true};
+      REQUIRE(run_recurrence_in_place<ls::scalar, float>(b, cs, a1, bv, offsets, init, block) ==
+              run_recurrence<ls::scalar, float>(b, cs, a1, bv, offsets, init, false, block));
+      REQUIRE(run_recurrence_in_place<ls::diagonal, double>(b, cd, a2, bv, offsets, init, block) ==
+              run_recurrence<ls::diagonal, double>(b, cd, a2, bv, offsets, init, false, block));
+    }
+  }
+}
+
+TEST_CASE("recurrence: outputs overlapping inputs are rejected, naming both" LOOM_BACKEND_TAG,
+          "[scan][recurrence][errors]") {
+  const auto b = make_backend();
+  const index_t n = 10, d = 4;
+  buffer<float> ab(std::vector<float>(static_cast<std::size_t>(n * d), 0.5f));
+  buffer<float> bb(std::vector<float>(static_cast<std::size_t>((n + 1) * d), 1.0f));
+  buffer<float> hb(std::vector<float>(static_cast<std::size_t>(n * d))), fb(std::vector<float>(2 * d));
+  const auto av = view_of<const float, 2>(ab, {n, d});
+  const auto bv = view_of<const float, 2>(bb, {n, d});
+  const auto hv = view_of<float, 2>(hb, {n, d});
+  const auto inv = loom::errc::invalid_argument;
+  // h one row after b: row t of h is row t + 1 of b, read later.
+  const loom::tensor_view<float, 2, space> h_shifted(bb.data() + d, {n, d});
+  require_loom_error([&] { ls::linear_recurrence(b, ls::diagonal{}, av, bv, h_shifted); }, inv,
+                     {"linear_recurrence: h and b share memory", "must be the same view as b"});
+  require_loom_error([&] { ls::linear_recurrence_adjoint(b, ls::diagonal{}, av, bv, h_shifted); }, inv,
+                     {"linear_recurrence_adjoint: lambda and g share memory", "lambda must not overlap g"});
+  // The adjoint does not run in place: lambda may not be g.
+  const auto gv = view_of<float, 2>(bb, {n, d});
+  require_loom_error(
+      [&] { ls::linear_recurrence_adjoint(b, ls::diagonal{}, av, loom::tensor_view<const float, 2, space>(gv), gv); },
+      inv, {"linear_recurrence_adjoint: lambda and g share memory", "lambda must not overlap g"});
+  // h over A, and A's transitions over h.
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(b, ls::diagonal{}, av, bv, loom::tensor_view<float, 2, space>(ab.data(), {n, d}));
+      },
+      inv, {"linear_recurrence: h and A share memory", "h must not overlap A"});
+  // final_state over b, over the initial state, over h.
+  const auto init = view_of<const float, 2>(fb, {1, d});
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(
+            b, ls::diagonal{}, av, bv, hv,
+            ls::segments<float, space>{{}, {}, loom::tensor_view<float, 2, space>(bb.data(), {1, d})});
+      },
+      inv, {"final_state and b share memory"});
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(b, ls::diagonal{}, av, bv, hv,
+                              ls::segments<float, space>{{}, init, view_of<float, 2>(fb, {1, d})});
+      },
+      inv, {"final_state and initial share memory"});
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(
+            b, ls::diagonal{}, av, bv, hv,
+            ls::segments<float, space>{{}, {}, loom::tensor_view<float, 2, space>(hb.data() + (n - 1) * d, {1, d})});
+      },
+      inv, {"final_state and h share memory"});
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(
+            b, ls::diagonal{}, av, bv, hv,
+            ls::segments<float, space>{{}, loom::tensor_view<const float, 2, space>(hb.data(), {1, d}), {}});
+      },
+      inv, {"h and initial share memory"});
+  if constexpr (space::host_accessible) {
+    // dA of transition_gradient over lambda.
+    std::vector<float> lam(static_cast<std::size_t>(n * d)), hh(static_cast<std::size_t>(n * d));
+    require_loom_error(
+        [&] {
+          ls::transition_gradient(b, ls::diagonal{}, loom::tensor_view<const float, 2>(lam.data(), {n, d}),
+                                  loom::tensor_view<const float, 2>(hh.data(), {n, d}),
+                                  loom::tensor_view<float, 2>(lam.data(), {n, d}), ls::segments<float>{});
+        },
+        inv, {"transition_gradient: dA and lambda share memory"});
+  }
+}

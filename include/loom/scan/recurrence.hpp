@@ -112,6 +112,8 @@ void with_recurrence_kernel(AV a, BV bv, HV h, OffV offsets, InitV init, FinV fi
   const index_t segs = segmented ? offsets.extent(0) - 1 : 1;
   check_per_segment(init, segs, d, call, adjoint ? "d_final" : "initial");
   check_per_segment(fin, segs, d, call, adjoint ? "d_initial" : "final_state");
+  check_options(opt, call);
+  check_recurrence_overlaps(a, bv, h, offsets, init, fin, adjoint, call);
   heads hd{segmented ? offsets.data() : nullptr,
            segmented ? segs : 0,
            w.total,
@@ -155,9 +157,12 @@ void fill_empty_segments(const B& b, OffV offsets, InitV init, FinV fin, index_t
 
 }  // namespace detail
 
-//! h_t = A_t h_{t-1} + b_t for t in [0, T), per segment (see loom::scan::segments). h may alias b.
+//! h_t = A_t h_{t-1} + b_t for t in [0, T), per segment (see loom::scan::segments). h may be b
+//! itself (the same view: in place); no other output (h, final_state) may share memory with an
+//! input (A, b, offsets, initial) or with the other output.
 //! @throws loom::error(shape_mismatch) for views whose extents do not fit; (invalid_argument) for
-//! malformed offsets, a block size K that does not divide d, rows that are not contiguous.
+//! malformed offsets, a block size K that does not divide d, rows that are not contiguous,
+//! options.block < 0, or overlapping views.
 template <backend B, structure St, class AV, class BV, class HV, class T, class Space>
 void linear_recurrence(const B& b, St, AV a, BV bv, HV h, const segments<T, Space>& seg, const options& opt = {}) {
   constexpr std::string_view call = "linear_recurrence";
@@ -177,7 +182,9 @@ void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const options& opt 
 //! The adjoint of linear_recurrence: λ_t = g_t + A_{t+1}ᵀ λ_{t+1} within each segment, with
 //! λ at a segment's last step = g + d_final[s]; d_initial[s] = A_startᵀ λ_start. Given the
 //! gradient g_t of a loss with respect to h_t, λ_t is its gradient with respect to b_t (and to h_t
-//! in total). lambda may alias g.
+//! in total). No output (lambda, d_initial) may share memory with an input (A, g, offsets,
+//! d_final) or with the other output: unlike h and b forward, lambda may not be g.
+//! @throws loom::error as linear_recurrence.
 template <backend B, structure St, class AV, class GV, class LV, class T, class Space>
 void linear_recurrence_adjoint(const B& b, St, AV a, GV g, LV lambda, const adjoint_segments<T, Space>& seg,
                                const options& opt = {}) {
@@ -259,6 +266,10 @@ void transition_gradient(const B& b, St, LV lambda, HV h, DAV da, const segments
   if (segmented) detail::check_offsets(seg.offsets, n, call);
   const index_t segs = segmented ? seg.offsets.extent(0) - 1 : 1;
   detail::check_per_segment(seg.initial, segs, d, call, "initial");
+  detail::check_no_overlap(da, "dA", lambda, "lambda", false, call);
+  detail::check_no_overlap(da, "dA", h, "h", false, call);
+  detail::check_no_overlap(da, "dA", seg.initial, "initial", false, call);
+  detail::check_no_overlap(da, "dA", seg.offsets, "offsets", false, call);
   using K = detail::transition_gradient_step<St, typename LV::value_type, typename HV::value_type, T,
                                              typename DAV::value_type>;
   for_each_index(b, n,

@@ -45,6 +45,9 @@ void with_monoid_kernel(const M& m, In in, Out out, const Offsets* offsets, bool
   const index_t n = in.extent(0);
   LOOM_EXPECTS(out.extent(0) == n, errc::shape_mismatch, call, ": out must have ", n, " elements (as in), got ",
                out.extent(0));
+  check_options(opt, call);
+  check_no_overlap(out, "out", in, "in", !exclusive, call);
+  if (offsets) check_no_overlap(out, "out", *offsets, "offsets", false, call);
   const bool reverse = opt.dir == direction::reverse;
   heads hd{nullptr, 0, w.total, reverse ? w.total - w.begin - w.count : w.begin, w.count, reverse};
   if (offsets) {
@@ -110,6 +113,7 @@ void run_monoid(const B& b, const M& m, In in, Out out, const Offsets* offsets, 
 //! Bytes of workspace a scan of n elements of monoid M needs on backend b with these options.
 template <backend B, monoid M>
 std::size_t workspace_bytes(const B& b, const M& m, index_t n, const options& opt = {}) {
+  detail::check_options(opt, "workspace_bytes");
   if constexpr (detail::vendor_scan<B>::available)
     if (detail::use_vendor_scan<B, M>(opt)) return detail::vendor_scan<B>::bytes(m, n);
   using agg = flagged<typename M::value_type>;
@@ -119,8 +123,10 @@ std::size_t workspace_bytes(const B& b, const M& m, index_t n, const options& op
 }
 
 //! out[i] = x[0] op x[1] op ... op x[i] (reverse: x[i] op ... op x[n-1]). in and out are rank-1
-//! views of the same length in b's memory space; they may be the same memory (in place).
-//! @throws loom::error(shape_mismatch) if the lengths differ; (invalid_argument) for a bad workspace.
+//! views of the same length in b's memory space. out may be in itself (the same view: in place);
+//! otherwise it must not overlap in. The same holds for segmented_inclusive_scan.
+//! @throws loom::error(shape_mismatch) if the lengths differ; (invalid_argument) for a bad
+//! workspace, options.block < 0, or out overlapping in (or offsets) without being in.
 template <backend B, monoid M, class In, class Out>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const options& opt = {}) {
   detail::run_monoid(b, m, in, out, detail::no_offsets<In>(), false, m.identity(), opt, "inclusive_scan");
@@ -128,6 +134,8 @@ void inclusive_scan(const B& b, const M& m, In in, Out out, const options& opt =
 
 //! out[i] = init op x[0] op ... op x[i-1]; out[0] = init (reverse: init op x[i+1] op ... is not
 //! what is computed: the reverse form gives out[i] = x[i+1] op ... op x[n-1] op init).
+//! out must not overlap in, not even as the same view: the exclusive scans do not run in place
+//! (a kernel may write out[i] before it reads x[i]). @throws as inclusive_scan.
 template <backend B, monoid M, class In, class Out>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init, const options& opt = {}) {
   detail::run_monoid(b, m, in, out, detail::no_offsets<In>(), true, init, opt, "exclusive_scan");
@@ -142,7 +150,8 @@ void segmented_inclusive_scan(const B& b, const M& m, In in, Out out, Offsets of
   detail::run_monoid(b, m, in, out, &offsets, false, m.identity(), opt, "segmented_inclusive_scan");
 }
 
-//! Exclusive scan per segment: the first output of every segment is `init`.
+//! Exclusive scan per segment: the first output of every segment is `init`. out must not overlap
+//! in (as for exclusive_scan).
 template <backend B, monoid M, class In, class Out, class Offsets>
 void segmented_exclusive_scan(const B& b, const M& m, In in, Out out, Offsets offsets, typename M::value_type init,
                               const options& opt = {}) {

@@ -6,6 +6,7 @@
 #include <loom/backend/temporary.hpp>
 #include <loom/core/concepts.hpp>
 #include <loom/core/error.hpp>
+#include <loom/core/overlap.hpp>
 #include <loom/scan/options.hpp>
 
 #include <cstdint>
@@ -30,6 +31,44 @@ void with_workspace(const B& b, const options& opt, index_t count, std::string_v
   temporary_buffer<B, T> tmp(b, count);
   fn(tmp.data());
   fence(b);  // the temporary dies here: the work must be done with it
+}
+
+//! Checks the numbers of `opt` that every scan reads: block must be >= 0 (0 picks one).
+inline void check_options(const options& opt, std::string_view call) {
+  LOOM_EXPECTS(opt.block >= 0, errc::invalid_argument, call, ": options.block must be >= 0 (0 picks one), got ",
+               opt.block);
+}
+
+//! Rejects an output view that shares memory with an input view: the result would depend on the
+//! order of reads and writes. With `in_place`, the output may be exactly the input (same address,
+//! extents, strides and element size), which the scans support.
+template <class Out, class In>
+void check_no_overlap(const Out& out, std::string_view out_name, const In& in, std::string_view in_name, bool in_place,
+                      std::string_view call) {
+  if (in_place && same_elements(out, in)) return;
+  LOOM_EXPECTS(!overlaps(out, in), errc::invalid_argument, call, ": ", out_name, " and ", in_name, " share memory; ",
+               out_name, " must ", in_place ? "be the same view as " : "not overlap ", in_name,
+               in_place ? " (in place: same data, extents and strides) or not overlap it" : "");
+}
+
+//! The outputs of a linear recurrence (h and final_state; lambda and d_initial for the adjoint)
+//! against its inputs: the forward h may be b itself (in place); no other pair of an output and an
+//! input, or of the two outputs, may share memory. Empty optional views share nothing. (The
+//! adjoint kernel writes λ_t before it reads g_t for the last time, so lambda may not be g.)
+template <class AV, class BV, class HV, class OffV, class InitV, class FinV>
+void check_recurrence_overlaps(const AV& a, const BV& bv, const HV& h, const OffV& offsets, const InitV& init,
+                               const FinV& fin, bool adjoint, std::string_view call) {
+  const std::string_view hn = adjoint ? "lambda" : "h", bn = adjoint ? "g" : "b";
+  const std::string_view in = adjoint ? "d_final" : "initial", fn = adjoint ? "d_initial" : "final_state";
+  check_no_overlap(h, hn, bv, bn, !adjoint, call);
+  check_no_overlap(h, hn, a, "A", false, call);
+  check_no_overlap(h, hn, offsets, "offsets", false, call);
+  check_no_overlap(h, hn, init, in, false, call);
+  check_no_overlap(fin, fn, a, "A", false, call);
+  check_no_overlap(fin, fn, bv, bn, false, call);
+  check_no_overlap(fin, fn, offsets, "offsets", false, call);
+  check_no_overlap(fin, fn, init, in, false, call);
+  check_no_overlap(fin, fn, h, hn, false, call);
 }
 
 //! Checks that `offsets` is a valid segmentation of n elements: offsets[0] == 0, non-decreasing,
