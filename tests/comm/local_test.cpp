@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <comm/conformance.hpp>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -268,14 +269,19 @@ TEST_CASE("comm::local point-to-point argument errors", "[comm][local][errors]")
 TEST_CASE("comm::local missing rank: the others time out naming the call", "[comm][local][errors][timeout]") {
   const auto start = std::chrono::steady_clock::now();
   std::vector<std::string> seen(3);
+  std::atomic<int> timed_out{0};
   try {
     run_local(3,
               [&](local& c) {
                 try {
-                  if (c.rank() == 1) std::this_thread::sleep_for(ms(1500));  // stuck, long past the timeout
+                  // Rank 1 arrives only after the others have timed out: late, but it returns in time
+                  // for run_local (which waits one more timeout after the first failure).
+                  if (c.rank() == 1)
+                    while (timed_out.load() < 1) std::this_thread::sleep_for(ms(1));
                   c.barrier();
                 } catch (const loom::error& e) {
                   seen[static_cast<std::size_t>(c.rank())] = std::string(loom::to_string(e.code())) + "|" + e.what();
+                  if (e.code() == loom::errc::timeout) timed_out.fetch_add(1);
                   throw;
                 }
               },
@@ -285,29 +291,38 @@ TEST_CASE("comm::local missing rank: the others time out naming the call", "[com
     CHECK(e.code() == loom::errc::timeout);
     CHECK_THAT(e.what(), Catch::Contains("barrier") && Catch::Contains("timed out after 200 ms") &&
                              Catch::Contains("rank(s) 1 did not arrive"));
+    CHECK_THAT(e.what(), !Catch::Contains("still running"));
   }
+  CHECK_THAT(seen[1], Catch::StartsWith("comm_failure|") && Catch::Contains("aborted"));
   CHECK_THAT(seen[0], Catch::Contains("barrier"));
   CHECK_THAT(seen[2], Catch::Contains("barrier"));
   CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
 }
 
 TEST_CASE("comm::local point-to-point timeout names the wait", "[comm][local][errors][timeout]") {
+  std::atomic<bool> timed_out{false};
   try {
     run_local(2,
-              [](local& c) {
+              [&](local& c) {
                 if (c.rank() == 0) {
                   float x = 0;
                   auto q = c.irecv(std::span<float>(&x, 1), 1, 4);
-                  c.wait(q);
+                  try {
+                    c.wait(q);
+                  } catch (...) {
+                    timed_out = true;
+                    throw;
+                  }
                 } else {
-                  std::this_thread::sleep_for(ms(800));
+                  while (!timed_out.load()) std::this_thread::sleep_for(ms(1));  // never sends
                 }
               },
               {.timeout = ms(150)});
     FAIL("run_local should have thrown");
   } catch (const loom::error& e) {
     CHECK(e.code() == loom::errc::timeout);
-    CHECK_THAT(e.what(), Catch::Contains("irecv(src=1, tag=4") && Catch::Contains("timed out"));
+    CHECK_THAT(e.what(), Catch::Contains("irecv(src=1, tag=4") && Catch::Contains("timed out after 150 ms"));
+    CHECK_THAT(e.what(), !Catch::Contains("still running"));
   }
 }
 
@@ -367,4 +382,210 @@ TEST_CASE("comm::local returns per-rank results in rank order", "[comm][local]")
   const auto v = run_local(7, [](local& c) { return c.rank() * 10 + c.size(); });
   REQUIRE(v.size() == 7);
   for (int q = 0; q < 7; ++q) CHECK(v[static_cast<std::size_t>(q)] == q * 10 + 7);
+}
+
+TEST_CASE("comm::local rejects a timeout that is not positive", "[comm][local][errors][timeout]") {
+  CHECK_THROWS_WITH(run_local(2, [](local&) {}, {.timeout = ms(0)}), Catch::Contains("timeout must be > 0 ms, got 0"));
+  CHECK_THROWS_WITH(run_local(2, [](local&) {}, {.timeout = ms(-5)}), Catch::Contains("timeout must be > 0 ms"));
+}
+
+TEST_CASE("comm::local timeout of milliseconds::max() does not overflow the deadline", "[comm][local][timeout]") {
+  const auto v =
+      run_local(3,
+                [](local& c) {
+                  c.barrier();
+                  int x = c.rank(), sum = 0;
+                  c.all_reduce(std::span<const int>(&x, 1), std::span<int>(&sum, 1), loom::comm::reduce_op::sum);
+                  return sum;
+                },
+                {.timeout = ms::max()});
+  for (int s : v) CHECK(s == 3);
+}
+
+namespace {
+// The stuck rank of the next test touches only these: its thread outlives run_local.
+std::atomic<bool> stuck_release{false}, stuck_left{false};
+}  // namespace
+
+TEST_CASE("comm::local rank that never returns is reported by run_local", "[comm][local][errors][timeout]") {
+  stuck_release = false;
+  stuck_left = false;
+  // A function object that outlives the test too: the detached thread is still inside it.
+  static const auto fn = [](local& c) {
+    if (c.rank() == 1) {
+      while (!stuck_release.load()) std::this_thread::sleep_for(ms(5));  // stuck outside loom
+      stuck_left = true;
+      return;
+    }
+    c.barrier();
+  };
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run_local(3, fn, {.timeout = ms(200)});
+    FAIL("run_local should have thrown");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == loom::errc::timeout);
+    CHECK_THAT(e.what(), Catch::Contains("rank(s) 1 still running 200 ms after the first failure") &&
+                             Catch::Contains("barrier") && Catch::Contains("detached"));
+  }
+  // About two timeouts (the barrier's, then run_local's), far from forever.
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+  stuck_release = true;
+  for (int i = 0; i < 2000 && !stuck_left.load(); ++i) std::this_thread::sleep_for(ms(1));
+  CHECK(stuck_left.load());
+  std::this_thread::sleep_for(ms(20));  // let the detached thread finish its bookkeeping
+}
+
+TEST_CASE("comm::local waiting a request again, or a copy of it, counts once", "[comm][local][errors]") {
+  SECTION("a copy waited after the original is a no-op") {
+    const auto got = run_local(2, [](local& c) {
+      int x = 41 + c.rank(), y = -1;
+      if (c.rank() == 0) {
+        auto a = c.isend(std::span<const int>(&x, 1), 1, 0);
+        auto b = a;
+        c.wait(a);
+        c.wait(b);  // no second decrement of the outstanding count
+        c.wait(a);
+        return (a.valid() || b.valid()) ? -2 : 0;
+      }
+      auto q = c.irecv(std::span<int>(&y, 1), 0, 0);
+      c.wait(q);
+      return y;
+    });
+    CHECK(got[0] == 0);
+    CHECK(got[1] == 41);
+  }
+  SECTION("so a later request that was never waited on is still reported") {
+    CHECK_THROWS_WITH(run_local(2,
+                                [](local& c) {
+                                  static int x[3];
+                                  if (c.rank() == 0) {
+                                    auto a = c.isend(std::span<const int>(&x[0], 1), 1, 0);
+                                    auto b = a;
+                                    c.wait(a);
+                                    c.wait(b);
+                                    auto later = c.isend(std::span<const int>(&x[1], 1), 1, 1);
+                                    (void)later;
+                                  } else {
+                                    auto q = c.irecv(std::span<int>(&x[2], 1), 0, 0);
+                                    c.wait(q);
+                                  }
+                                }),
+                      Catch::Contains("rank 0 returned with 1 request(s) it never waited on"));
+  }
+}
+
+TEST_CASE("comm::local send and receive buffers that overlap are rejected", "[comm][local][errors]") {
+  // Each rank records what its waits threw; the assertions run on the main thread.
+  auto waits = [](local& c, local::request& s, local::request& r) {
+    std::string out;
+    for (auto* q : {&s, &r}) {
+      try {
+        c.wait(*q);
+        out += "ok;";
+      } catch (const loom::error& e) {
+        out += std::string(loom::to_string(e.code())) + "|" + e.what() + ";";
+      }
+    }
+    return out;
+  };
+  SECTION("a self-send whose receive overlaps the send") {
+    const auto seen = run_local(1, [&](local& c) {
+      std::vector<int> v(8, 3);
+      auto r = c.irecv(std::span<int>(v.data() + 2, 6), 0, 5);
+      auto s = c.isend(std::span<const int>(v.data(), 6), 0, 5);
+      return waits(c, s, r);
+    });
+    CHECK_THAT(seen[0], Catch::StartsWith("invalid_argument|") && Catch::Contains("isend(dest=0, tag=5) on rank 0") &&
+                            Catch::Contains("receive buffer overlaps the send buffer (24 B each)") &&
+                            Catch::Contains(";invalid_argument|"));
+  }
+  SECTION("a self-send in place") {
+    const auto seen = run_local(1, [&](local& c) {
+      double d[4] = {};
+      auto s = c.isend(std::span<const double>(d, 4), 0, 1);
+      auto r = c.irecv(std::span<double>(d, 4), 0, 1);
+      return waits(c, s, r);
+    });
+    CHECK_THAT(seen[0], Catch::StartsWith("invalid_argument|") && Catch::Contains("overlaps"));
+  }
+  SECTION("two ranks sharing memory") {
+    static float shared[6];
+    const auto seen = run_local(2, [&](local& c) -> std::string {
+      if (c.rank() == 0) {
+        auto s = c.isend(std::span<const float>(shared, 4), 1, 2);
+        try {
+          c.wait(s);
+        } catch (const loom::error& e) {
+          return e.what();
+        }
+        return "no exception";
+      }
+      auto r = c.irecv(std::span<float>(shared + 2, 4), 0, 2);
+      try {
+        c.wait(r);
+      } catch (const loom::error& e) {
+        return e.what();
+      }
+      return "no exception";
+    });
+    for (const auto& s : seen) CHECK_THAT(s, Catch::Contains("irecv(src=0) on rank 1") && Catch::Contains("overlaps"));
+  }
+  SECTION("adjacent buffers are fine") {
+    const auto seen = run_local(1, [&](local& c) {
+      std::vector<int> v{1, 2, 3, 4};
+      auto r = c.irecv(std::span<int>(v.data() + 2, 2), 0, 5);
+      auto s = c.isend(std::span<const int>(v.data(), 2), 0, 5);
+      return waits(c, s, r) + std::to_string(v[2]) + std::to_string(v[3]);
+    });
+    CHECK(seen[0] == "ok;ok;12");
+  }
+}
+
+namespace {
+// Sets an environment variable for one scope and restores it after.
+class scoped_env {
+ public:
+  scoped_env(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    had_ = std::getenv(name) != nullptr;
+    ::setenv(name, value, 1);
+  }
+  ~scoped_env() {
+    if (had_)
+      ::setenv(name_, old_.c_str(), 1);
+    else
+      ::unsetenv(name_);
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+
+ private:
+  const char* name_;
+  std::string old_;
+  bool had_ = false;
+};
+}  // namespace
+
+TEST_CASE("LOOM_COMM_TIMEOUT_MS must be a plain positive integer", "[comm][local][errors][timeout]") {
+  {
+    scoped_env env("LOOM_COMM_TIMEOUT_MS", "250");
+    CHECK(loom::comm::default_timeout() == ms(250));
+    CHECK(loom::comm::local_options{}.timeout == ms(250));
+  }
+  for (const char* bad : {"1e3", "5s", "0", "-1", "+7", " 10", "10 ", "", "0x10", "1.5", "12345678901234567890"}) {
+    INFO("LOOM_COMM_TIMEOUT_MS=\"" << bad << "\"");
+    scoped_env env("LOOM_COMM_TIMEOUT_MS", bad);
+    try {
+      (void)loom::comm::default_timeout();
+      FAIL("no exception");
+    } catch (const loom::error& e) {
+      CHECK(e.code() == loom::errc::invalid_argument);
+      CHECK_THAT(e.what(), Catch::Contains("LOOM_COMM_TIMEOUT_MS must be a plain positive integer") &&
+                               Catch::Contains(std::string("got \"") + bad + "\""));
+    }
+    // The default options read it too, so run_local rejects it before starting any rank.
+    CHECK_THROWS_WITH(run_local(2, [](local&) {}), Catch::Contains("LOOM_COMM_TIMEOUT_MS"));
+    CHECK_NOTHROW(run_local(2, [](local&) {}, {.timeout = ms(1000)}));
+  }
 }
