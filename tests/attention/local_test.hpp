@@ -231,3 +231,100 @@ TEST_CASE("attention: rejections" LOOM_BACKEND_TAG, "[attention][errors]") {
     CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, lv, neg), Catch::Contains("options.window must be >= 0"));
   }
 }
+
+namespace {
+
+// One non-finite value in one input of one document: every other document's out, lse and
+// gradients are bitwise those of the clean run, and the poisoned document shows it.
+template <class P>
+void check_isolated(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_t seed) {
+  using T = typename P::storage_type;
+  s.tk = s.tq = cu.back();
+  const auto in = make_inputs<T>(s, seed);
+  const auto clean = run_packed<T>(s, in, cu, true);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const index_t begin = cu[d], end = cu[d + 1];
+    if (begin == end) continue;
+    const index_t t = begin + (end - begin) / 3;  // the poisoned token, and one that sees it:
+    const index_t last = s.window > 0 ? std::min(end - 1, t + s.window - 1) : end - 1;
+    for (int which = 0; which < 4; ++which)
+      for (double bad : {nan, inf, -inf}) {
+        INFO("document " << d << " input "
+                         << "qkvd"[which] << " value " << bad << " causal " << s.causal << " "
+                         << loom::precision_name<P>());
+        inputs dirty = in;
+        // Element 1 of head 1 (query side) or kv head 0 (key side) of token t.
+        if (which == 0) dirty.q[(t * s.hq + 1) * s.dk + 1] = bad;
+        if (which == 1) dirty.k[(t * s.hkv) * s.dk + 1] = bad;
+        if (which == 2) dirty.v[(t * s.hkv) * s.dv + 1] = bad;
+        if (which == 3) dirty.dout[(t * s.hq + 1) * s.dv + 1] = bad;
+        const auto got = run_packed<T>(s, dirty, cu, true);
+        lt::require_same_outside(got.out, clean.out, s.hq * s.dv, begin, end, "out");
+        lt::require_same_outside(got.lse, clean.lse, s.hq, begin, end, "lse");
+        lt::require_same_outside(got.dq, clean.dq, s.hq * s.dk, begin, end, "dq");
+        lt::require_same_outside(got.dk, clean.dk, s.hkv * s.dk, begin, end, "dk");
+        lt::require_same_outside(got.dv, clean.dv, s.hkv * s.dv, begin, end, "dv");
+        // Visible where it lands: a bad query or key makes the log-sum-exp of the rows that read
+        // it NaN (never the "no key" -inf); a bad value or output gradient makes them non-finite.
+        if (which == 0) CHECK(std::isnan(got.lse[t * s.hq + 1]));
+        if (which == 1) CHECK(std::isnan(got.lse[last * s.hq + 0]));
+        if (which == 2) CHECK(!std::isfinite(got.out[(last * s.hq + 0) * s.dv + 1]));
+        if (which == 3) CHECK(!std::isfinite(got.dq[(t * s.hq + 1) * s.dk + 1]));
+      }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("attention: a non-finite input stays in its document, forward and backward" LOOM_BACKEND_TAG,
+          "[attention][local][nonfinite]") {
+  // Documents of 40, 61, 62 tokens: tiles of 64 straddle every boundary.
+  const std::vector<index_t> docs{0, 40, 101, 163};
+  check_isolated<loom::fp32>({0, 0, 4, 2, 32, 24, true}, docs, 70);
+  check_isolated<loom::fp32>({0, 0, 2, 1, 16, 16, false}, docs, 71);
+  check_isolated<loom::fp64>({0, 0, 4, 2, 32, 24, true, 23}, docs, 72);
+  check_isolated<loom::bf16>({0, 0, 2, 2, 16, 16, true}, {0, 1, 100, 163}, 73);
+}
+
+TEST_CASE("attention: overflowing scores and a stale lse are visible" LOOM_BACKEND_TAG,
+          "[attention][local][nonfinite]") {
+  using Acc = float;
+  const lt::attn_shape s{163, 163, 2, 1, 16, 16, true};
+  const std::vector<index_t> cu{0, 40, 101, 163};
+  auto in = make_inputs<float>(s, 80);
+  const auto clean = run_packed<float>(s, in, cu, true);
+  // Document 1's queries and keys near 1e20: scores near 1e40 overflow float. Its rows come back
+  // NaN (never out = 0, lse = -inf, which a merge would drop); the others are untouched.
+  inputs big = in;
+  for (index_t t = 40; t < 101; ++t) {
+    for (index_t e = 0; e < s.hq * s.dk; ++e) big.q[t * s.hq * s.dk + e] = 1e20;
+    for (index_t e = 0; e < s.hkv * s.dk; ++e) big.k[t * s.hkv * s.dk + e] = 1e20;
+  }
+  const auto got = run_packed<float>(s, big, cu, false);
+  lt::require_same_outside(got.lse, clean.lse, s.hq, 40, 101, "lse");
+  for (index_t e = 40 * s.hq; e < 101 * s.hq; ++e) CHECK(std::isnan(got.lse[e]));
+  // Backward given a stale lse (200 below the true one: exp overflows) or a non-finite one: the
+  // gradients of that row are non-finite, never finite garbage.
+  const auto b = make_backend();
+  for (double stale : {-200.0, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    INFO("lse of token 50, head 0 replaced with " << stale);
+    std::vector<Acc> lse_h(clean.lse.size());
+    for (std::size_t i = 0; i < lse_h.size(); ++i) lse_h[i] = static_cast<Acc>(clean.lse[i]);
+    lse_h[50 * s.hq] = std::isfinite(stale) ? lse_h[50 * s.hq] + static_cast<Acc>(stale) : static_cast<Acc>(stale);
+    buffer<float> q(cast<float>(in.q)), k(cast<float>(in.k)), v(cast<float>(in.v)), dout(cast<float>(in.dout)),
+        out(cast<float>(clean.out)), dq(in.q.size()), dk(in.k.size()), dv(in.v.size());
+    buffer<Acc> lse(lse_h);
+    buffer<index_t> cub(cu);
+    la::backward(b, view_of<const float, 3>(q, {s.tq, s.hq, s.dk}), view_of<const float, 3>(k, {s.tk, s.hkv, s.dk}),
+                 view_of<const float, 3>(v, {s.tk, s.hkv, s.dv}), view_of<const index_t, 1>(cub, {4}),
+                 view_of<const float, 3>(out, {s.tq, s.hq, s.dv}), view_of<const Acc, 2>(lse, {s.tq, s.hq}),
+                 view_of<const float, 3>(dout, {s.tq, s.hq, s.dv}), view_of<float, 3>(dq, {s.tq, s.hq, s.dk}),
+                 view_of<float, 3>(dk, {s.tk, s.hkv, s.dk}), view_of<float, 3>(dv, {s.tk, s.hkv, s.dv}));
+    const auto dqh = widen(dq.to_host());
+    bool any_bad = false;
+    for (index_t c = 0; c < s.dk; ++c) any_bad |= !std::isfinite(dqh[(50 * s.hq) * s.dk + c]);
+    CHECK(any_bad);
+    lt::require_same_outside(widen(dq.to_host()), clean.dq, s.hq * s.dk, 40, 101, "dq");
+  }
+}

@@ -7,7 +7,10 @@
 
 #include <support/random.hpp>
 
+#include <catch2/catch.hpp>
+
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -125,6 +128,23 @@ inline sharded_inputs make_inputs_for(attn_shape s, std::vector<index_t> cu, std
   const auto c = packed(cu);
   g.want = attention_oracle(s, g.q, g.k, g.v, c, c, g.dout);
   return g;
+}
+
+// Every token of [0, T) outside [begin, end), `per` values each: bitwise equal to the clean run
+// (and finite there).
+inline void require_same_outside(const std::vector<double>& got, const std::vector<double>& clean, index_t per,
+                                 index_t begin, index_t end, const char* what) {
+  REQUIRE(got.size() == clean.size());
+  std::size_t differ = 0, non_finite = 0;
+  for (std::size_t e = 0; e < got.size(); ++e) {
+    const auto t = static_cast<index_t>(e) / per;
+    if (t >= begin && t < end) continue;
+    differ += std::memcmp(&got[e], &clean[e], sizeof(double)) != 0;
+    non_finite += !std::isfinite(clean[e]);
+  }
+  INFO(what << ": tokens outside [" << begin << ", " << end << ")");
+  CHECK(differ == 0);
+  CHECK(non_finite == 0);
 }
 
 }  // namespace loom::test

@@ -219,3 +219,48 @@ TEST_CASE("ring attention: rejections on every rank", "[attention][ring][errors]
   });
   CHECK(lt::all_contain(what, "the plan is for 3 ranks but the communicator has 2"));
 }
+
+TEST_CASE("ring attention: a non-finite input stays in its document on every rank", "[attention][ring][nonfinite]") {
+  // Document 1 spans rank boundaries for every sharding; one of its q, k, v or dout values is NaN
+  // or inf. Every other document's out, lse and gradients are bitwise those of the clean run.
+  const std::vector<index_t> docs{0, 40, 141, 163, 250};
+  const auto clean = make_global({0, 0, 4, 2, 16, 16, true}, docs, 400);
+  const index_t t = 77;  // in document 1
+  const auto& s = clean.s;
+  for (int p : {2, 3}) {
+    for (int strategy = 0; strategy < 3; ++strategy) {
+      const auto plan = strategy == 0   ? plan_of<shard::contiguous>(docs, p)
+                        : strategy == 1 ? plan_of<shard::zigzag>(docs, p)
+                                        : plan_of<shard::per_document>(docs, p);
+      auto sweep = [&](auto variant, bool bwd, const char* name) {
+        using V = decltype(variant);
+        const auto ref = run_ring<V, float>(clean, p, plan, bwd);
+        for (int which = 0; which < (bwd ? 4 : 3); ++which) {
+          INFO(name << " P = " << p << " strategy " << strategy << " input "
+                    << "qkvd"[which]);
+          auto g = clean;
+          const double bad = which % 2 ? std::numeric_limits<double>::infinity() : std::nan("");
+          if (which == 0) g.q[(t * s.hq + 1) * s.dk] = bad;
+          if (which == 1) g.k[(t * s.hkv + 1) * s.dk] = bad;
+          if (which == 2) g.v[(t * s.hkv + 1) * s.dv] = bad;
+          if (which == 3) g.dout[(t * s.hq + 1) * s.dv] = bad;
+          const auto got = run_ring<V, float>(g, p, plan, bwd);
+          lt::require_same_outside(got.out, ref.out, s.hq * s.dv, 40, 141, "out");
+          lt::require_same_outside(got.lse, ref.lse, s.hq, 40, 141, "lse");
+          if (which == 0) CHECK(std::isnan(got.lse[t * s.hq + 1]));  // visible where it lands
+          if (which == 1) CHECK(std::isnan(got.lse[140 * s.hq + 2]));
+          if (which == 2) CHECK(!std::isfinite(got.out[(140 * s.hq + 2) * s.dv]));
+          if (!bwd) continue;
+          lt::require_same_outside(got.dq, ref.dq, s.hq * s.dk, 40, 141, "dq");
+          lt::require_same_outside(got.dk, ref.dk, s.hkv * s.dk, 40, 141, "dk");
+          lt::require_same_outside(got.dv, ref.dv, s.hkv * s.dv, 40, 141, "dv");
+          if (which == 3) CHECK(!std::isfinite(got.dq[(t * s.hq + 1) * s.dk]));
+        }
+      };
+      sweep(lr::pass_kv{}, true, "pass_kv");
+      sweep(lr::pass_q{}, true, "pass_q");
+      sweep(lr::all_gather_kv{}, true, "all_gather_kv");
+      sweep(lr::bidirectional_kv{}, false, "bidirectional_kv");
+    }
+  }
+}

@@ -424,3 +424,45 @@ TEST_CASE("planner: training shapes (ring, Ulysses, hybrid)", "[attention][plann
   });
   CHECK(ok == 2);
 }
+
+TEST_CASE("ulysses and hybrid: a non-finite input stays in its document on every rank",
+          "[attention][ulysses][hybrid][nonfinite]") {
+  // Document 1 crosses rank boundaries; one of its q, k, v or dout values is NaN or inf. Every
+  // other document's out, lse and gradients are bitwise those of the clean run.
+  const std::vector<index_t> cu{0, 40, 141, 163, 250};
+  const auto clean = make_global({0, 0, 4, 2, 16, 16, true}, cu, 500);
+  const auto& s = clean.s;
+  const index_t t = 77;
+  auto sweep = [&](auto runner, const char* name) {
+    const auto ref = runner(clean);
+    for (int which = 0; which < 4; ++which) {
+      INFO(name << " input "
+                << "qkvd"[which]);
+      auto g = clean;
+      const double bad = which % 2 ? std::numeric_limits<double>::infinity() : std::nan("");
+      if (which == 0) g.q[(t * s.hq + 1) * s.dk] = bad;
+      if (which == 1) g.k[(t * s.hkv + 1) * s.dk] = bad;
+      if (which == 2) g.v[(t * s.hkv + 1) * s.dv] = bad;
+      if (which == 3) g.dout[(t * s.hq + 1) * s.dv] = bad;
+      const auto got = runner(g);
+      lt::require_same_outside(got.out, ref.out, s.hq * s.dv, 40, 141, "out");
+      lt::require_same_outside(got.lse, ref.lse, s.hq, 40, 141, "lse");
+      lt::require_same_outside(got.dq, ref.dq, s.hq * s.dk, 40, 141, "dq");
+      lt::require_same_outside(got.dk, ref.dk, s.hkv * s.dk, 40, 141, "dk");
+      lt::require_same_outside(got.dv, ref.dv, s.hkv * s.dv, 40, 141, "dv");
+      if (which == 0) CHECK(std::isnan(got.lse[t * s.hq + 1]));  // visible where it lands
+      if (which == 1) CHECK(std::isnan(got.lse[140 * s.hq + 2]));
+      if (which == 2) CHECK(!std::isfinite(got.out[(140 * s.hq + 2) * s.dv]));
+      if (which == 3) CHECK(!std::isfinite(got.dq[(t * s.hq + 1) * s.dk]));
+    }
+  };
+  for (int p : {2, 3})
+    sweep([&](const global_inputs& g) { return run_ulysses<float>(g, p, plan_of<shard::zigzag>(cu, p), true); },
+          p == 2 ? "ulysses P = 2" : "ulysses P = 3");
+  sweep([&](const global_inputs& g) { return run_hybrid<float>(g, {2, 2}, true); }, "hybrid 2 x 2");
+  sweep(
+      [&](const global_inputs& g) {
+        return run_hybrid<float, shard::per_document>(g, {2, 3}, true);
+      },
+      "hybrid 2 x 3");
+}

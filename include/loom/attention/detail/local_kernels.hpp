@@ -103,16 +103,18 @@ struct prepare_kv_kernel {
 
 //! max(init, row[0..tile_k)) and sum(row[0..tile_k)) over `lanes` interleaved partial results, so
 //! the loops vectorise (a plain float reduction would not without reassociation); the order is
-//! fixed, so results do not depend on the machine.
+//! fixed, so results do not depend on the machine. The max is NaN when any element (or init) is
+//! NaN: a NaN score poisons its row rather than being passed over.
 inline constexpr index_t lanes = 16;
 template <class Acc>
 LOOM_HD Acc row_max(const Acc* row, Acc init) {
   Acc part[lanes];
   for (index_t u = 0; u < lanes; ++u) part[u] = init;
   for (index_t j0 = 0; j0 < tile_k; j0 += lanes)
-    for (index_t u = 0; u < lanes; ++u) part[u] = row[j0 + u] > part[u] ? row[j0 + u] : part[u];
+    for (index_t u = 0; u < lanes; ++u)
+      part[u] = row[j0 + u] > part[u] || row[j0 + u] != row[j0 + u] ? row[j0 + u] : part[u];
   Acc mx = part[0];
-  for (index_t u = 1; u < lanes; ++u) mx = part[u] > mx ? part[u] : mx;
+  for (index_t u = 1; u < lanes; ++u) mx = part[u] > mx || part[u] != part[u] ? part[u] : mx;
   return mx;
 }
 template <class Acc>
@@ -124,6 +126,29 @@ LOOM_HD Acc row_sum(const Acc* row) {
   for (index_t u = 0; u < lanes; ++u) sum += part[u];
   return sum;
 }
+
+//! Scores that are not finite become NaN (finite_or_nan), so that after the mask -inf means
+//! "masked" and nothing else.
+template <class Acc>
+LOOM_HD void poison_non_finite(index_t nq, Acc* s) {
+  for (index_t i = 0; i < nq; ++i)
+    for (index_t j = 0; j < tile_k; ++j) s[i * tile_k + j] = finite_or_nan(s[i * tile_k + j]);
+}
+
+//! Whether query q0 + i sees key k0 + l, for gemm_visible.
+struct pair_visible {
+  const problem& pb;
+  const token_coords &qc, &kc;
+  index_t q0, k0;
+  LOOM_HD bool operator()(index_t i, index_t l) const {
+    return visible(qc.d(q0 + i), qc.p(q0 + i), kc.d(k0 + l), kc.p(k0 + l), pb.causal, pb.window);
+  }
+};
+//! The same with the roles swapped: row i of the product is key k0 + i, l runs over queries.
+struct pair_visible_by_key {
+  pair_visible v;
+  LOOM_HD bool operator()(index_t i, index_t l) const { return v(l, i); }
+};
 
 //! Sets masked scores to -inf (partial tiles only).
 template <class Acc>
@@ -175,6 +200,7 @@ struct forward_kernel {
       const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.window);
       if (kind == tile_kind::skip) continue;
       gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
+      poison_non_finite(nq, s);
       if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
       for (index_t i = 0; i < nq; ++i) {
         Acc* row = s + i * tile_k;
@@ -192,10 +218,16 @@ struct forward_kernel {
         Acc* arow = acc + i * dv;
         for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
       }
-      gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
+      // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
+      // not multiplied (0 * inf = NaN would cross into another document's rows).
+      if (kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv))
+        gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
+                            pair_visible{pb, qc, kc, q0, k0});
+      else
+        gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
     }
     for (index_t i = 0; i < nq; ++i) {
-      const bool any = l[i] > Acc(0);
+      const bool any = m[i] != neg_inf<Acc>();  // NaN (a poisoned row) counts as seen: out and lse NaN
       const Acc inv = any ? Acc(1) / l[i] : Acc(0);
       TO* orow = o.at(q0 + i, h);
       for (index_t c = 0; c < dv; ++c) orow[c] = static_cast<TO>(acc[i * dv + c] * inv);
@@ -222,24 +254,28 @@ struct delta_kernel {
 };
 
 //! Shared by both backward passes: for one (query tile, key tile) pair already loaded, computes
-//! P = exp(S - lse) (masked) into s and dS = P (dP - delta) into dp.
+//! P = exp(S - lse) (masked) into s and dS = P (dP - delta) into dp. Masked entries are selected
+//! as exact zeros, whatever dP holds there (a non-finite v or dout of another document). A lse of
+//! +inf or NaN gives NaN, and one too small for the scores overflows to +inf: a stale lse shows.
 template <class Acc>
 LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const token_coords& kc, tile_kind kind,
                              index_t q0, index_t nq, index_t k0, index_t nk, const Acc* qs, const Acc* kt,
                              const Acc* dos, const Acc* vt, index_t ld, const Acc* lse_rows, const Acc* delta_rows,
                              Acc* s, Acc* dp) {
   gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, ld, s, tile_k, false);
+  poison_non_finite(nq, s);
   if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
   gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, ld, dp, tile_k, false);
   for (index_t i = 0; i < nq; ++i) {
     Acc* srow = s + i * tile_k;
     Acc* drow = dp + i * tile_k;
-    const Acc lse = lse_rows[i], delta = delta_rows[i];
-    const bool any = lse != neg_inf<Acc>();
+    const Acc delta = delta_rows[i];
+    const Acc lse = lse_rows[i] == -neg_inf<Acc>() ? std::numeric_limits<Acc>::quiet_NaN() : lse_rows[i];
     for (index_t j = 0; j < tile_k; ++j) {
-      const Acc p = any && j < nk ? fast_exp(srow[j] - lse) : Acc(0);
+      const bool seen = j < nk && srow[j] != neg_inf<Acc>();
+      const Acc p = seen ? fast_exp(srow[j] - lse) : Acc(0);
       srow[j] = p;
-      drow[j] = p * (drow[j] - delta);
+      drow[j] = seen ? p * (drow[j] - delta) : Acc(0);
     }
   }
 }
@@ -316,8 +352,16 @@ struct backward_kv_kernel {
         if (kind == tile_kind::skip) continue;
         a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
         backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.tk_pad, lrow, drow, s, dp);
-        gemm<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true);  // dV += Pᵀ dO
-        gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
+        // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
+        const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, q0, k0}};
+        if (kind == tile_kind::partial && !all_finite(dos, nq, dv, dv))
+          gemm_visible<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true, vis);
+        else
+          gemm<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true);  // dV += Pᵀ dO
+        if (kind == tile_kind::partial && !all_finite(qs, nq, dk, dk))
+          gemm_visible<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true, vis);
+        else
+          gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
       }
     store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
     store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
@@ -355,7 +399,11 @@ struct backward_q_kernel {
       if (kind == tile_kind::skip) continue;
       backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
                       a.kv.tk_pad, lrow, drow, s, dp);
-      gemm<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true);  // dQ += dS K
+      if (kind == tile_kind::partial && !all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk))
+        gemm_visible<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true,
+                            pair_visible{pb, a.qc, a.kc, q0, k0});
+      else
+        gemm<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true);  // dQ += dS K
     }
     store_rows(a.dq, q0, nq, h, dk, gq, a.scale, a.accumulate);
   }

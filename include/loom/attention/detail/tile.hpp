@@ -29,14 +29,16 @@ LOOM_HD inline float bits_to_float(std::uint32_t u) {
   return f;
 }
 
-//! e^x for float, relative error below 3e-7 on (-87, 88), 0 below (and for -inf); plain
-//! arithmetic, so loops over it vectorise. Double uses the library exp (the oracle precision).
+//! e^x for float, relative error below 3e-7 on (-87, 88): 0 below (and for -inf), +inf above 88.72
+//! (where float overflows), NaN for NaN, so a stale or non-finite exponent shows instead of
+//! wrapping the exponent bits. Branch-free (selects), so loops over it vectorise. Double uses the
+//! library exp (the oracle precision).
 LOOM_HD inline float fast_exp(float x) {
-  if (!(x > -87.0f)) return 0.0f;
-  const float t = x * 1.44269504088896341f;  // x = k ln2 + r, k integer, |r| <= ln2 / 2
+  const float xc = x > 88.0f ? 88.0f : (x > -87.0f ? x : -87.0f);  // NaN -> -87, selected away below
+  const float t = xc * 1.44269504088896341f;                       // x = k ln2 + r, k integer, |r| <= ln2 / 2
   const int k = static_cast<int>(t < 0 ? t - 0.5f : t + 0.5f);
   const float kf = static_cast<float>(k);
-  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
+  const float r = (xc - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
   // e^r: Taylor terms up to r^7 (error below 1e-8 for |r| <= 0.35)
   float p = 1.9841270e-4f;
   p = p * r + 1.3888889e-3f;
@@ -46,9 +48,28 @@ LOOM_HD inline float fast_exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  return p * bits_to_float(static_cast<std::uint32_t>(k + 127) << 23);
+  const float e = p * bits_to_float(static_cast<std::uint32_t>(k + 127) << 23);
+  const float big = x > 88.72283905f ? std::numeric_limits<float>::infinity() : e;
+  return x > -87.0f ? big : (x != x ? x : 0.0f);
 }
 LOOM_HD inline double fast_exp(double x) { return x == neg_inf<double>() ? 0.0 : std::exp(x); }
+
+//! s itself when finite, NaN when s is +-inf or NaN: a score that overflowed, or came from a
+//! non-finite q or k, must poison its row instead of reading as "masked" (-inf) or dominating it.
+template <class Acc>
+LOOM_HD Acc finite_or_nan(Acc s) {
+  return s - s == Acc(0) ? s : std::numeric_limits<Acc>::quiet_NaN();
+}
+
+//! True when the n x d block (leading dimension ld) holds only finite values: sum(x * 0) is 0
+//! exactly then and NaN otherwise (vectorises; no branch per element).
+template <class Acc>
+LOOM_HD bool all_finite(const Acc* x, index_t n, index_t d, index_t ld) {
+  Acc z = Acc(0);
+  for (index_t i = 0; i < n; ++i)
+    for (index_t c = 0; c < d; ++c) z += x[i * ld + c] * Acc(0);
+  return z == Acc(0);
+}
 
 //! C[i][j] (+)= sum_l A(i, l) B[l][j] for i < m, j < n, l < kd. A(i, l) = a[i * lda + l], or
 //! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
@@ -90,6 +111,27 @@ LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, c
   if (n_full < n)
     for (index_t i = 0; i < m_full; ++i) row_range(i, n_full, n);
   for (index_t i = m_full; i < m; ++i) row_range(i, 0, n);
+}
+
+//! gemm() restricted to visible pairs: C row i (+)= sum over l with visible(i, l) of A(i, l) B[l].
+//! Used when B holds a non-finite value and some (i, l) are masked: there A(i, l) is an exact 0,
+//! and 0 * inf = NaN would carry one document's value into another's rows. Skipped terms are
+//! exact zeros in gemm(), and the kept terms are added in gemm()'s order with its expression, so
+//! every row whose visible B rows are finite comes out bitwise as gemm() computes it.
+template <bool TransA, class Acc, class Visible>
+LOOM_HD void gemm_visible(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb,
+                          Acc* c, index_t ldc, bool accumulate, const Visible& visible) {
+  for (index_t i = 0; i < m; ++i) {
+    Acc* crow = c + i * ldc;
+    if (!accumulate)
+      for (index_t j = 0; j < n; ++j) crow[j] = Acc(0);
+    for (index_t l = 0; l < kd; ++l) {
+      if (!visible(i, l)) continue;
+      const Acc ail = TransA ? a[l * lda + i] : a[i * lda + l];
+      const Acc* brow = b + l * ldb;
+      for (index_t j = 0; j < n; ++j) crow[j] += ail * brow[j];
+    }
+  }
 }
 
 //! Document and position range of a tile of tokens.
