@@ -5,6 +5,7 @@
 
 #include <loom/config.hpp>
 
+#include <cstddef>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -65,8 +66,22 @@ std::string concat(const Parts&... parts) {
   return os.str();
 }
 
+//! `file` without everything up to and including its last "include/" (or "include\\"): a loom
+//! header prints as "loom/scan/scan.hpp" wherever it is installed. Other paths are returned whole.
+constexpr const char* source_path(const char* file) noexcept {
+  const char* rest = file;
+  for (const char* p = file; *p != '\0'; ++p) {
+    constexpr char word[] = "include";
+    std::size_t k = 0;
+    while (k + 1 < sizeof word && p[k] == word[k]) ++k;
+    if (k + 1 == sizeof word && (p[k] == '/' || p[k] == '\\') && (p == file || p[-1] == '/' || p[-1] == '\\'))
+      rest = p + k + 1;
+  }
+  return rest;
+}
+
 [[noreturn]] inline void fail(errc code, const std::string& message, const char* file, int line) {
-  throw error(code, message + " [" + file + ":" + std::to_string(line) + "]");
+  throw error(code, message + " [" + source_path(file) + ":" + std::to_string(line) + "]");
 }
 }  // namespace detail
 

@@ -4,6 +4,7 @@
 //! loom::tensor_view: a non-owning, strided, memory-space-aware view of a Rank-d array.
 
 #include <loom/config.hpp>
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/memory_space.hpp>
 
@@ -117,12 +118,23 @@ std::string extents_string(const V& v) {
 }  // namespace detail
 
 //! Validated row-major view; `name` is used in the error. Throws loom::error(invalid_argument)
-//! for a negative extent or a null pointer with a non-zero size.
+//! for a negative extent, extents whose product (the size) overflows index_t, or a null pointer
+//! with a non-zero size.
 template <memory_space Space = host_memory, class T, std::size_t Rank>
 tensor_view<T, Rank, Space> make_view(T* data, const std::array<index_t, Rank>& extents,
                                       std::string_view name = "view") {
   for (std::size_t d = 0; d < Rank; ++d)
     LOOM_EXPECTS(extents[d] >= 0, errc::invalid_argument, name, ": extent ", d, " must be >= 0, got ", extents[d]);
+  index_t size = 1;
+  for (std::size_t d = 0; d < Rank; ++d) {
+    if (detail::mul_overflows(size, extents[d])) [[unlikely]] {
+      std::string e;
+      for (std::size_t k = 0; k < Rank; ++k) e += (k ? ", " : "") + std::to_string(extents[k]);
+      LOOM_FAIL(errc::invalid_argument, name, ": extents [", e,
+                "] hold more elements than a 64-bit signed index can count");
+    }
+    size *= extents[d];
+  }
   tensor_view<T, Rank, Space> v(data, extents);
   LOOM_EXPECTS(data != nullptr || v.size() == 0, errc::invalid_argument, name, ": null data with ", v.size(),
                " elements");
