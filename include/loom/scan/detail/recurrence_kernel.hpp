@@ -11,7 +11,11 @@
 //! process, so a rank never needs its neighbour's rows. At a segment head (first row forward,
 //! last row adjoint) x is replaced by the segment's initial value (init[s], or zero). After the
 //! segment's last processed row, x is written to fin[s] (forward: final state; adjoint: d init).
-//! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d)].
+//! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d), reset (1)].
+//! reset = 1 when a segment head lies inside the span: the map is then the constant v, and every
+//! consumer selects v instead of forming M x_in + v (M is 0 there, but 0 * NaN is NaN: a non-finite
+//! value of one segment would leak into the next one). The same selection in compose() keeps the
+//! lifted monoid associative, so resets survive block, tile and rank boundaries exactly.
 
 #include <loom/scan/detail/monoid_kernel.hpp>
 #include <loom/scan/detail/stream.hpp>
@@ -57,7 +61,7 @@ struct recurrence_kernel {
         adjoint(adj),
         first_window(first) {
     carry_size = d;
-    agg_size = St::a_size(d) + d;
+    agg_size = St::a_size(d) + d + 1;
     scratch_size = 2 * St::a_size(d) + 2 * d;
   }
 
@@ -106,7 +110,10 @@ struct recurrence_kernel {
   LOOM_HD void identity_agg(Acc* agg) const {
     St::identity(d, agg);
     for (index_t c = 0; c < d; ++c) agg[St::a_size(d) + c] = Acc(0);
+    agg[St::a_size(d) + d] = Acc(0);
   }
+  //! Whether aggregate g holds a segment head (its map ignores what enters it).
+  LOOM_HD bool resets(const Acc* g) const { return g[St::a_size(d) + d] != Acc(0); }
 
   //! The value entering global position 0.
   LOOM_HD void global_init_carry(Acc* c) const {
@@ -122,47 +129,74 @@ struct recurrence_kernel {
       for (index_t k = 0; k < d; ++k) c[k] = Acc(0);
   }
 
+  //! Before the first head the block's map is composed row by row (M and v); from a head on the map
+  //! is constant, so only v is carried (restarted from the segment's initial value).
   LOOM_HD void reduce(index_t begin, index_t end, Acc* agg, Acc* scratch) const {
     const index_t asz = St::a_size(d);
     Acc *m0 = scratch, *m1 = scratch + asz, *x0 = scratch + 2 * asz, *x1 = x0 + d;
     St::identity(d, m0);
     for (index_t c = 0; c < d; ++c) x0[c] = Acc(0);
     index_t next = hd.segments == 0 ? hd.count : hd.first_at_or_after(begin);
+    bool reset = false;
     for (index_t p = begin; p < end; ++p) {
       const index_t t = row(p);
       if (p == next) {
-        for (index_t e = 0; e < asz; ++e) m0[e] = Acc(0);
+        reset = true;
         load_init(segment_of(p), x0);
         next = hd.next_after(p);
       }
-      if (fused_diagonal && !adjoint) {
-        diagonal_step(t, x0, x1, m0, m1);
+      if (reset) {
+        if (fused_diagonal && !adjoint)
+          diagonal_step(t, x0, x1, nullptr, nullptr);
+        else
+          step_vec(t, x0, x1);
       } else {
-        step_vec(t, x0, x1);
-        St::matmat(a + t * a_stride, adjoint, d, m0, m1);
+        if (fused_diagonal && !adjoint) {
+          diagonal_step(t, x0, x1, m0, m1);
+        } else {
+          step_vec(t, x0, x1);
+          St::matmat(a + t * a_stride, adjoint, d, m0, m1);
+        }
+        Acc* tm = m0;
+        m0 = m1;
+        m1 = tm;
       }
-      Acc* tm = m0;
-      m0 = m1;
-      m1 = tm;
       Acc* tx = x0;
       x0 = x1;
       x1 = tx;
     }
-    for (index_t e = 0; e < asz; ++e) agg[e] = m0[e];
+    for (index_t e = 0; e < asz; ++e) agg[e] = reset ? Acc(0) : m0[e];
     for (index_t c = 0; c < d; ++c) agg[asz + c] = x0[c];
+    agg[asz + d] = reset ? Acc(1) : Acc(0);
   }
 
+  //! out = the carry after a span: agg's v when the span holds a head (selected, never 0 * carry),
+  //! else M carry + v.
   LOOM_HD void advance(const Acc* carry, const Acc* agg, Acc* out) const {
     const index_t asz = St::a_size(d);
+    if (resets(agg)) {
+      for (index_t c = 0; c < d; ++c) out[c] = agg[asz + c];
+      return;
+    }
     St::matvec(agg, false, d, carry, out);
     for (index_t c = 0; c < d; ++c) out[c] += agg[asz + c];
   }
 
+  //! The aggregate of `first` then `second`: second itself when it holds a head, else
+  //! (M2 M1, M2 v1 + v2) with first's reset flag.
   LOOM_HD void compose(const Acc* first, const Acc* second, Acc* out) const {
     const index_t asz = St::a_size(d);
-    St::matmat(second, false, d, first, out);
+    if (resets(second)) {
+      for (index_t e = 0; e < asz + d + 1; ++e) out[e] = second[e];
+      return;
+    }
+    if (resets(first))
+      for (index_t e = 0; e < asz; ++e) out[e] = Acc(0);  // a constant map stays constant
+    else
+      St::matmat(second, false, d, first, out);
     St::matvec(second, false, d, first + asz, out + asz);
     for (index_t c = 0; c < d; ++c) out[asz + c] += second[asz + c];
+    out[asz + d] = first[asz + d];
   }
 
   //! ht[0, d) = y. On x86 hosts, a state of 16 bytes or more in the accumulation type goes to
