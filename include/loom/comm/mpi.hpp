@@ -109,13 +109,16 @@ class mpi {
   //! Completes the request, waiting at most options().timeout for the peer.
   //! @throws loom::error: timeout (naming the isend / irecv and the peer; the receive is cancelled,
   //! the send freed, the communicator unusable), comm_failure (a receive whose message holds another
-  //! count, an MPI error, a communicator already unusable). An empty or already waited request
-  //! returns at once.
+  //! count, an MPI error, a communicator already unusable: the request is then cancelled or freed
+  //! too). An empty or already waited request returns at once.
   void wait(request& r) {
     if (!r.valid()) return;
     auto& q = *r.p_;
-    ensure_usable("wait");
     MPI_Status status;
+    if (!usable()) {  // nobody will complete it: release it, so nothing stays pending
+      (void)abandon(q, status);
+      ensure_usable("wait");
+    }
     const char* call = q.is_send ? "MPI_Isend" : "MPI_Irecv";
     if (!detail::mpi_poll(q.req, &status, detail::deadline_after(s_->options.timeout), "wait", call) &&
         !abandon(q, status))
