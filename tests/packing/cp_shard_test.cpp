@@ -222,3 +222,53 @@ TEST_CASE("shard::make_plan rejections", "[packing][shard][errors]") {
   CHECK_THROWS_WITH(p.gather(0, std::span<const float>(l), 2, std::span<float>(g)),
                     Catch::Contains("global array holds 9"));
 }
+
+TEST_CASE("shard::make_plan: products and sums of sizes that overflow are errors naming the argument",
+          "[packing][shard][errors][overflow]") {
+  using loom::test::require_loom_error;
+  const auto inv = loom::errc::invalid_argument;
+  constexpr index_t two_62 = index_t{1} << 62;
+  // r * total for r <= P (contiguous), k * total for k <= 2P (zigzag).
+  const std::vector<index_t> huge{0, two_62};
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(huge), 4, shard::contiguous{}); }, inv,
+                     {"shard::make_plan: ranks * cu_seqlens.back() = 4 * 4611686018427387904 overflows"});
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(huge), 2, shard::zigzag{}); }, inv,
+                     {"shard::make_plan: 2 * ranks * cu_seqlens.back() = 4 * 4611686018427387904 overflows"});
+  // The causal pairs of a rank: one document too long to count them, two whose sum overflows.
+  const std::vector<index_t> long_doc{0, 5, 5'000'000'005};
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(long_doc), 2, shard::per_document{}); }, inv,
+                     {"shard::make_plan: document 1 of cu_seqlens has 5000000000 tokens", "up to 4294967295"});
+  const index_t m = pk::max_causal_length;
+  const std::vector<index_t> two_long{0, m, 2 * m};
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(two_long), 1, shard::contiguous{}); }, inv,
+                     {"shard::make_plan: the causal pairs of the documents of cu_seqlens = 9223372034707292160 + "
+                      "9223372034707292160 overflows"});
+  // scatter / gather: total tokens * row.
+  const std::vector<index_t> ok{0, 4, 9};
+  const auto p = shard::make_plan(std::span<const index_t>(ok), 2, shard::zigzag{});
+  std::vector<float> g(9), l(5);
+  require_loom_error([&] { p.scatter(0, std::span<const float>(g), two_62, std::span<float>(l)); }, inv,
+                     {"shard::plan::scatter: total tokens * row = 9 * 4611686018427387904 overflows"});
+  require_loom_error([&] { p.gather(0, std::span<const float>(l), two_62, std::span<float>(g)); }, inv,
+                     {"shard::plan::gather: total tokens * row = 9 * 4611686018427387904 overflows"});
+}
+
+TEST_CASE("shard::make_plan of 5e9 tokens: exact causal pairs per rank", "[packing][shard][overflow]") {
+  // Ten documents of 5e8 tokens: 5e9 in all (beyond 32 bits), each document's causal pairs
+  // 125000000250000000, their sum 1.25e18 (within 64 bits). Contiguous on 2 ranks gives five
+  // documents each; per_document gives each rank half of every document's pairs.
+  const std::vector<index_t> lengths(10, 500'000'000);
+  const auto cu = cu_of(lengths);
+  REQUIRE(cu.back() == 5'000'000'000);
+  for (const auto& p : {shard::make_plan(std::span<const index_t>(cu), 2, shard::contiguous{}),
+                        shard::make_plan(std::span<const index_t>(cu), 2, shard::per_document{})}) {
+    for (int r = 0; r < 2; ++r) {
+      CHECK(p.rank(r).tokens == 2'500'000'000);
+      CHECK(p.rank(r).causal_pairs == 625000001250000000);
+    }
+    CHECK(p.to_local(4'999'999'999).local == 2'499'999'999);
+  }
+  const auto z = shard::make_plan(std::span<const index_t>(cu), 2, shard::zigzag{});
+  CHECK(z.rank(0).tokens + z.rank(1).tokens == 5'000'000'000);
+  CHECK(z.rank(0).causal_pairs + z.rank(1).causal_pairs == 1250000002500000000);
+}

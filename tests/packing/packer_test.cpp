@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <packing/support.hpp>
@@ -468,4 +469,135 @@ TEST_CASE("packing::parallel degree rejections", "[packing][degree][errors]") {
                     Catch::Contains("document 1 has length 0"));
   CHECK_THROWS_WITH(pk::exact_parallel_degree(std::vector<index_t>(7, 1), {.ranks = 2, .memory_tokens = 60}),
                     Catch::Contains("tiny inputs"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sizes near the limits of a 64-bit index, and the delay bound 0
+
+namespace {
+constexpr index_t max_index = std::numeric_limits<index_t>::max();
+constexpr index_t two_62 = index_t{1} << 62;
+using loom::test::require_loom_error;
+}  // namespace
+
+TEST_CASE("packing::causal_pairs and chunk_causal_pairs reject counts that overflow, naming the length",
+          "[packing][cost][errors][overflow]") {
+  STATIC_REQUIRE(pk::causal_pairs(pk::max_causal_length) == 9223372034707292160);  // (2^32 - 1) 2^31
+  STATIC_REQUIRE(pk::causal_pairs(3037000499) == 4611686016981624750);  // odd n
+  STATIC_REQUIRE(pk::chunk_causal_pairs(0, pk::max_causal_length) == pk::causal_pairs(pk::max_causal_length));
+  const auto inv = loom::errc::invalid_argument;
+  require_loom_error([] { (void)pk::causal_pairs(pk::max_causal_length + 1); }, inv,
+                     {"causal_pairs: length must be <= 4294967295", "got 4294967296"});
+  require_loom_error([] { (void)pk::causal_pairs(5'000'000'000); }, inv,
+                     {"causal_pairs: length must be <= 4294967295", "got 5000000000"});
+  require_loom_error([] { (void)pk::chunk_causal_pairs(0, 5'000'000'000); }, inv,
+                     {"chunk_causal_pairs: length must be <= 4294967295", "got 5000000000"});
+  require_loom_error([] { (void)pk::chunk_causal_pairs(index_t{1} << 40, index_t{1} << 30); }, inv,
+                     {"chunk_causal_pairs: length * offset = 1073741824 * 1099511627776 overflows"});
+  // length * offset fits, the pairs inside the chunk push the sum over.
+  require_loom_error([] { (void)pk::chunk_causal_pairs(index_t{1} << 31, pk::max_causal_length); }, inv,
+                     {"chunk_causal_pairs: length * offset + length (length + 1) / 2 = 9223372034707292160 + "
+                      "9223372034707292160 overflows"});
+}
+
+TEST_CASE("packing::cost_model: any length has a cost, equal to the exact pair count where it fits",
+          "[packing][cost][overflow]") {
+  const pk::cost_model m;  // alpha 1: the cost is the pair count
+  auto g = loom::test::rng(2);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const index_t n = std::uniform_int_distribution<index_t>(0, pk::max_causal_length)(g);
+    const index_t off = std::uniform_int_distribution<index_t>(0, pk::max_causal_length)(g);
+    REQUIRE(m(n) == static_cast<double>(pk::causal_pairs(n)));
+    REQUIRE(m.chunk(off, n % 100000) == static_cast<double>(pk::chunk_causal_pairs(off, n % 100000)));
+  }
+  CHECK(m(pk::max_causal_length) == 9223372034707292160.0);
+  CHECK(m(5'000'000'000) == 12500000002500000000.0);  // 5e9 (5e9 + 1) / 2, beyond 2^63
+  CHECK(m(max_index) == 4.2535295865117307932921825928971e37);
+  const pk::cost_model affine{.alpha = 2.0, .beta = 3.0, .gamma = 5.0};
+  CHECK(affine(5'000'000'000) == 2.0 * 12500000002500000000.0 + 3.0 * 5e9 + 5.0);
+  CHECK(affine(0) == 5.0);
+  CHECK(affine.chunk(7, 0) == 0.0);
+}
+
+TEST_CASE("packing::micro_batch::add rejects a token count that overflows", "[packing][errors][overflow]") {
+  pk::micro_batch mb;
+  mb.add(0, max_index - 1);
+  mb.add(1, 1);
+  CHECK(mb.tokens() == max_index);
+  require_loom_error([&] { mb.add(2, 1); }, loom::errc::invalid_argument,
+                     {"micro_batch::add: tokens() + length = 9223372036854775807 + 1 overflows"});
+  CHECK(mb.documents == std::vector<index_t>{0, 1});  // unchanged by the failed add
+  CHECK(mb.cu_seqlens == std::vector<index_t>{0, max_index - 1, max_index});
+}
+
+TEST_CASE("packing::wlb with lengths near 2^62: token sums compare without overflow", "[packing][wlb][overflow]") {
+  // Two documents of 2^62 tokens do not share a micro-batch under a cap of 2^63 - 1 (their sum is
+  // 2^63); a document of 2^62 - 1 tokens does, and the micro-batch then holds exactly the cap.
+  pk::wlb_packer p({.micro_batches = 1, .token_cap = max_index});
+  const auto s0 = p.push(std::vector<pk::document>{{0, two_62}, {1, two_62}});
+  CHECK(ids(s0.micro_batches) == std::vector<std::vector<index_t>>{{0}});
+  CHECK(s0.waiting == std::vector<index_t>{1});
+  const auto s1 = p.push(std::vector<pk::document>{{2, two_62 - 1}});
+  CHECK(ids(s1.micro_batches) == std::vector<std::vector<index_t>>{{1, 2}});
+  CHECK(s1.micro_batches[0].cu_seqlens == std::vector<index_t>{0, two_62, max_index});
+  CHECK(s1.waiting.empty());
+  CHECK(p.pending() == 0);
+}
+
+TEST_CASE("packing::wlb with max_delay_steps = 0 never delays a document", "[packing][wlb][delay]") {
+  // Documents that fit are emitted in the step they arrive, outliers included.
+  pk::wlb_packer p({.micro_batches = 2, .token_cap = 10, .outlier_thresholds = {6}, .max_delay_steps = 0});
+  const auto s0 = p.push(std::vector<pk::document>{{1, 4}, {2, 7}, {3, 5}});
+  CHECK(ids(s0.micro_batches) == std::vector<std::vector<index_t>>{{2}, {3, 1}});
+  CHECK(s0.waiting.empty());
+  CHECK(p.pending() == 0);
+  // Two documents of 8 tokens and one micro-batch of 10: the second cannot be emitted now, and
+  // the bound 0 forbids carrying it: push says so (it used to emit it one step late).
+  pk::wlb_packer q({.micro_batches = 1, .token_cap = 10, .max_delay_steps = 0});
+  require_loom_error(
+      [&] {
+        q.push(std::vector<pk::document>{{1, 8}, {2, 8}});
+      },
+      loom::errc::unsupported,
+      {"wlb_packer: document 2 (8 tokens) has waited 0 steps, the bound (max_delay_steps = 0)",
+       "do not fit into 1 micro-batches of 10 tokens"});
+  // The bound is named whatever it is: four documents, one fits per step; at step 2 two are due.
+  pk::wlb_packer r({.micro_batches = 1, .token_cap = 10, .max_delay_steps = 2});
+  CHECK(r.push(std::vector<pk::document>{{1, 8}, {2, 8}, {3, 8}, {4, 8}}).waiting == std::vector<index_t>{2, 3, 4});
+  CHECK(ids(r.push(std::vector<pk::document>{}).micro_batches) == std::vector<std::vector<index_t>>{{2}});
+  require_loom_error([&] { r.push(std::vector<pk::document>{}); }, loom::errc::unsupported,
+                     {"document 4 (8 tokens) has waited 2 steps, the bound (max_delay_steps = 2)"});
+}
+
+TEST_CASE("packing::exact solvers near the index limit", "[packing][exact][overflow]") {
+  // No capacity (the default is the largest index): 2^62 + 2^62 exceeds it, so three such
+  // documents do not fit two micro-batches; two do.
+  const pk::cost_model m;
+  CHECK(!pk::exact_min_max_cost(std::vector<index_t>{two_62, two_62, two_62}, 2, m).feasible);
+  const auto two = pk::exact_min_max_cost(std::vector<index_t>{two_62, two_62}, 2, m);
+  CHECK(two.feasible);
+  CHECK(two.bin_of == std::vector<int>{0, 1});
+  // exact_min_bins: the sum of the lengths is formed, and overflows.
+  CHECK(pk::exact_min_bins(std::vector<index_t>{two_62, two_62 - 2}, {.capacity = max_index - 1}) == 1);
+  require_loom_error(
+      [] {
+        (void)pk::exact_min_bins(std::vector<index_t>{two_62, two_62, two_62}, {.capacity = max_index - 1});
+      },
+      loom::errc::invalid_argument,
+      {"exact_min_bins: the sum of lengths = 4611686018427387904 + 4611686018427387904 overflows"});
+}
+
+TEST_CASE("packing::parallel degree near the index limit", "[packing][degree][overflow]") {
+  // A sequence of 2^63 - 1 tokens on two ranks of 2^63 - 1 tokens each: its share per rank is
+  // rounded up without overflow, and spreading it halves the load.
+  const std::vector<index_t> l{max_index};
+  const pk::degree_options o{.ranks = 2, .memory_tokens = max_index};
+  for (const auto& plan : {pk::assign_parallel_degree(l, o), pk::exact_parallel_degree(l, o)}) {
+    REQUIRE(plan.groups.size() == 1);
+    CHECK(plan.groups[0].ranks == std::vector<int>{0, 1});
+    CHECK(plan.rank_tokens == std::vector<index_t>{two_62, two_62});
+  }
+  // Memory for one half only: rank 1 can take the other.
+  const pk::degree_options tight{.ranks = 2, .memory_tokens = two_62};
+  CHECK(pk::assign_parallel_degree(l, tight).rank_tokens == std::vector<index_t>{two_62, two_62});
 }

@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <random>
+#include <string>
+#include <string_view>
 #include <vector>
 
 namespace loom::test {
@@ -28,6 +31,22 @@ inline std::vector<index_t> long_tail(std::size_t n, tail t, index_t window, std
     x = std::clamp<index_t>(static_cast<index_t>(d), 1, window);
   }
   return v;
+}
+
+//! Runs f and requires a loom::error with `code` whose what() contains every part (the call and
+//! the names of the arguments).
+template <class F>
+void require_loom_error(F&& f, errc code, std::initializer_list<std::string_view> parts) {
+  try {
+    f();
+  } catch (const loom::error& e) {
+    const std::string what = e.what();
+    INFO(what);
+    CHECK(e.code() == code);
+    for (auto p : parts) CHECK(what.find(p) != std::string::npos);
+    return;
+  }
+  FAIL("no loom::error was thrown");
 }
 
 //! Every document id appears in exactly one micro-batch, with its own length.

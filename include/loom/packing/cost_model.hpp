@@ -5,6 +5,7 @@
 //! planner: a document of length l costs alpha * (causal pairs of l) + beta * l + gamma.
 //! Pair counts are exact integers; the causal pairs of a document include the diagonal.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/tensor_view.hpp>
 
@@ -14,38 +15,51 @@
 
 namespace loom::packing {
 
+//! The longest document whose causal pairs n (n + 1) / 2 fit a 64-bit count: 2^32 - 1 tokens.
+inline constexpr index_t max_causal_length = 4294967295;
+
 //! Causal (query, key) pairs of a document of n tokens, diagonal included: n (n + 1) / 2.
-//! @throws loom::error(invalid_argument) if n < 0.
+//! @throws loom::error(invalid_argument) if n < 0 or n > max_causal_length (the count would
+//! overflow a 64-bit integer).
 constexpr std::int64_t causal_pairs(index_t n) {
   LOOM_EXPECTS(n >= 0, errc::invalid_argument, "causal_pairs: length must be >= 0, got ", n);
-  return n * (n + 1) / 2;
+  LOOM_EXPECTS(n <= max_causal_length, errc::invalid_argument, "causal_pairs: length must be <= ", max_causal_length,
+               " (its n (n + 1) / 2 pairs must fit a 64-bit count), got ", n);
+  return n % 2 == 0 ? (n / 2) * (n + 1) : n * ((n + 1) / 2);
 }
 
 //! Causal pairs whose query lies in the chunk [offset, offset + length) of one document: every
 //! query attends to the offset earlier tokens and to its own prefix inside the chunk,
 //! length * offset + length (length + 1) / 2. Summed over a partition of the document into chunks
 //! it equals causal_pairs of the document.
+//! @throws loom::error(invalid_argument) if offset or length is negative or the count overflows
+//! a 64-bit integer.
 constexpr std::int64_t chunk_causal_pairs(index_t offset, index_t length) {
   LOOM_EXPECTS(offset >= 0 && length >= 0, errc::invalid_argument,
                "chunk_causal_pairs: offset and length must be >= 0, got ", offset, " and ", length);
-  return length * offset + length * (length + 1) / 2;
+  LOOM_EXPECTS(length <= max_causal_length, errc::invalid_argument,
+               "chunk_causal_pairs: length must be <= ", max_causal_length,
+               " (its length (length + 1) / 2 pairs must fit a 64-bit count), got ", length);
+  return detail::checked_add(detail::checked_mul(length, offset, "chunk_causal_pairs: length * offset"),
+                             causal_pairs(length), "chunk_causal_pairs: length * offset + length (length + 1) / 2");
 }
 
 //! cost(l) = alpha * causal_pairs(l) + beta * l + gamma (gamma once per document or piece).
 //! alpha models attention, beta the per-token (GEMM, communication) work, gamma fixed overheads.
+//! The pair counts are formed in long double, exact below 2^64 on x86 (2^53 at least anywhere),
+//! and rounded once to double; they never overflow, so any length has a cost.
 struct cost_model {
   double alpha = 1.0;
   double beta = 0.0;
   double gamma = 0.0;
 
-  //! Cost of a whole document of `length` tokens.
-  [[nodiscard]] double operator()(index_t length) const {
-    return alpha * static_cast<double>(causal_pairs(length)) + beta * static_cast<double>(length) + gamma;
-  }
+  //! Cost of a whole document of `length` tokens (>= 0).
+  [[nodiscard]] double operator()(index_t length) const { return chunk(0, length) + (length > 0 ? 0.0 : gamma); }
   //! Cost of the queries [offset, offset + length) of a document (one piece of it on some rank).
   [[nodiscard]] double chunk(index_t offset, index_t length) const {
-    return alpha * static_cast<double>(chunk_causal_pairs(offset, length)) + beta * static_cast<double>(length) +
-           (length > 0 ? gamma : 0.0);
+    const auto l = static_cast<long double>(length), o = static_cast<long double>(offset);
+    const auto pairs = static_cast<double>(l * o + l * (l + 1.0L) / 2.0L);
+    return alpha * pairs + beta * static_cast<double>(length) + (length > 0 ? gamma : 0.0);
   }
 };
 
@@ -67,8 +81,8 @@ inline cost_model fit_cost_model(std::span<const cost_sample> samples) {
     LOOM_EXPECTS(s.length >= 1, errc::invalid_argument, "fit_cost_model: sample lengths must be >= 1, got ", s.length);
     LOOM_EXPECTS(std::isfinite(s.seconds), errc::invalid_argument, "fit_cost_model: sample time must be finite");
     if (seen < 3 && s.length != distinct[0] && s.length != distinct[1]) distinct[seen++] = s.length;
-    const long double f[3] = {static_cast<long double>(causal_pairs(s.length)), static_cast<long double>(s.length),
-                              1.0L};
+    const auto l = static_cast<long double>(s.length);
+    const long double f[3] = {l * (l + 1.0L) / 2.0L, l, 1.0L};  // causal pairs, exact below 2^32 tokens
     for (int i = 0; i < 3; ++i) {
       for (int j = 0; j < 3; ++j) a[i][j] += f[i] * f[j];
       a[i][3] += f[i] * static_cast<long double>(s.seconds);

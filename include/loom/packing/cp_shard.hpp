@@ -20,6 +20,7 @@
 //! where a document starts (where a scan resets its state), and the exact causal work. It maps
 //! global token positions to (rank, local position) and back.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/packing/cost_model.hpp>
@@ -135,6 +136,8 @@ class plan {
     LOOM_EXPECTS(r >= 0 && r < ranks(), errc::invalid_argument, "shard::plan::", who, ": rank ", r, " outside [0, ",
                  ranks(), ")");
     LOOM_EXPECTS(row > 0, errc::invalid_argument, "shard::plan::", who, ": row must be > 0, got ", row);
+    LOOM_EXPECTS(!loom::detail::mul_overflows(total_tokens(), row), errc::invalid_argument, "shard::plan::", who,
+                 ": total tokens * row = ", total_tokens(), " * ", row, " overflows a 64-bit signed integer");
     LOOM_EXPECTS(global == static_cast<std::size_t>(total_tokens() * row), errc::shape_mismatch, "shard::plan::", who,
                  ": the global array holds ", global, " elements, expected ", total_tokens(), " tokens x ", row);
     const auto want = static_cast<std::size_t>(rank_[static_cast<std::size_t>(r)].tokens * row);
@@ -172,7 +175,9 @@ inline void append_range(rank_plan& rp, std::span<const index_t> cu, index_t g0,
 //! Plans `ranks` shards of the packed sequence described by cu_seqlens (offsets, size docs + 1,
 //! starting at 0, non-decreasing; empty documents are allowed and hold no tokens).
 //! O(tokens / chunk + documents * ranks) time; the plan is the same on every rank that calls it.
-//! @throws loom::error(invalid_argument) for ranks < 1 or malformed cu_seqlens.
+//! @throws loom::error(invalid_argument) for ranks < 1, malformed cu_seqlens, sizes whose
+//! products overflow (ranks * tokens, 2 * ranks * tokens for zigzag), a document longer than
+//! packing::max_causal_length, or causal pairs summed over the documents beyond 2^63 - 1.
 template <strategy S>
 plan make_plan(std::span<const index_t> cu_seqlens, int ranks, S) {
   LOOM_EXPECTS(ranks >= 1, errc::invalid_argument, "shard::make_plan: ranks must be >= 1, got ", ranks);
@@ -182,11 +187,27 @@ plan make_plan(std::span<const index_t> cu_seqlens, int ranks, S) {
     LOOM_EXPECTS(cu_seqlens[i] >= cu_seqlens[i - 1], errc::invalid_argument,
                  "shard::make_plan: cu_seqlens must be non-decreasing, but entry ", i, " (", cu_seqlens[i],
                  ") < entry ", i - 1, " (", cu_seqlens[i - 1], ")");
+  const index_t total = cu_seqlens.back();
+  const index_t p = ranks;
+  // Chunk boundaries are k * total / P (contiguous) and k * total / 2P (zigzag) for k <= P or 2P.
+  if constexpr (std::same_as<S, contiguous>)
+    (void)loom::detail::checked_mul(p, total, "shard::make_plan: ranks * cu_seqlens.back()");
+  else if constexpr (std::same_as<S, zigzag>)
+    (void)loom::detail::checked_mul(2 * p, total, "shard::make_plan: 2 * ranks * cu_seqlens.back()");
+  // Every rank's causal_pairs (and the middle work per_document balances) is at most the sum of
+  // the documents' causal pairs: it must fit a 64-bit count.
+  std::int64_t pairs = 0;
+  for (std::size_t d = 0; d + 1 < cu_seqlens.size(); ++d) {
+    const index_t len = cu_seqlens[d + 1] - cu_seqlens[d];
+    LOOM_EXPECTS(len <= packing::max_causal_length, errc::invalid_argument, "shard::make_plan: document ", d,
+                 " of cu_seqlens has ", len, " tokens; its causal pairs fit a 64-bit count only up to ",
+                 packing::max_causal_length, " tokens");
+    pairs = loom::detail::checked_add(pairs, packing::causal_pairs(len),
+                                      "shard::make_plan: the causal pairs of the documents of cu_seqlens");
+  }
   plan out;
   out.cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
   out.rank_.resize(static_cast<std::size_t>(ranks));
-  const index_t total = cu_seqlens.back();
-  const index_t p = ranks;
   auto& rk = out.rank_;
 
   if constexpr (std::same_as<S, contiguous>) {

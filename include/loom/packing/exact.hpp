@@ -9,6 +9,7 @@
 //! interchangeable), pruned by max(current max, average load, next item). Exponential in the
 //! worst case: inputs are limited to 24 documents and the search to options.node_limit nodes.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/packing/cost_model.hpp>
 #include <loom/packing/packer.hpp>
@@ -72,7 +73,7 @@ struct exact_search {
     bool tried_empty = false;
     for (int b = 0; b < bins; ++b) {
       const auto ub = static_cast<std::size_t>(b);
-      if (tokens[ub] + len[k] > capacity) continue;
+      if (len[k] > capacity - tokens[ub]) continue;  // tokens <= capacity: no overflow
       if (tokens[ub] == 0) {
         if (tried_empty) continue;  // empty bins are interchangeable
         tried_empty = true;
@@ -144,10 +145,10 @@ inline int exact_min_bins(std::span<const index_t> lengths, const exact_options&
   for (index_t l : lengths) {
     LOOM_EXPECTS(l <= options.capacity, errc::invalid_argument, "exact_min_bins: a document of ", l,
                  " tokens exceeds the capacity ", options.capacity);
-    total += l;
+    total = loom::detail::checked_add(total, l, "exact_min_bins: the sum of lengths");
   }
   if (lengths.empty()) return 0;
-  for (int k = static_cast<int>((total + options.capacity - 1) / options.capacity);; ++k) {
+  for (int k = static_cast<int>(loom::detail::ceil_div(total, options.capacity));; ++k) {
     const auto r = detail::exact_run(lengths, k, cost_model{}, options, true, "exact_min_bins");
     LOOM_EXPECTS(r.proven_optimal || r.feasible, errc::not_converged, "exact_min_bins: node limit reached at ", k,
                  " bins");

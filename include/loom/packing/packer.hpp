@@ -8,6 +8,7 @@
 //! Every packer is deterministic: documents are ordered by length (descending), equal lengths by
 //! id, or by a seeded hash of the id when options.seed != 0, so a seed replays a plan exactly.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/packing/cost_model.hpp>
@@ -36,9 +37,12 @@ struct micro_batch {
     for (std::size_t i = 0; i + 1 < cu_seqlens.size(); ++i) c += m(cu_seqlens[i + 1] - cu_seqlens[i]);
     return c;
   }
+  //! Appends document `id` of `length` tokens. @throws loom::error(invalid_argument) if the
+  //! micro-batch's token count would overflow.
   void add(index_t id, index_t length) {
+    const index_t end = loom::detail::checked_add(cu_seqlens.back(), length, "micro_batch::add: tokens() + length");
     documents.push_back(id);
-    cu_seqlens.push_back(cu_seqlens.back() + length);
+    cu_seqlens.push_back(end);
   }
 };
 

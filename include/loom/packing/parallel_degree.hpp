@@ -15,6 +15,7 @@
 //! of the maximum load it leaves and the average load the batch must reach (ties: the smaller d). exact_parallel_degree
 //! solves tiny cases by enumerating every rank subset per sequence, to measure the greedy's gap.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/packing/cost_model.hpp>
 #include <loom/packing/packer.hpp>
@@ -56,7 +57,7 @@ inline double share(const degree_options& o, index_t len, int d) {
   const double dd = d;
   return o.cost(len) / dd + o.comm_per_token * static_cast<double>(len) * (dd - 1) / dd;
 }
-inline index_t tokens_share(index_t len, int d) { return (len + d - 1) / d; }
+inline index_t tokens_share(index_t len, int d) { return loom::detail::ceil_div(len, index_t{d}); }
 
 inline void check_degree_inputs(std::span<const index_t> lengths, const degree_options& o, const char* who) {
   LOOM_EXPECTS(o.ranks > 0, errc::invalid_argument, who, ": ranks must be > 0, got ", o.ranks);
@@ -105,7 +106,7 @@ inline degree_plan assign_parallel_degree(std::span<const index_t> lengths, cons
     // least (spreading adds communication work for everyone); keep the best (ties: smaller d).
     std::vector<int> best_group;
     double best = std::numeric_limits<double>::infinity();
-    const int d_min = static_cast<int>((len + o.memory_tokens - 1) / o.memory_tokens);
+    const int d_min = static_cast<int>(loom::detail::ceil_div(len, o.memory_tokens));
     for (int d = d_min; d <= o.ranks; ++d) {
       const index_t need = detail::tokens_share(len, d);
       std::vector<int> group;
@@ -113,7 +114,7 @@ inline degree_plan assign_parallel_degree(std::span<const index_t> lengths, cons
       for (int r : by_load) {
         const auto ur = static_cast<std::size_t>(r);
         if (static_cast<int>(group.size()) == d) break;
-        if (out.rank_tokens[ur] + need > o.memory_tokens) continue;
+        if (need > o.memory_tokens - out.rank_tokens[ur]) continue;  // rank_tokens <= memory_tokens
         group.push_back(r);
         worst = std::max(worst, out.rank_load[ur] + detail::share(o, len, d));
       }
@@ -165,7 +166,7 @@ inline degree_plan exact_parallel_degree(std::span<const index_t> lengths, const
       double nxt = cur;
       for (std::size_t r = 0; r < nr; ++r)
         if (m >> r & 1u) {
-          fits = fits && tok[r] + need <= o.memory_tokens;
+          fits = fits && need <= o.memory_tokens - tok[r];
           nxt = std::max(nxt, load[r] + sh);
         }
       if (!fits || nxt >= best) continue;

@@ -10,8 +10,9 @@
 //!    (thresholds L_1 < L_2 < ...; level i holds L_i <= length < L_{i+1}); the others are placed.
 //! 2. A queue holding at least N documents (N = micro-batches per step) releases N of them, so the
 //!    long documents of a step arrive together and spread one per micro-batch.
-//! 3. Documents whose wait reached max_delay_steps are due: they are placed first, then released
-//!    and carried-over documents, then the new ones; each group longest first.
+//! 3. Documents whose wait reached max_delay_steps are due (with max_delay_steps = 0, every
+//!    document is due in the step it arrives): they are placed first, then released and
+//!    carried-over documents, then the new ones; each group longest first.
 //! 4. A document goes to the micro-batch of least modelled cost among those where it fits under
 //!    the token cap; if none has room it is carried to the next step.
 //! Delay bound: a document is emitted at most max_delay_steps steps after it was pushed. Due
@@ -124,6 +125,10 @@ class wlb_packer {
     std::vector<item> first, second;  // due documents, then released and carried ones
     for (auto& it : carried_) (due(it) ? first : second).push_back(it);
     carried_.clear();
+    if (o_.max_delay_steps == 0) {  // no document may wait: the new ones are due at once
+      first.insert(first.end(), fresh.begin(), fresh.end());
+      fresh.clear();
+    }
     for (auto& q : queues_) {
       // Due documents leave their queue whatever its size; a full queue releases N more.
       for (auto it = q.begin(); it != q.end();)
@@ -160,7 +165,8 @@ class wlb_packer {
     auto place = [&](const item& it) {
       std::size_t best = n;
       for (std::size_t b = 0; b < n; ++b)
-        if (out.micro_batches[b].tokens() + it.length <= o_.token_cap && (best == n || cost[b] < cost[best])) best = b;
+        if (it.length <= o_.token_cap - out.micro_batches[b].tokens() && (best == n || cost[b] < cost[best]))
+          best = b;  // tokens() <= token_cap: the difference does not overflow
       if (best == n) return false;
       out.micro_batches[best].add(it.id, it.length);
       cost[best] += o_.cost(it.length);
@@ -169,12 +175,13 @@ class wlb_packer {
     for (const auto& it : first)
       LOOM_EXPECTS(place(it), errc::unsupported, "wlb_packer: document ", it.id, " (", it.length,
                    " tokens) has waited ", step_ - it.arrived,
-                   " steps, the bound, but the documents due this step do not fit into ", n, " micro-batches of ",
-                   o_.token_cap, " tokens; more micro-batches or a larger cap are needed");
+                   " steps, the bound (max_delay_steps = ", o_.max_delay_steps,
+                   "), but the documents due this step do not fit into ", n, " micro-batches of ", o_.token_cap,
+                   " tokens; more micro-batches or a larger cap are needed");
     for (const auto& it : second)
       if (!place(it)) carried_.push_back(it);
     for (const auto& it : fresh)
-      if (!place(it)) carried_.push_back(it);
+      if (!place(it)) carried_.push_back(it);  // waits: max_delay_steps > 0 here
     for (const auto& it : carried_) out.waiting.push_back(it.id);
     for (const auto& q : queues_)
       for (const auto& it : q) out.waiting.push_back(it.id);
