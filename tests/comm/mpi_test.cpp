@@ -82,6 +82,17 @@ TEST_CASE("comm::mpi receive of the wrong size is an error, not a truncation", "
     CHECK_THROWS_WITH(c.wait(q), Catch::Contains("expects 5 elements") && Catch::Contains("held 3"));
   }
   c.barrier();
+  // And a message longer than the receive: MPI's truncation error, on the receiver; the sender
+  // completes (or would time out), it never hangs.
+  std::vector<int> more(c.rank() == 0 ? 5 : 3, 2);
+  if (c.rank() == 0) {
+    auto q = c.isend(std::span<const int>(more), 1, 13);
+    c.wait(q);
+  } else if (c.rank() == 1) {
+    auto q = c.irecv(std::span<int>(more), 0, 13);
+    CHECK_THROWS_WITH(c.wait(q), Catch::Contains("comm::mpi wait: MPI_Irecv failed"));
+  }
+  c.barrier();
 }
 
 TEST_CASE("comm::mpi ranks that disagree on a collective all throw", "[comm][mpi][errors]") {
@@ -113,6 +124,24 @@ TEST_CASE("comm::mpi one rank's bad arguments throw on every rank", "[comm][mpi]
   const std::string b = thrown([&] { c.broadcast(std::span<int>(&v, 1), c.rank() == 0 ? c.size() : 0); });
   CHECK_THAT(b, Catch::StartsWith("invalid_argument|") && Catch::Contains("broadcast"));
   if (c.rank() == 0) CHECK_THAT(b, Catch::Contains("root must be in [0, "));
+  // An all_to_allv block outside its buffer on the last rank.
+  const auto p = static_cast<std::size_t>(c.size());
+  const bool last = c.rank() == c.size() - 1;
+  std::vector<std::size_t> sc(p, 1), sd(p), rc(p, 1), rd(p);
+  for (std::size_t q = 0; q < p; ++q) sd[q] = rd[q] = q;
+  if (last) sd[0] = p;
+  std::vector<int> vs(p), vr(p);
+  const std::string av = thrown([&] {
+    c.all_to_allv(std::span<const int>(vs), std::span<const std::size_t>(sc), std::span<const std::size_t>(sd),
+                  std::span<int>(vr), std::span<const std::size_t>(rc), std::span<const std::size_t>(rd));
+  });
+  CHECK_THAT(av, Catch::StartsWith("shape_mismatch|") && Catch::Contains("all_to_allv"));
+  CHECK_THAT(av, Catch::Contains(last ? "send block for rank 0 [" : " rejected its arguments"));
+  // split agrees even without check_collectives: a negative color on one rank throws everywhere.
+  mpi unchecked(MPI_COMM_WORLD, {.check_collectives = false});
+  const std::string sp = thrown([&] { (void)unchecked.split(c.rank() == 0 ? -1 : 0, 0); });
+  CHECK_THAT(sp, Catch::StartsWith("invalid_argument|") && Catch::Contains("split"));
+  if (c.rank() == 0) CHECK_THAT(sp, Catch::Contains("color must be >= 0, got -1"));
   c.barrier();  // still usable afterwards
 }
 
