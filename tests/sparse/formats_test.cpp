@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 using loom::index_t;
@@ -292,4 +293,52 @@ TEST_CASE("sparse choose rejects bad arguments", "[sparse][chooser][reject]") {
   bad.bandwidth_gbs = 0;
   CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 1, 4, bad), Catch::Contains("cost_model bandwidths"));
   CHECK_THROWS_AS(ls::crossover_sparsity(8, 8, 1, 4, bad), loom::error);
+}
+
+TEST_CASE("sparse formats and conversions reject sizes whose products overflow, naming them",
+          "[sparse][reject][overflow]") {
+  constexpr index_t two_62 = index_t{1} << 62, max = std::numeric_limits<index_t>::max();
+  const auto inv = loom::errc::invalid_argument;
+  // csr: rows + 1 offsets.
+  require_error([] { ls::csr<float>(max, 4, {0}, {}, {}); }, inv, "csr: rows + 1 = 9223372036854775807 + 1 overflows");
+  // bitmap: tiles, then mask words.
+  require_error([] { ls::bitmap<float>(max, max, {}, {0}, {}); }, inv,
+                "bitmap: tiles = ceil(rows / 8) * ceil(cols / 64) = 1152921504606846976 * 144115188075855872 "
+                "overflows");
+  require_error([] { ls::bitmap<float>(max, 64, {}, {0}, {}); }, inv,
+                "bitmap: masks words = tiles * 8 = 1152921504606846976 * 8 overflows");
+  // n_m: rows * groups * N slots (2^62 * 2 * 2 used to wrap to 0 and pass with empty arrays).
+  require_error([] { ls::n_m<2, 4, float>(two_62, 8, {}, {}); }, inv,
+                "n_m: rows * groups = 4611686018427387904 * 2 overflows");
+  require_error([] { ls::n_m<4, 8, float>(index_t{1} << 61, 8, {}, {}); }, inv,
+                "n_m: rows * groups * N = 2305843009213693952 * 4 overflows");
+  // Conversions from dense views whose extents multiply past the index range (the views are
+  // unchecked; no element is read before the check).
+  float x = 1;
+  const loom::tensor_view<const float, 2> tall(&x, {two_62, 4}, {0, 0});
+  require_error(
+      [&] {
+        (void)ls::to_n_m<2, 4>(loom::tensor_view<const float, 2>(&x, {two_62, 8}, {0, 0}));
+      },
+      inv, "to_n_m: rows * groups = 4611686018427387904 * 2 overflows");
+  require_error(
+      [&] {
+        (void)ls::to_n_m<4, 8>(loom::tensor_view<const float, 2>(&x, {index_t{1} << 61, 8}, {0, 0}));
+      },
+      inv, "to_n_m: rows * groups * N = 2305843009213693952 * 4 overflows");
+  require_error([&] { (void)ls::to_dense(tall); }, inv, "to_dense: rows * cols = 4611686018427387904 * 4 overflows");
+  require_error(
+      [&] {
+        (void)ls::to_csr(loom::tensor_view<const float, 2>(&x, {max, 1}, {0, 0}));
+      },
+      inv, "to_csr: rows + 1 = 9223372036854775807 + 1 overflows");
+  require_error(
+      [&] {
+        (void)ls::to_bitmap(loom::tensor_view<const float, 2>(&x, {max, 64}, {0, 0}));
+      },
+      inv, "to_bitmap: tiles * 8 = 1152921504606846976 * 8 overflows");
+  require_error([&] { (void)ls::prune_magnitude(tall, 0.5); }, inv,
+                "prune_magnitude: rows * cols = 4611686018427387904 * 4 overflows");
+  require_error([&] { (void)ls::prune_n_m<2, 4>(tall); }, inv,
+                "prune_n_m: rows * cols = 4611686018427387904 * 4 overflows");
 }

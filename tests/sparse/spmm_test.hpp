@@ -345,3 +345,130 @@ TEST_CASE("spmm rejects a B with no unit stride" LOOM_BACKEND_TAG, "[sparse][spm
   const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
   REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("B must be row-major"));
 }
+
+// ---------------------------------------------------------------------------------------------
+// C sharing memory with B, a bias overlapping C, and sizes that overflow
+
+namespace {
+
+// Runs f and requires a loom::error with `code` whose message contains `text`.
+template <class F>
+void require_loom_error(F&& f, loom::errc code, const char* text) {
+  try {
+    f();
+    FAIL("expected a loom::error containing '" << text << "'");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == code);
+    CHECK_THAT(e.what(), Catch::Contains(text));
+  }
+}
+
+// C = alpha A B + beta C with B and C in one buffer of (M + 1) x N (row-major or column-major):
+// B at element 0, C `shift` rows (row-major) or elements (column-major) further on. Returns C.
+template <class AV>
+std::vector<float> run_shared(const AV& a, index_t n, bool col_major, index_t shift, double beta,
+                              const std::vector<float>& init) {
+  const index_t m = a.rows;  // = K
+  buffer<float> io(init);
+  const index_t rs = col_major ? 1 : n, cs = col_major ? m + 1 : 1;
+  const loom::tensor_view<const float, 2, space> bv(io.data(), {m, n}, {rs, cs});
+  const loom::tensor_view<float, 2, space> cv(io.data() + shift * rs, {m, n}, {rs, cs});
+  ls::spmm(make_backend(), a, bv, cv, 1.0, beta);
+  const auto h = io.to_host();
+  std::vector<float> c(static_cast<std::size_t>(m * n));
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) c[i * n + j] = h[(i + shift) * rs + j * cs];
+  return c;
+}
+
+// The same product into a separate C that starts as the shared run's C did.
+template <class AV>
+std::vector<float> run_separate(const AV& a, index_t n, bool col_major, index_t shift, double beta,
+                                const std::vector<float>& init) {
+  const index_t m = a.rows;
+  const index_t rs = col_major ? 1 : n, cs = col_major ? m + 1 : 1;
+  buffer<float> bb(init), cc(init);
+  const loom::tensor_view<const float, 2, space> bv(bb.data(), {m, n}, {rs, cs});
+  const loom::tensor_view<float, 2, space> cv(cc.data() + shift * rs, {m, n}, {rs, cs});
+  ls::spmm(make_backend(), a, bv, cv, 1.0, beta);
+  const auto h = cc.to_host();
+  std::vector<float> c(static_cast<std::size_t>(m * n));
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < n; ++j) c[i * n + j] = h[(i + shift) * rs + j * cs];
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "spmm: C may share memory with B (C = A C in place, or shifted); same bits as separate buffers" LOOM_BACKEND_TAG,
+    "[sparse][spmm][alias]") {
+  const index_t m = 70;  // square A: K = M
+  const auto dense = make_matrix<float>(m, m, 0.7, true, 40);
+  const auto d24 = ls::prune_n_m<2, 4>(loom::tensor_view<const float, 2>(dense.data(), {m, m}));
+  const on_device_csr<float> a0(ls::to_csr(loom::tensor_view<const float, 2>(dense.data(), {m, m})));
+  const on_device_bitmap<float> a1(ls::to_bitmap(loom::tensor_view<const float, 2>(dense.data(), {m, m})));
+  const on_device_n_m<2, 4, float> a2(ls::to_n_m<2, 4>(loom::tensor_view<const float, 2>(d24.data(), {m, m})));
+  for (index_t n : {index_t{1}, index_t{5}, index_t{70}})
+    for (bool col_major : {false, true})
+      for (index_t shift : {index_t{0}, index_t{1}})
+        for (double beta : {0.0, 2.0}) {
+          INFO("N = " << n << (col_major ? " column-major" : " row-major") << ", C " << shift << " rows after B, beta "
+                      << beta);
+          const auto init = lt::small_integers<float>((m + 1) * n, -3, 3, static_cast<std::uint64_t>(n + shift));
+          REQUIRE(run_shared(a0.v, n, col_major, shift, beta, init) ==
+                  run_separate(a0.v, n, col_major, shift, beta, init));
+          REQUIRE(run_shared(a1.v, n, col_major, shift, beta, init) ==
+                  run_separate(a1.v, n, col_major, shift, beta, init));
+          REQUIRE(run_shared(a2.v, n, col_major, shift, beta, init) ==
+                  run_separate(a2.v, n, col_major, shift, beta, init));
+        }
+}
+
+TEST_CASE("spmm rejects a bias that shares memory with C" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  const ls::csr_view<float, space> a{4, 5, nullptr, nullptr, nullptr};
+  buffer<float> b(30), c(24);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6}, {1, 4});  // column-major
+  const loom::tensor_view<const float, 1, space> column0(c.data(), {4});
+  require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv, 1.0, 0.0, column0); }, loom::errc::invalid_argument,
+                     "spmm: bias and C share memory; bias must not overlap C");
+}
+
+TEST_CASE("spmm rejects sizes whose products overflow, naming them" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
+  // Unchecked views with absurd extents: no element is touched before the checks throw.
+  constexpr index_t two_62 = index_t{1} << 62, max = std::numeric_limits<index_t>::max();
+  buffer<float> x(1);
+  float* p = x.data();
+  const auto inv = loom::errc::invalid_argument;
+  {  // n_m: rows * groups * N slots
+    const auto a = ls::make_n_m_view<space, 2, 4>(two_62, index_t{8}, static_cast<const float*>(p),
+                                                  static_cast<const std::uint8_t*>(nullptr));
+    const loom::tensor_view<const float, 2, space> bv(p, {8, 1}, {1, 1});
+    const loom::tensor_view<float, 2, space> cv(p, {two_62, 1}, {1, 1});
+    require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv); }, inv,
+                       "spmm: A.rows * A.groups() = 4611686018427387904 * 2 overflows");
+  }
+  {  // bitmap: mask words
+    const auto a = ls::make_bitmap_view<space>(max, index_t{64}, static_cast<const std::uint64_t*>(nullptr),
+                                               static_cast<const index_t*>(nullptr), static_cast<const float*>(p));
+    const loom::tensor_view<const float, 2, space> bv(p, {64, 1}, {1, 1});
+    const loom::tensor_view<float, 2, space> cv(p, {max, 1}, {1, 1});
+    require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv); }, inv,
+                       "spmm: A's mask words (tiles * 8) = 1152921504606846976 * 8 overflows");
+  }
+  {  // the packed B panel: K * N
+    const ls::csr_view<float, space> a{1, index_t{1} << 31, nullptr, nullptr, nullptr};
+    const loom::tensor_view<const float, 2, space> bv(p, {index_t{1} << 31, index_t{1} << 33}, {1, 1});
+    const loom::tensor_view<float, 2, space> cv(p, {1, index_t{1} << 33}, {1, 1});
+    require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv); }, inv,
+                       "spmm: A.cols * B.cols (the packed B panel) = 2147483648 * 8589934592 overflows");
+  }
+  {  // work items: bands of 8 rows times chunks of 64 columns
+    const ls::csr_view<float, space> a{two_62, 1, nullptr, nullptr, nullptr};
+    const loom::tensor_view<const float, 2, space> bv(p, {1, index_t{1} << 20}, {1, 1});
+    const loom::tensor_view<float, 2, space> cv(p, {two_62, index_t{1} << 20}, {1, 1});
+    require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv); }, inv,
+                       "spmm: work items (A.rows / 8 * B.cols / 64) = 576460752303423488 * 16384 overflows");
+  }
+}

@@ -13,6 +13,7 @@
 //! slots). Every round trip dense -> format -> dense and format -> format is exact. Conversions
 //! are O(stored entries + rows + tiles), to_dense O(rows * cols); all host-side and serial.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/sparse/formats.hpp>
 
@@ -88,7 +89,8 @@ template <class Src>
 csr<detail::source_value_t<Src>> to_csr(const Src& src) {
   using T = detail::source_value_t<Src>;
   const index_t rows = detail::source_traits<Src>::rows(src), cols = detail::source_traits<Src>::cols(src);
-  std::vector<index_t> row_ptr(static_cast<std::size_t>(rows + 1), 0);
+  std::vector<index_t> row_ptr(
+      static_cast<std::size_t>(loom::detail::checked_add(rows, index_t{1}, "to_csr: rows + 1")), 0);
   std::vector<std::int32_t> col_idx;
   std::vector<T> values;
   detail::for_each_entry(src, [&](index_t r, index_t c, const T& v) {
@@ -106,9 +108,13 @@ bitmap<detail::source_value_t<Src>> to_bitmap(const Src& src) {
   using T = detail::source_value_t<Src>;
   const index_t rows = detail::source_traits<Src>::rows(src), cols = detail::source_traits<Src>::cols(src);
   const bitmap_view<T> shape{rows, cols};
-  const index_t gc = shape.grid_cols(), tiles = shape.tiles();
-  std::vector<std::uint64_t> masks(static_cast<std::size_t>(tiles * detail::tile_rows), 0);
-  std::vector<index_t> offsets(static_cast<std::size_t>(tiles + 1), 0);
+  const index_t gc = shape.grid_cols();
+  const index_t tiles =
+      loom::detail::checked_mul(shape.grid_rows(), gc, "to_bitmap: tiles = ceil(rows / 8) * ceil(cols / 64)");
+  std::vector<std::uint64_t> masks(
+      static_cast<std::size_t>(loom::detail::checked_mul(tiles, detail::tile_rows, "to_bitmap: tiles * 8")), 0);
+  std::vector<index_t> offsets(
+      static_cast<std::size_t>(loom::detail::checked_add(tiles, index_t{1}, "to_bitmap: tiles + 1")), 0);
   // Entries arrive row by row; a band of tile_rows rows is gathered per tile, then appended.
   std::vector<std::vector<T>> band(static_cast<std::size_t>(gc));
   std::vector<T> values;
@@ -138,9 +144,11 @@ template <int N, int M, class Src>
 n_m<N, M, detail::source_value_t<Src>> to_n_m(const Src& src) {
   using T = detail::source_value_t<Src>;
   const index_t rows = detail::source_traits<Src>::rows(src), cols = detail::source_traits<Src>::cols(src);
-  const index_t groups = (cols + M - 1) / M;
-  std::vector<int> count(static_cast<std::size_t>(rows * groups), 0);
-  std::vector<T> values(static_cast<std::size_t>(rows * groups * N), T(0.0f));
+  const index_t groups = loom::detail::ceil_div(cols, index_t{M});
+  const index_t cells = loom::detail::checked_mul(rows, groups, "to_n_m: rows * groups");
+  const index_t slots = loom::detail::checked_mul(cells, index_t{N}, "to_n_m: rows * groups * N");
+  std::vector<int> count(static_cast<std::size_t>(cells), 0);
+  std::vector<T> values(static_cast<std::size_t>(slots), T(0.0f));
   std::vector<std::uint8_t> indices(values.size(), 0);
   detail::for_each_entry(src, [&](index_t r, index_t c, const T& v) {
     if (detail::is_zero(v)) return;
@@ -150,7 +158,7 @@ n_m<N, M, detail::source_value_t<Src>> to_n_m(const Src& src) {
     values[cell * N + count[cell]] = v;
     indices[cell * N + count[cell]++] = static_cast<std::uint8_t>(c % M);
   });
-  for (index_t cell = 0; cell < rows * groups; ++cell) {  // pad with zeros, keep indices sorted
+  for (index_t cell = 0; cell < cells; ++cell) {  // pad with zeros, keep indices sorted
     std::uint8_t* idx = &indices[cell * N];
     T* val = &values[cell * N];
     for (int s = count[cell], free = 0; s < N; ++s, ++free) {
@@ -170,8 +178,8 @@ n_m<N, M, detail::source_value_t<Src>> to_n_m(const Src& src) {
 template <class Src>
 std::vector<detail::source_value_t<Src>> to_dense(const Src& src) {
   using T = detail::source_value_t<Src>;
-  const index_t cols = detail::source_traits<Src>::cols(src);
-  std::vector<T> d(static_cast<std::size_t>(detail::source_traits<Src>::rows(src) * cols), T(0.0f));
+  const index_t rows = detail::source_traits<Src>::rows(src), cols = detail::source_traits<Src>::cols(src);
+  std::vector<T> d(static_cast<std::size_t>(loom::detail::checked_mul(rows, cols, "to_dense: rows * cols")), T(0.0f));
   detail::for_each_entry(src, [&](index_t r, index_t c, const T& v) { d[r * cols + c] = v; });
   return d;
 }
@@ -190,7 +198,7 @@ std::vector<std::remove_cv_t<T>> prune_magnitude(tensor_view<T, 2, host_memory> 
   LOOM_EXPECTS(sparsity >= 0.0 && sparsity <= 1.0, errc::invalid_argument,
                "prune_magnitude: sparsity must be in [0, 1], got ", sparsity);
   const index_t rows = dense.extent(0), cols = dense.extent(1);
-  std::vector<V> out(static_cast<std::size_t>(rows * cols));
+  std::vector<V> out(static_cast<std::size_t>(loom::detail::checked_mul(rows, cols, "prune_magnitude: rows * cols")));
   for (index_t r = 0; r < rows; ++r)
     for (index_t c = 0; c < cols; ++c) out[r * cols + c] = dense(r, c);
   auto prune_range = [&](index_t begin, index_t count) {
@@ -217,7 +225,8 @@ template <int N, int M, class T>
 std::vector<std::remove_cv_t<T>> prune_n_m(tensor_view<T, 2, host_memory> dense) {
   using V = std::remove_cv_t<T>;
   const index_t rows = dense.extent(0), cols = dense.extent(1);
-  std::vector<V> out(static_cast<std::size_t>(rows * cols), V(0.0f));
+  std::vector<V> out(static_cast<std::size_t>(loom::detail::checked_mul(rows, cols, "prune_n_m: rows * cols")),
+                     V(0.0f));
   for (index_t r = 0; r < rows; ++r)
     for (index_t g = 0; g < cols; g += M) {
       const index_t w = cols - g < M ? cols - g : M;

@@ -11,6 +11,7 @@
 //! Bytes per dense element at sparsity s, element size e: csr  e(1-s) + 4(1-s) + 8/K;
 //! bitmap  e(1-s) + 1/8 + 1/64;  n_m  (e + 1) N/M.
 
+#include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/memory_space.hpp>
 #include <loom/core/tensor_view.hpp>
@@ -46,8 +47,8 @@ struct bitmap_view {
   const std::uint64_t* masks = nullptr;   //!< tiles() * tile_rows words
   const index_t* tile_offsets = nullptr;  //!< tiles() + 1 offsets into values
   const T* values = nullptr;
-  LOOM_HD constexpr index_t grid_rows() const noexcept { return (rows + detail::tile_rows - 1) / detail::tile_rows; }
-  LOOM_HD constexpr index_t grid_cols() const noexcept { return (cols + detail::tile_cols - 1) / detail::tile_cols; }
+  LOOM_HD constexpr index_t grid_rows() const noexcept { return loom::detail::ceil_div(rows, detail::tile_rows); }
+  LOOM_HD constexpr index_t grid_cols() const noexcept { return loom::detail::ceil_div(cols, detail::tile_cols); }
   LOOM_HD constexpr index_t tiles() const noexcept { return grid_rows() * grid_cols(); }
 };
 
@@ -64,7 +65,7 @@ requires(N >= 1 && M >= N && M <= 256) struct n_m_view {
   index_t rows = 0, cols = 0;
   const T* values = nullptr;
   const std::uint8_t* indices = nullptr;
-  LOOM_HD constexpr index_t groups() const noexcept { return (cols + M - 1) / M; }
+  LOOM_HD constexpr index_t groups() const noexcept { return loom::detail::ceil_div(cols, index_t{M}); }
 };
 
 //! Owning CSR on the host. 32-bit column indices, 64-bit row offsets.
@@ -74,9 +75,10 @@ class csr {
   using value_type = T;
   csr() = default;
   //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
-  //! negative or too large extents (cols must fit int32), row_ptr not of size rows + 1, not
-  //! starting at 0 or decreasing, row_ptr[rows] != col_idx.size(), values.size() != col_idx.size(),
-  //! a column index outside [0, cols), and unsorted or duplicate column indices within a row.
+  //! negative or too large extents (cols must fit int32, rows + 1 index_t), row_ptr not of size
+  //! rows + 1, not starting at 0 or decreasing, row_ptr[rows] != col_idx.size(), values.size() !=
+  //! col_idx.size(), a column index outside [0, cols), and unsorted or duplicate column indices
+  //! within a row.
   csr(index_t rows, index_t cols, std::vector<index_t> row_ptr, std::vector<std::int32_t> col_idx,
       std::vector<T> values)
       : rows_(rows),
@@ -113,10 +115,10 @@ class bitmap {
   using value_type = T;
   bitmap() = default;
   //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
-  //! negative extents, masks not of size tiles * tile_rows, a set bit outside the matrix (rows or
-  //! columns of edge tiles past the extents), tile_offsets not of size tiles + 1, not starting at
-  //! 0, or with tile_offsets[t + 1] - tile_offsets[t] != set bits of tile t, and values.size() !=
-  //! tile_offsets[tiles].
+  //! negative extents, a tile or word count that overflows index_t, masks not of size
+  //! tiles * tile_rows, a set bit outside the matrix (rows or columns of edge tiles past the
+  //! extents), tile_offsets not of size tiles + 1, not starting at 0, or with tile_offsets[t + 1] -
+  //! tile_offsets[t] != set bits of tile t, and values.size() != tile_offsets[tiles].
   bitmap(index_t rows, index_t cols, std::vector<std::uint64_t> masks, std::vector<index_t> tile_offsets,
          std::vector<T> values)
       : rows_(rows),
@@ -154,15 +156,16 @@ requires(N >= 1 && M >= N && M <= 256) class n_m {
   static constexpr int n = N, m = M;
   n_m() = default;
   //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
-  //! negative extents, values or indices not of size rows * groups * N, an in-group index not
-  //! below M, a nonzero value past the last column, or indices not strictly increasing in a group.
+  //! negative extents, rows * groups * N overflowing index_t, values or indices not of that size,
+  //! an in-group index not below M, a nonzero value past the last column, or indices not strictly
+  //! increasing in a group.
   n_m(index_t rows, index_t cols, std::vector<T> values, std::vector<std::uint8_t> indices)
       : rows_(rows), cols_(cols), values_(std::move(values)), indices_(std::move(indices)) {
     validate();
   }
   index_t rows() const noexcept { return rows_; }
   index_t cols() const noexcept { return cols_; }
-  index_t groups() const noexcept { return (cols_ + M - 1) / M; }
+  index_t groups() const noexcept { return loom::detail::ceil_div(cols_, index_t{M}); }
   //! Stored slots (rows * groups * N), explicit zeros included.
   index_t slots() const noexcept { return static_cast<index_t>(values_.size()); }
   //! Bytes of the two arrays: (sizeof(T) + 1) * N / M per dense element.
@@ -210,8 +213,9 @@ void csr<T>::validate() const {
   detail::check_extents(rows_, cols_, "csr");
   LOOM_EXPECTS(cols_ <= std::numeric_limits<std::int32_t>::max(), errc::invalid_argument,
                "csr: cols must fit a 32-bit column index, got ", cols_);
-  LOOM_EXPECTS(static_cast<index_t>(row_ptr_.size()) == rows_ + 1, errc::invalid_argument,
-               "csr: row_ptr must hold rows + 1 = ", rows_ + 1, " offsets, got ", row_ptr_.size());
+  const index_t offsets = loom::detail::checked_add(rows_, index_t{1}, "csr: rows + 1");
+  LOOM_EXPECTS(static_cast<index_t>(row_ptr_.size()) == offsets, errc::invalid_argument,
+               "csr: row_ptr must hold rows + 1 = ", offsets, " offsets, got ", row_ptr_.size());
   LOOM_EXPECTS(row_ptr_[0] == 0, errc::invalid_argument, "csr: row_ptr[0] must be 0, got ", row_ptr_[0]);
   const auto nnz = static_cast<index_t>(col_idx_.size());
   LOOM_EXPECTS(values_.size() == col_idx_.size(), errc::invalid_argument,
@@ -241,11 +245,15 @@ template <class T>
 void bitmap<T>::validate() const {
   detail::check_extents(rows_, cols_, "bitmap");
   const auto v = view();
-  const index_t tiles = v.tiles(), tr = detail::tile_rows;
-  LOOM_EXPECTS(static_cast<index_t>(masks_.size()) == tiles * tr, errc::invalid_argument, "bitmap: masks must hold ",
-               tiles * tr, " words (", tiles, " tiles x ", tr, " rows), got ", masks_.size());
-  LOOM_EXPECTS(static_cast<index_t>(offsets_.size()) == tiles + 1, errc::invalid_argument,
-               "bitmap: tile_offsets must hold tiles + 1 = ", tiles + 1, " offsets, got ", offsets_.size());
+  const index_t tr = detail::tile_rows;
+  const index_t tiles =
+      loom::detail::checked_mul(v.grid_rows(), v.grid_cols(), "bitmap: tiles = ceil(rows / 8) * ceil(cols / 64)");
+  const index_t words = loom::detail::checked_mul(tiles, tr, "bitmap: masks words = tiles * 8");
+  const index_t offsets = loom::detail::checked_add(tiles, index_t{1}, "bitmap: tiles + 1");
+  LOOM_EXPECTS(static_cast<index_t>(masks_.size()) == words, errc::invalid_argument, "bitmap: masks must hold ", words,
+               " words (", tiles, " tiles x ", tr, " rows), got ", masks_.size());
+  LOOM_EXPECTS(static_cast<index_t>(offsets_.size()) == offsets, errc::invalid_argument,
+               "bitmap: tile_offsets must hold tiles + 1 = ", offsets, " offsets, got ", offsets_.size());
   LOOM_EXPECTS(offsets_[0] == 0, errc::invalid_argument, "bitmap: tile_offsets[0] must be 0, got ", offsets_[0]);
   for (index_t t = 0; t < tiles; ++t) {
     const index_t r0 = (t / v.grid_cols()) * tr, c0 = (t % v.grid_cols()) * detail::tile_cols;
@@ -269,7 +277,8 @@ void bitmap<T>::validate() const {
 template <int N, int M, class T>
 requires(N >= 1 && M >= N && M <= 256) void n_m<N, M, T>::validate() const {
   detail::check_extents(rows_, cols_, "n_m");
-  const index_t slots = rows_ * groups() * N;
+  const index_t slots = loom::detail::checked_mul(loom::detail::checked_mul(rows_, groups(), "n_m: rows * groups"),
+                                                  index_t{N}, "n_m: rows * groups * N");
   LOOM_EXPECTS(static_cast<index_t>(values_.size()) == slots, errc::invalid_argument,
                "n_m: values must hold rows * groups * N = ", slots, " entries, got ", values_.size());
   LOOM_EXPECTS(static_cast<index_t>(indices_.size()) == slots, errc::invalid_argument,

@@ -7,6 +7,8 @@
 
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
+#include <loom/core/checked.hpp>
+#include <loom/core/overlap.hpp>
 #include <loom/sparse/detail/kernels.hpp>
 
 #include <string_view>
@@ -64,6 +66,21 @@ index_t rows_of(const AV& a) {
   return a.rows;
 }
 
+//! The counts a kernel forms from A's extents must fit index_t (views are built unchecked).
+template <class AV>
+void check_sizes(const AV& a) {
+  if constexpr (requires { AV::n; }) {  // n_m: slot (r * groups + g) * N
+    (void)loom::detail::checked_mul(loom::detail::checked_mul(a.rows, a.groups(), "spmm: A.rows * A.groups()"),
+                                    index_t{AV::n}, "spmm: A.rows * A.groups() * N");
+  } else if constexpr (requires { a.tiles(); }) {  // bitmap: mask word t * tile_rows + r
+    (void)loom::detail::checked_mul(
+        loom::detail::checked_mul(a.grid_rows(), a.grid_cols(), "spmm: A's tiles (ceil(rows / 8) * ceil(cols / 64))"),
+        tile_rows, "spmm: A's mask words (tiles * 8)");
+  } else {  // csr: row_ptr[rows]
+    (void)loom::detail::checked_add(a.rows, index_t{1}, "spmm: A.rows + 1");
+  }
+}
+
 template <class Backend, class AV, class BV, class CV, class Bias, class Hook>
 void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double alpha, double beta, const Bias* bias,
                const Hook& hook) {
@@ -92,12 +109,19 @@ void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double 
     LOOM_EXPECTS(bias->extent(0) == m, errc::shape_mismatch, "spmm: bias must hold A.rows = ", m, " values, got ",
                  bias->extent(0));
     LOOM_EXPECTS(bias->stride(0) == 1 || m <= 1, errc::invalid_argument, "spmm: bias must be contiguous");
+    LOOM_EXPECTS(!overlaps(*bias, c), errc::invalid_argument,
+                 "spmm: bias and C share memory; bias must not overlap C (it is read while C is written)");
   }
+  check_sizes(a);
+  const index_t panel = loom::detail::checked_mul(k, n, "spmm: A.cols * B.cols (the packed B panel)");
+  const index_t items =
+      loom::detail::checked_mul(loom::detail::ceil_div(m, tile_rows), loom::detail::ceil_div(n, n_block),
+                                "spmm: work items (A.rows / 8 * B.cols / 64)");
   if (m == 0 || n == 0) return;
 
   spmm_common<TC, Acc> common;
   common.n = n;
-  common.n_chunks = (n + n_block - 1) / n_block;
+  common.n_chunks = loom::detail::ceil_div(n, n_block);
   common.out = {c.data(),
                 c.stride(0),
                 c.stride(1),
@@ -106,17 +130,17 @@ void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double 
                 bias ? bias->data() : nullptr,
                 m};
   using K = typename format_of<AV>::template kernel<TC, Acc, Hook>;
-  const index_t items = ((m + tile_rows - 1) / tile_rows) * common.n_chunks;
   auto go = [&] { spmm_runner<Backend, AV>::run(b, K{a, common, hook}, items); };
-  // B is used in place when it is already a row-major panel of Acc (a unit-stride vector for N == 1).
-  const bool direct = std::is_same_v<TB, Acc> && (n == 1 ? bm.stride(0) == 1 : bm.stride(1) == 1);
+  // B is used in place when it is already a row-major panel of Acc (a unit-stride vector for N == 1)
+  // that C does not overlap; otherwise it is first copied into a panel, so C may share B's memory.
+  const bool direct = std::is_same_v<TB, Acc> && (n == 1 ? bm.stride(0) == 1 : bm.stride(1) == 1) && !overlaps(bm, c);
   if (direct) {
     common.b = reinterpret_cast<const Acc*>(bm.data());
     common.ldb = bm.stride(0);
     go();
   } else {
-    temporary_buffer<Backend, Acc> packed(b, k * n);
-    if (k > 0) for_each_index(b, k * n, pack_b<BV, Acc>{bm, packed.data(), n});
+    temporary_buffer<Backend, Acc> packed(b, panel);
+    if (k > 0) for_each_index(b, panel, pack_b<BV, Acc>{bm, packed.data(), n});
     common.b = packed.data();
     common.ldb = n;
     go();
