@@ -119,9 +119,12 @@ class mpi {
       (void)abandon(q, status);
       ensure_usable("wait");
     }
-    const char* call = q.is_send ? "MPI_Isend" : "MPI_Irecv";
-    if (!detail::mpi_poll(q.req, &status, detail::deadline_after(s_->options.timeout), "wait", call) &&
-        !abandon(q, status))
+    bool done = false;
+    if (const int rc = detail::mpi_poll(q.req, &status, detail::deadline_after(s_->options.timeout), done);
+        rc != MPI_SUCCESS)
+      throw error(errc::comm_failure, describe(q) + ": " + (q.is_send ? "MPI_Isend" : "MPI_Irecv") +
+                                          " failed: " + detail::mpi_error_text(rc));
+    if (!done && !abandon(q, status))
       timed_out(describe(q) + ": timed out after " + std::to_string(s_->options.timeout.count()) +
                 " ms waiting for rank " + std::to_string(q.peer));
     if (q.expected >= 0) {
@@ -384,7 +387,10 @@ class mpi {
   void run(const char* op, const char* call, Post&& post) {
     MPI_Request q = MPI_REQUEST_NULL;
     detail::mpi_check(post(&q), op, call);
-    if (detail::mpi_poll(q, MPI_STATUS_IGNORE, detail::deadline_after(s_->options.timeout), op, call)) return;
+    bool done = false;
+    detail::mpi_check(detail::mpi_poll(q, MPI_STATUS_IGNORE, detail::deadline_after(s_->options.timeout), done), op,
+                      call);
+    if (done) return;
     s_->orphans.push_back(q);  // a started collective can be neither cancelled nor freed
     timed_out("comm::mpi " + std::string(op) + " on rank " + std::to_string(rank_) + " (communicator of " +
               std::to_string(size_) + " ranks): " + call + " did not complete within " +

@@ -191,15 +191,19 @@ inline void mpi_keep_alive(std::shared_ptr<mpi_state> s) {
   kept->push_back(std::move(s));
 }
 
-//! Polls req with MPI_Test until it completes (true) or the deadline passes (false, req still
-//! active). Spins briefly, then yields between tests (ranks may outnumber cores).
-inline bool mpi_poll(MPI_Request& req, MPI_Status* status, clock::time_point deadline, const char* op,
-                     const char* call) {
+//! Polls req with MPI_Test until it completes (done = true) or the deadline passes (done = false,
+//! req still active). Spins briefly, then yields between tests (ranks may outnumber cores).
+//! Returns MPI's error code (MPI_SUCCESS, or e.g. MPI_ERR_TRUNCATE with done = true).
+inline int mpi_poll(MPI_Request& req, MPI_Status* status, clock::time_point deadline, bool& done) {
   for (unsigned spins = 0;; ++spins) {
-    int done = 0;
-    mpi_check(MPI_Test(&req, &done, status), op, call);
-    if (done) return true;
-    if (clock::now() >= deadline) return false;
+    int flag = 0;
+    const int rc = MPI_Test(&req, &flag, status);
+    done = flag != 0;
+    if (rc != MPI_SUCCESS) {
+      done = true;
+      return rc;
+    }
+    if (done || clock::now() >= deadline) return MPI_SUCCESS;
     if (spins >= 64) std::this_thread::yield();
   }
 }
