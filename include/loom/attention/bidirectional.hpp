@@ -22,8 +22,8 @@ void forward(const B& b, C& comm, bidirectional_kv, const shard::plan& plan, Q q
              const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::forward(bidirectional_kv)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  check_agreement(comm, plan, pb, opt, call);
+  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
+      comm, plan, opt, call, [&] { return check_forward(q, k, v, out, lse, opt, call); });
   using T = typename K::value_type;
   using Acc = accum_t<typename Q::value_type>;
   const int p = comm.size(), me = comm.rank();

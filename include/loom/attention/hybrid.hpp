@@ -155,6 +155,38 @@ groups<C> split(C& comm, const plan& hp) {
 namespace detail {
 using namespace loom::attention::ulysses::detail;
 
+//! The digest of a hybrid plan: the grid, the ring sharding and every group's Ulysses plan.
+inline std::uint64_t digest_of(const plan& hp) {
+  comm::hasher h;
+  h.add(hp.dims().ulysses, hp.dims().ring, attention::detail::digest_of(hp.ring_plan()));
+  for (int g = 0; g < hp.dims().ring; ++g) h.add(ulysses::detail::digest_of(hp.group(g)));
+  return h.value();
+}
+
+//! The agreement of a hybrid call over the whole grid, before any data moves: `local()` checks
+//! this rank's arguments and returns its problem; one agreement in the Ulysses group, then one in
+//! the ring group carrying the first one's outcome, so every rank of the grid throws the same
+//! error (ranks named by their rank in the whole grid) or none does.
+template <class T, class Acc, class C, class Local>
+problem agree_grid(groups<C>& gc, const plan& hp, const options& opt, std::string_view call, Local&& local) {
+  const int label = gc.ring.rank() * hp.dims().ulysses + gc.ulysses.rank();
+  problem pb{};
+  std::exception_ptr first;
+  try {
+    pb = agree_on<T, Acc>(gc.ulysses, digest_of(hp), opt, call, local, label);
+  } catch (const comm::agreement_error&) {
+    first = std::current_exception();
+  }
+  comm::agree(
+      gc.ring, call,
+      [&] {
+        if (first) std::rethrow_exception(first);
+        return attention_signature<T, Acc>(digest_of(hp), pb, opt);
+      },
+      label);
+  return pb;
+}
+
 template <class C>
 int group_of(const groups<C>& gc, const plan& hp, std::string_view call) {
   const grid g = hp.dims();
@@ -174,11 +206,17 @@ void forward(const B& b, groups<C>& gc, const plan& hp, Q q, K k, V v, O out, L 
   constexpr std::string_view call = "hybrid::forward";
   using T = typename Q::value_type;
   using Acc = accum_t<T>;
-  const int gr = group_of(gc, hp, call), u = gc.ulysses.rank();
-  const ulysses::plan& up = hp.group(gr);
-  const problem pb = check_views(q, k, v, out, lse, opt, call);
-  check_plan(gc.ulysses, up, pb, opt, call);
-  arena a = workspace_arena(workspace, up.template workspace_bytes<T>(), call);
+  const ulysses::plan* group = nullptr;
+  arena a{};
+  const problem pb = agree_grid<T, Acc>(gc, hp, opt, call, [&] {
+    group = &hp.group(group_of(gc, hp, call));
+    const problem p = check_views(q, k, v, out, lse, opt, call);
+    check_plan(gc.ulysses, *group, p, call);
+    a = workspace_arena(workspace, group->template workspace_bytes<T>(), call);
+    return p;
+  });
+  const ulysses::plan& up = *group;
+  const int u = gc.ulysses.rank();
   const fwd_buffers<T> f = carve_forward<T>(a, up, u);
   const auto& hs = up.heads();
   const auto& tk = up.tokens();
@@ -214,12 +252,18 @@ void backward(const B& b, groups<C>& gc, const plan& hp, Q q, K k, V v, O out, L
   using G = typename DQ::value_type;
   using Acc = accum_t<T>;
   static_assert(std::is_same_v<typename DO::value_type, T>, "hybrid attention: dout must have q's storage type");
-  const int gr = group_of(gc, hp, call), u = gc.ulysses.rank();
-  const ulysses::plan& up = hp.group(gr);
-  const problem pb = check_views(q, k, v, out, lse, opt, call);
-  check_gradients(pb, dout, dq, dk, dv, call);
-  check_plan(gc.ulysses, up, pb, opt, call);
-  arena a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
+  const ulysses::plan* group = nullptr;
+  arena a{};
+  const problem pb = agree_grid<T, Acc>(gc, hp, opt, call, [&] {
+    group = &hp.group(group_of(gc, hp, call));
+    const problem p = check_views(q, k, v, out, lse, opt, call);
+    check_gradients(p, dout, dq, dk, dv, call);
+    check_plan(gc.ulysses, *group, p, call);
+    a = workspace_arena(workspace, group->template workspace_bytes<T, G>(), call);
+    return p;
+  });
+  const ulysses::plan& up = *group;
+  const int u = gc.ulysses.rank();
   const bwd_buffers<T, G> f = carve_backward<T, G>(a, up, u);
   const auto& hs = up.heads();
   const auto& tk = up.tokens();

@@ -239,9 +239,18 @@ problem check_views(const Q& q, const K& k, const V& v, const O& out, const L& l
   return pb;
 }
 
+//! The digest of a Ulysses plan: its token plan and its shape (the head split follows from them).
+inline std::uint64_t digest_of(const plan& up) {
+  const auto& s = up.dims();
+  return comm::hasher{}
+      .add(attention::detail::digest_of(up.tokens()), s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
+      .value();
+}
+
+//! This rank's checks against a Ulysses plan (local: the agreement follows).
 template <comm::communicator C>
-void check_plan(C& comm, const plan& up, const problem& pb, const options& opt, std::string_view call) {
-  check_agreement(comm, up.tokens(), pb, opt, call);
+void check_plan(const C& comm, const plan& up, const problem& pb, std::string_view call) {
+  check_plan_rank(comm, up.tokens(), pb, call);
   const auto& s = up.dims();
   LOOM_EXPECTS(pb.hq == s.heads_q && pb.hkv == s.heads_kv && pb.dk == s.dim_qk && pb.dv == s.dim_v,
                errc::shape_mismatch, call, ": the plan is for heads ", s.heads_q, "/", s.heads_kv, ", dims ", s.dim_qk,
@@ -273,10 +282,14 @@ void forward(const B& b, C& comm, const plan& up, Q q, K k, V v, O out, L lse, c
   constexpr std::string_view call = "ulysses::forward";
   using T = typename Q::value_type;
   using Acc = accum_t<T>;
-  const problem pb = check_views(q, k, v, out, lse, opt, call);
-  check_plan(comm, up, pb, opt, call);
+  arena a{};
+  const problem pb = agree_on<T, Acc>(comm, digest_of(up), opt, call, [&] {
+    const problem p = check_views(q, k, v, out, lse, opt, call);
+    check_plan(comm, up, p, call);
+    a = workspace_arena(workspace, up.template workspace_bytes<T>(), call);
+    return p;
+  });
   const int me = comm.rank();
-  arena a = workspace_arena(workspace, up.template workspace_bytes<T>(), call);
   const fwd_buffers<T> f = carve_forward<T>(a, up, me);
   const auto& hs = up.heads();
   const auto& tk = up.tokens();
@@ -324,11 +337,15 @@ void backward(const B& b, C& comm, const plan& up, Q q, K k, V v, O out, L lse, 
   static_assert(std::is_same_v<typename DO::value_type, T>, "Ulysses attention: dout must have q's storage type");
   static_assert(std::is_same_v<typename DK::value_type, G> && std::is_same_v<typename DV::value_type, G>,
                 "Ulysses attention: dq, dk and dv must share one type");
-  const problem pb = check_views(q, k, v, out, lse, opt, call);
-  check_gradients(pb, dout, dq, dk, dv, call);
-  check_plan(comm, up, pb, opt, call);
+  arena a{};
+  const problem pb = agree_on<T, Acc>(comm, digest_of(up), opt, call, [&] {
+    const problem p = check_views(q, k, v, out, lse, opt, call);
+    check_gradients(p, dout, dq, dk, dv, call);
+    check_plan(comm, up, p, call);
+    a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
+    return p;
+  });
   const int me = comm.rank();
-  arena a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
   const bwd_buffers<T, G> f = carve_backward<T, G>(a, up, me);
   const auto& hs = up.heads();
   const auto& tk = up.tokens();

@@ -15,12 +15,14 @@
 //! row). Backward: one halo exchange, the cross-rank adjoint scan, and all_reduce(sum) of
 //! dtheta (param_size values) and dh0 (S × d values). Host-accessible backends only.
 
+#include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/rnn/newton.hpp>
 #include <loom/scan/distributed.hpp>
 
 #include <exception>
 #include <span>
+#include <typeinfo>
 #include <vector>
 
 namespace loom::rnn {
@@ -70,14 +72,17 @@ struct comm_context {
   }
   template <class St, class AV, class RV, class HV>
   void solve(St, AV a, RV rhs, HV h, bool with_init) {
-    scan::linear_recurrence(b, comm, St{}, a, rhs, h,
-                            scan::segments<T, Space>{offsets, with_init ? init : tensor_view<const T, 2, Space>{}, {}});
+    // Agreed once per solve (make_comm_engine): the scans inside skip their own agreement.
+    scan::detail::linear_recurrence_impl(
+        b, comm, St{}, a, rhs, h,
+        scan::segments<T, Space>{offsets, with_init ? init : tensor_view<const T, 2, Space>{}, {}}, {}, false);
   }
   template <class St, class AV, class GV, class LV, class DH0V>
   void adjoint(St, AV a, GV g, LV lambda, DH0V dh0) {
     for (index_t s = 0; s < dh0.extent(0); ++s)
       for (index_t c = 0; c < dh0.extent(1); ++c) dh0(s, c) = 0;  // rows of other ranks' sequences
-    scan::linear_recurrence_adjoint(b, comm, St{}, a, g, lambda, scan::adjoint_segments<T, Space>{offsets, {}, dh0});
+    scan::detail::linear_recurrence_adjoint_impl(b, comm, St{}, a, g, lambda,
+                                                 scan::adjoint_segments<T, Space>{offsets, {}, dh0}, {}, false);
   }
   template <class DTV, class DH0V>
   void sum_gradients(DTV dtheta, DH0V dh0) {
@@ -111,34 +116,38 @@ struct comm_context {
   }
 };
 
-//! Runs `body` on every rank; if any rank throws, every rank throws (the failing rank its own
-//! error, the others errc::invalid_argument naming the call), so no rank is left in a collective.
-template <comm::communicator C, class F>
-auto collective_checked(C& comm, std::string_view call, F&& body) {
-  std::exception_ptr err;
-  decltype(body()) r{};
-  try {
-    r = body();
-  } catch (...) {
-    err = std::current_exception();
-  }
-  int bad = err ? 1 : 0, any = 0;
-  comm.all_reduce(std::span<const int>(&bad, 1), std::span<int>(&any, 1), comm::reduce_op::max);
-  if (err) std::rethrow_exception(err);
-  LOOM_EXPECTS(any == 0, errc::invalid_argument, call, ": another rank rejected its arguments");
-  return r;
+//! What every rank of a sequence-parallel solve must agree on: the cell (its type and sizes),
+//! the options and the global cu_seqlens and h0 rows.
+template <cell Cell, class H0V, class Space>
+comm::signature solve_signature(const Cell& c, const H0V& h0, const options<Space>& opt) {
+  comm::hasher cu;
+  cu.add(opt.cu_seqlens.extent(0));
+  if constexpr (Space::host_accessible)
+    for (index_t i = 0; i < opt.cu_seqlens.extent(0); ++i) cu.add(opt.cu_seqlens(i));
+  return comm::signature{}
+      .add_digest(
+          "the cell",
+          comm::hasher{}.add_string(typeid(Cell).name()).add(c.state_size(), c.input_size(), c.param_size()).value())
+      .add("the options", opt.solver, opt.max_iterations, opt.abs_tol, opt.rel_tol, opt.guess, opt.on_failure,
+           opt.fallback_iterations, opt.damping, opt.verify_jacobian, opt.check_inputs)
+      .add_digest("cu_seqlens", cu.value())
+      .add("the initial states' extents", h0.extent(0), h0.extent(1));
 }
 
-template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class HV, class Space>
+//! The engine's context, after one agreement (comm/agreement.hpp) over this rank's checks (the
+//! solve's, then `more()`) and the signature of the call: a rejection on any rank is the same
+//! loom::error on every rank, before data moves.
+template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class HV, class Space, class More>
 auto make_comm_engine(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, const options<Space>& opt,
-                      std::string_view call) {
+                      std::string_view call, More&& more) {
   using T = typename Cell::value_type;
   static_assert(Space::host_accessible, "loom::rnn sequence parallel: host-accessible backends only");
   auto ctx = std::make_unique<comm_context<B, C, T, Space>>(b, comm, opt.cu_seqlens, h0, c.state_size(), x.extent(0));
   auto local = opt;
   local.check_inputs = false;  // checked collectively below
-  const index_t segs = collective_checked(comm, call, [&] {
-    const index_t s = validate(b, c, x, h0, h, ctx->total, local, call);
+  index_t segs = 0;
+  comm::agree(comm, call, [&] {
+    segs = validate(b, c, x, h0, h, ctx->total, local, call);
     if (opt.check_inputs) {
       const double xm =
           reduce(b, x.size(), 0.0, max_op{},
@@ -146,7 +155,8 @@ auto make_comm_engine(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, co
       LOOM_EXPECTS(std::isfinite(xm), errc::invalid_argument, call, ": x holds non-finite values (NaN or inf) on rank ",
                    comm.rank());
     }
-    return s;
+    more(segs);
+    return solve_signature(c, h0, opt);
   });
   if (opt.check_inputs && h0.size() > 0) {
     const double hm =
@@ -162,12 +172,13 @@ auto make_comm_engine(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, co
 //! h0 [S, d] and options.cu_seqlens (global offsets) are the same on every rank. Collective:
 //! every rank calls it with the same options. Returns the same report on every rank.
 //! @throws as newton_solve; a rank whose arguments are rejected throws its error and the other
-//! ranks throw errc::invalid_argument ("another rank rejected its arguments").
+//! ranks throw the same error ("on rank r: ..."); ranks disagreeing on the cell, options, cu_seqlens
+//! or h0's extents throw errc::invalid_argument ("ranks disagree on ...") on every rank.
 template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class HV,
           class Space = typename backend_traits<B>::memory_space>
 report newton_solve(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, const options<Space>& opt = {}) {
   using T = typename Cell::value_type;
-  auto [ctx, segs] = detail::make_comm_engine(b, comm, c, x, h0, h, opt, "newton_solve");
+  auto [ctx, segs] = detail::make_comm_engine(b, comm, c, x, h0, h, opt, "newton_solve", [](index_t) {});
   detail::engine<B, Cell, detail::comm_context<B, C, T, Space>> e(
       b, c, *ctx, x.data(), x.stride(0), h.data(), h.stride(0), x.extent(0), h0.size() ? h0.data() : nullptr,
       h0.stride(0), opt.cu_seqlens.extent(0) ? opt.cu_seqlens.data() : nullptr, segs, opt);
@@ -182,17 +193,14 @@ void backward(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV
               const options<Space>& opt = {}) {
   using T = typename Cell::value_type;
   constexpr std::string_view call = "backward";
-  auto [ctx, segs] = detail::make_comm_engine(b, comm, c, x, h0, h, opt, call);
   const index_t n = x.extent(0), d = c.state_size();
-  const index_t segs_ = segs;
-  detail::collective_checked(comm, call, [&] {
+  auto [ctx, segs] = detail::make_comm_engine(b, comm, c, x, h0, h, opt, call, [&](index_t segs_) {
     detail::check_rows(dh, n, d, call, "dh", "the gradient of h");
     detail::check_rows(dx, n, c.input_size(), call, "dx", "like x");
     if (dh0.size() > 0) detail::check_rows(dh0, segs_, d, call, "dh0", "like h0");
     LOOM_EXPECTS(dtheta.extent(0) == c.param_size() && (dtheta.extent(0) <= 1 || dtheta.stride(0) == 1),
                  errc::shape_mismatch, call, ": dtheta must be a contiguous [", c.param_size(),
                  "] (cell.param_size()), got ", loom::detail::extents_string(dtheta));
-    return 0;
   });
   detail::engine<B, Cell, detail::comm_context<B, C, T, Space>> e(
       b, c, *ctx, x.data(), x.stride(0), const_cast<T*>(static_cast<const T*>(h.data())), h.stride(0), n,

@@ -12,18 +12,23 @@
 //!   4. the carry entering the slice: the aggregates of the ranks before it (in processing order:
 //!      rank 0 first forward, rank P-1 first in reverse and adjoint scans) folded in order;
 //!   5. local scan from that carry.
-//! Communication: P * 8 bytes + P * sizeof(aggregate) bytes received per rank, independent of the
-//! sequence length (a recurrence's aggregate is (a_size(d) + d) accumulators). Segment offsets
-//! are global (the segmentation of the whole sequence, identical on every rank), so documents
-//! that cross rank boundaries are handled: a reset inside a slice is part of its aggregate. The
-//! result has the same bits for every P only when each rank's slice maps to whole blocks; for a
-//! fixed P and slicing it is bitwise reproducible.
+//! Before step 2 every rank's checks and its call (combine, options, offsets, shapes) go through
+//! one agreement (comm/agreement.hpp): a rejection or a disagreement is the same loom::error on
+//! every rank, before any aggregate moves.
+//! Communication: P * 8 bytes + P * sizeof(aggregate) bytes received per rank, plus the
+//! agreement's P * comm::agreement_bytes, independent of the sequence length (a recurrence's aggregate is (a_size(d) +
+//! d) accumulators). Segment offsets are global (the segmentation of the whole sequence, identical on every rank), so
+//! documents that cross rank boundaries are handled: a reset inside a slice is part of its aggregate. The result has
+//! the same bits for every P only when each rank's slice maps to whole blocks; for a fixed P and slicing it is bitwise
+//! reproducible.
 
+#include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
 
 #include <span>
+#include <typeinfo>
 #include <vector>
 
 namespace loom::scan {
@@ -69,10 +74,46 @@ struct prefix_step {
   }
 };
 
-//! Steps 2-5 for an engine kernel whose window has been set from `w`.
-template <backend B, comm::communicator C, class K>
+//! The digest of segment offsets (global, so the same on every rank); their count only when they
+//! are not host-readable.
+template <class Offsets>
+std::uint64_t offsets_digest(const Offsets* offsets) {
+  comm::hasher h;
+  if (!offsets) return h.add(index_t{-1}).value();
+  h.add(offsets->extent(0));
+  if constexpr (Offsets::space::host_accessible)
+    for (index_t i = 0; i < offsets->extent(0); ++i) h.add((*offsets)(i));
+  return h.value();
+}
+
+//! The bytes of a value when they are all significant (arithmetic types, types without padding),
+//! else only its size: padding bytes may differ between ranks holding equal values.
+template <class T>
+std::uint64_t value_digest(const T& v) {
+  if constexpr (std::is_arithmetic_v<T> || std::has_unique_object_representations_v<T>)
+    return comm::hasher{}.add(v).value();
+  else
+    return comm::hasher{}.add(sizeof(T)).value();
+}
+
+//! What every rank of a cross-rank scan must agree on. `op` names the combine (the monoid or the
+//! recurrence's structure), `shape` the extents besides the sequence (state width, initial states).
+template <class T>
+comm::signature scan_signature(std::string_view op, const options& opt, bool exclusive, const T& init,
+                               std::uint64_t offsets, std::uint64_t shape) {
+  return comm::signature{}
+      .add_digest("the combine (monoid or structure)", comm::hasher{}.add_string(op).value())
+      .add("the options (direction, block)", opt.dir, opt.block)
+      .add("exclusive or inclusive, and the initial value", exclusive, value_digest(init))
+      .add_digest("the segment offsets", offsets)
+      .add_digest("the shapes", shape);
+}
+
+//! Steps 2-5 for an engine kernel whose window has been set from `w`. `agreed(sig)` runs the
+//! cross-rank agreement once this rank's checks (the workspace's) are done, before data moves.
+template <backend B, comm::communicator C, class K, class Agreed>
 void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, bool reverse, const options& opt,
-                     std::string_view call) {
+                     std::string_view call, Agreed&& agreed, const comm::signature& sig) {
   using A = typename K::agg_type;
   const index_t agg = k.agg_size;
   const layout lay = layout_for(k, tile_of(b, blk));
@@ -82,6 +123,7 @@ void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, bool 
   const index_t own = local, gathered = own + agg, prefix = gathered + ranks * agg;
   const index_t need = prefix + 2 * k.carry_size;
   with_workspace<A>(b, opt, need, call, [&](A* ws) {
+    agreed(sig);
     if (blk.n > 0) {
       const A* total = run_total(b, k, blk, ws);
       copy_step<A> cp{total, ws + own, agg};
@@ -107,9 +149,23 @@ void run_monoid_distributed(const B& b, C& comm, const M& m, In in, Out out, con
   const index_t n = in.extent(0);
   // Only segmented scans need to know where the slice lies (their offsets are global).
   const window w = offsets ? slice_of(comm, n, call) : window{n, 0, n};
-  with_monoid_kernel(m, in, out, offsets, exclusive, init, opt, w, call, [&](const auto& k, const blocking& blk) {
-    run_distributed(b, comm, k, blk, opt.dir == direction::reverse, opt, call);
+  comm::agree_within(comm, call, [&](auto& agreed) {
+    const auto sig = scan_signature(typeid(M).name(), opt, exclusive, init, offsets_digest(offsets),
+                                    comm::hasher{}.add(sizeof(typename M::value_type)).value());
+    with_monoid_kernel(m, in, out, offsets, exclusive, init, opt, w, call, [&](const auto& k, const blocking& blk) {
+      run_distributed(b, comm, k, blk, opt.dir == direction::reverse, opt, call, agreed, sig);
+    });
   });
+}
+
+//! The shapes a cross-rank recurrence must agree on: the state width, the transitions' extents
+//! besides the rows, and the extents of the per-segment states.
+template <class AV, class BV, class IV, class FV>
+std::uint64_t recurrence_shape(const AV& a, const BV& bv, const IV& init, const FV& fin) {
+  comm::hasher h;
+  h.add(bv.extent(1), AV::rank, sizeof(typename BV::value_type));
+  for (std::size_t d = 1; d < AV::rank; ++d) h.add(a.extent(d));
+  return h.add(init.extent(0), init.extent(1), fin.extent(0), fin.extent(1)).value();
 }
 
 }  // namespace detail
@@ -143,32 +199,65 @@ void segmented_exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, O
   detail::run_monoid_distributed(b, comm, m, in, out, &offsets, true, init, opt, "segmented_exclusive_scan");
 }
 
+namespace detail {
+//! The cross-rank recurrence and its adjoint; `agree` false skips the agreement (for callers that
+//! agreed on the whole computation once, as the sequence-parallel Newton solver does).
+template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
+void linear_recurrence_impl(const B& b, C& comm, St, AV a, BV bv, HV h, const segments<T, Space>& seg,
+                            const options& opt, bool agree) {
+  constexpr std::string_view call = "linear_recurrence";
+  const window w = slice_of(comm, bv.extent(0), call);
+  auto run = [&](auto&& agreed) {
+    const auto sig = scan_signature(St::name(), opt, false, 0, offsets_digest(&seg.offsets),
+                                    recurrence_shape(a, bv, seg.initial, seg.final_state));
+    with_recurrence_kernel<St>(
+        a, bv, h, seg.offsets, seg.initial, seg.final_state, w, false, opt, call,
+        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, false, opt, call, agreed, sig); });
+  };
+  if (agree)
+    comm::agree_within(comm, call, run);
+  else
+    run([](const comm::signature&) {});
+  fill_empty_segments(b, seg.offsets, seg.initial, seg.final_state, bv.extent(1), w.total);
+}
+
+template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
+void linear_recurrence_adjoint_impl(const B& b, C& comm, St, AV a, GV g, LV lambda,
+                                    const adjoint_segments<T, Space>& seg, const options& opt, bool agree) {
+  constexpr std::string_view call = "linear_recurrence_adjoint";
+  const window w = slice_of(comm, g.extent(0), call);
+  auto run = [&](auto&& agreed) {
+    const auto sig = scan_signature(St::name(), opt, true, 0, offsets_digest(&seg.offsets),
+                                    recurrence_shape(a, g, seg.d_final, seg.d_initial));
+    with_recurrence_kernel<St>(
+        a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, w, true, opt, call,
+        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, true, opt, call, agreed, sig); });
+  };
+  if (agree)
+    comm::agree_within(comm, call, run);
+  else
+    run([](const comm::signature&) {});
+  fill_empty_segments(b, seg.offsets, seg.d_final, seg.d_initial, g.extent(1), w.total);
+}
+}  // namespace detail
+
 //! Cross-rank linear recurrence: A, b and h are this rank's rows of the global sequence.
 //! seg.offsets segments the global sequence; seg.initial holds every segment's initial state (on
 //! every rank); seg.final_state receives the final states of the segments that end on this rank
-//! (and of empty segments), other rows are left untouched.
+//! (and of empty segments), other rows are left untouched. Collective: every rank's checks and
+//! call are agreed before data moves (see the file comment).
 template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
-void linear_recurrence(const B& b, C& comm, St, AV a, BV bv, HV h, const segments<T, Space>& seg = {},
+void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const segments<T, Space>& seg = {},
                        const options& opt = {}) {
-  constexpr std::string_view call = "linear_recurrence";
-  const detail::window w = detail::slice_of(comm, bv.extent(0), call);
-  detail::with_recurrence_kernel<St>(
-      a, bv, h, seg.offsets, seg.initial, seg.final_state, w, false, opt, call,
-      [&](const auto& k, const auto& blk) { detail::run_distributed(b, comm, k, blk, false, opt, call); });
-  detail::fill_empty_segments(b, seg.offsets, seg.initial, seg.final_state, bv.extent(1), w.total);
+  detail::linear_recurrence_impl(b, comm, st, a, bv, h, seg, opt, true);
 }
 
 //! Cross-rank adjoint recurrence (see the single-rank form); d_initial rows are written for the
 //! segments that start on this rank (and empty segments).
 template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
-void linear_recurrence_adjoint(const B& b, C& comm, St, AV a, GV g, LV lambda,
+void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda,
                                const adjoint_segments<T, Space>& seg = {}, const options& opt = {}) {
-  constexpr std::string_view call = "linear_recurrence_adjoint";
-  const detail::window w = detail::slice_of(comm, g.extent(0), call);
-  detail::with_recurrence_kernel<St>(
-      a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, w, true, opt, call,
-      [&](const auto& k, const auto& blk) { detail::run_distributed(b, comm, k, blk, true, opt, call); });
-  detail::fill_empty_segments(b, seg.offsets, seg.d_final, seg.d_initial, g.extent(1), w.total);
+  detail::linear_recurrence_adjoint_impl(b, comm, st, a, g, lambda, seg, opt, true);
 }
 
 }  // namespace loom::scan

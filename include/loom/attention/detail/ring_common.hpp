@@ -6,6 +6,7 @@
 
 #include <loom/attention/local.hpp>
 #include <loom/attention/merge.hpp>
+#include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/packing/cp_shard.hpp>
 
@@ -42,11 +43,47 @@ struct shard_coords {
   }
 };
 
-//! Every rank must call with the same plan, shapes and options: gathered and compared, so a
-//! disagreement is an error on every rank instead of a hang or silent corruption.
+//! The digest of a shard plan: rank count, documents and every rank's pieces.
+inline std::uint64_t digest_of(const shard::plan& plan) {
+  comm::hasher h;
+  h.add(plan.ranks()).add_range(std::span<const index_t>(plan.cu_seqlens()));
+  for (int r = 0; r < plan.ranks(); ++r)
+    for (const auto& pc : plan.rank(r).pieces)
+      h.add(pc.document, pc.doc_offset, pc.global_begin, pc.local_begin, pc.length);
+  return h.value();
+}
+
+//! The signature of an attention call: the plan's digest, the shapes, the options and the
+//! element types (storage of q, k, v and out; the accumulation type).
+template <class T, class Acc>
+comm::signature attention_signature(std::uint64_t plan, const problem& pb, const options& opt) {
+  return comm::signature{}
+      .add("the shapes (q heads, kv heads, head dims)", pb.hq, pb.hkv, pb.dk, pb.dv)
+      .add("the options (causal, window, scale)", opt.causal, opt.window, opt.scale)
+      .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
+      .add_digest("the plan", plan);
+}
+
+//! Every rank must call with the same plan, shapes and options: `views()` checks this rank's
+//! arguments and returns its problem; then one agreement (comm/agreement.hpp) makes a rejection
+//! or a disagreement the same loom::error on every rank, before any data moves.
+template <class T, class Acc, comm::communicator C, class Views>
+problem agree_on(C& comm, std::uint64_t plan_digest, const options& opt, std::string_view call, Views&& views,
+                 int label = -1) {
+  problem pb{};
+  comm::agree(
+      comm, call,
+      [&] {
+        pb = views();
+        return attention_signature<T, Acc>(plan_digest, pb, opt);
+      },
+      label);
+  return pb;
+}
+
+//! This rank's checks against a shard plan: its size and this rank's token count.
 template <comm::communicator C>
-void check_agreement(C& comm, const shard::plan& plan, const problem& local, const options& opt,
-                     std::string_view call) {
+void check_plan_rank(const C& comm, const shard::plan& plan, const problem& local, std::string_view call) {
   LOOM_EXPECTS(plan.ranks() == comm.size(), errc::invalid_argument, call, ": the plan is for ", plan.ranks(),
                " ranks but the communicator has ", comm.size());
   const auto& mine = plan.rank(comm.rank());
@@ -54,28 +91,16 @@ void check_agreement(C& comm, const shard::plan& plan, const problem& local, con
                " tokens but the plan gives rank ", comm.rank(), " ", mine.tokens);
   LOOM_EXPECTS(local.tk == mine.tokens, errc::shape_mismatch, call, ": k and v hold ", local.tk,
                " tokens but the plan gives rank ", comm.rank(), " ", mine.tokens);
-  double scale_bits = opt.scale;
-  std::uint64_t scale_u = 0;
-  std::memcpy(&scale_u, &scale_bits, sizeof scale_u);
-  const std::array<std::int64_t, 8> desc{local.hq,
-                                         local.hkv,
-                                         local.dk,
-                                         local.dv,
-                                         opt.causal ? 1 : 0,
-                                         opt.window,
-                                         static_cast<std::int64_t>(scale_u),
-                                         plan.total_tokens()};
-  std::vector<std::int64_t> all(desc.size() * static_cast<std::size_t>(comm.size()));
-  comm.all_gather(std::span<const std::int64_t>(desc), std::span<std::int64_t>(all));
-  for (int r = 0; r < comm.size(); ++r)
-    for (std::size_t i = 0; i < desc.size(); ++i)
-      LOOM_EXPECTS(all[static_cast<std::size_t>(r) * desc.size() + i] == desc[i], errc::invalid_argument, call,
-                   ": ranks disagree on ",
-                   (i < 4   ? "the shapes (q heads, kv heads, dims)"
-                    : i < 7 ? "the options"
-                            : "the plan"),
-                   ": rank ", comm.rank(), " has ", desc[i], ", rank ", r, " has ",
-                   all[static_cast<std::size_t>(r) * desc.size() + i]);
+}
+
+//! agree_on for the ring variants: the views, then the plan against this rank.
+template <class T, class Acc, comm::communicator C, class Views>
+problem agree_ring(C& comm, const shard::plan& plan, const options& opt, std::string_view call, Views&& views) {
+  return agree_on<T, Acc>(comm, digest_of(plan), opt, call, [&] {
+    const problem pb = views();
+    check_plan_rank(comm, plan, pb, call);
+    return pb;
+  });
 }
 
 //! A host [n, h, d] block of T.

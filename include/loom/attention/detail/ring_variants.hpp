@@ -17,8 +17,8 @@ void forward(const B& b, C& comm, pass_q, const shard::plan& plan, Q q, K k, V v
              const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::forward(pass_q)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  check_agreement(comm, plan, pb, opt, call);
+  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
+      comm, plan, opt, call, [&] { return check_forward(q, k, v, out, lse, opt, call); });
   using T = typename Q::value_type;
   using Acc = accum_t<T>;
   const int p = comm.size(), me = comm.rank();
@@ -79,8 +79,8 @@ void backward(const B& b, C& comm, pass_q, const shard::plan& plan, Q q, K k, V 
               DV dv, const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::backward(pass_q)";
-  const problem pb = check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call);
-  check_agreement(comm, plan, pb, opt, call);
+  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
+      comm, plan, opt, call, [&] { return check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call); });
   using T = typename Q::value_type;
   using Acc = accum_t<T>;
   const int p = comm.size(), me = comm.rank();
@@ -175,8 +175,8 @@ void forward(const B& b, C& comm, all_gather_kv, const shard::plan& plan, Q q, K
              const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::forward(all_gather_kv)";
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  check_agreement(comm, plan, pb, opt, call);
+  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
+      comm, plan, opt, call, [&] { return check_forward(q, k, v, out, lse, opt, call); });
   const shard_coords sc(plan);
   const gathered_kv<C, typename K::value_type> g(comm, plan, sc, k, v, pb);
   attention::forward(b, q, g.k.cview(), g.v.cview(), sc.of(comm.rank()), g.key_coords(), out, lse, opt);
@@ -190,8 +190,8 @@ void backward(const B& b, C& comm, all_gather_kv, const shard::plan& plan, Q q, 
               DK dk, DV dv, const options& opt = {}) {
   using namespace detail;
   constexpr std::string_view call = "ring::backward(all_gather_kv)";
-  const problem pb = check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call);
-  check_agreement(comm, plan, pb, opt, call);
+  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
+      comm, plan, opt, call, [&] { return check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call); });
   using Acc = accum_t<typename Q::value_type>;
   const int p = comm.size();
   const shard_coords sc(plan);
