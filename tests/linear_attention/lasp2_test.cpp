@@ -346,7 +346,7 @@ TEST_CASE("linear_attention: every rejection names the argument", "[linear_atten
         la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov,
                                 std::vector<index_t>{0, T});
       },
-      errc::invalid_argument, "finite log-decay");
+      errc::invalid_argument, "not NaN");
   require_error(
       [&] {
         la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(hl.data()), {1})}, x, ov,

@@ -16,16 +16,19 @@ namespace loom::linear_attention {
 struct no_decay {};
 
 //! Gating (b): a fixed decay per head, g_t = gamma_h (RetNet, lightning attention), given as
-//! log_decay[h] = log(gamma_h), [H] in the accumulation type. Each value must be finite and
-//! <= 0 (gamma in (0, 1]); checked when the memory is host-accessible.
+//! log_decay[h] = log(gamma_h), [H] in the accumulation type. Each value must be <= 0 (gamma in
+//! [0, 1]); -inf, or any value whose exponential is 0, is full decay (each token sees only its own
+//! key); NaN is rejected. Checked when the memory is host-accessible.
 template <class A, memory_space Space = host_memory>
 struct fixed_decay {
   tensor_view<const A, 1, Space> log_decay;
 };
 
 //! Gating (c): a data-dependent scalar gate per token and head (Mamba-2, GLA-scalar), given as
-//! log-gates log_gate(t, h) = log(g_t) <= 0, [T, H] in the accumulation type. Finite, <= 0;
-//! checked when the memory is host-accessible. The backward pass returns d log_gate.
+//! log-gates log_gate(t, h) = log(g_t) <= 0, [T, H] in the accumulation type. <= 0, not NaN;
+//! -inf (a gate of 0), or any value whose exponential is 0, is full decay: the state is forgotten
+//! at that token, computed without inf - inf or 0 * inf. Checked when the memory is
+//! host-accessible. The backward pass returns d log_gate (about 0 at a full-decay token).
 template <class A, memory_space Space = host_memory>
 struct scalar_gate {
   tensor_view<const A, 2, Space> log_gate;

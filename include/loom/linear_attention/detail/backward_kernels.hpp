@@ -8,7 +8,8 @@
 //!   last token), and d log g_u = sum_{t >= u in the document} dB_t.
 //! Chunked: E_c = adjoint of the state at the end of chunk c; E_{c-1} = a_c E_c + sum_i exp(b_i)
 //! scale q_i do_i^T. Inside a chunk D_i = sum_{j>=i} exp(b_j - b_i) scale q_j do_j^T +
-//! exp(b_{n-1} - b_i) E_c.
+//! exp(b_{n-1} - b_i) E_c. In a chunk holding a full-decay token every such factor comes from
+//! decay_between (0 across the token, see problem::log_gates), as in the forward.
 
 #include <loom/linear_attention/detail/forward_kernels.hpp>
 
@@ -22,12 +23,13 @@ struct adjoint_chunk_kernel {
   A* adj = nullptr;  //!< [chunks, H, dk, dv]
   LOOM_HD void operator()(index_t lane) const {
     A* base = p.scratch + lane * p.lane_stride;
-    A *qs = base, *kt = qs + p.c * p.dk, *vs = kt + p.dk * p.c, *b = vs + p.c * p.dv, *dos = b + p.c;
+    A *qs = base, *kt = qs + p.c * p.dk, *vs = kt + p.dk * p.c, *b = vs + p.c * p.dv, *dos = b + p.c,
+      *ep = dos + p.c * p.dv;
     for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
       const index_t ci = item / p.heads, h = item % p.heads;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;
-      p.load(ch, h, qs, kt, vs, b);
+      const bool resets = p.load(ch, h, qs, kt, vs, b, ep);
       for (index_t i = 0; i < n; ++i)
         for (index_t e = 0; e < p.dv; ++e) dos[i * p.dv + e] = static_cast<A>(d_o(ch.begin + i, h, e));
       A* out = adj + (ci * p.heads + h) * p.dk * p.dv;
@@ -35,7 +37,8 @@ struct adjoint_chunk_kernel {
       for (index_t d = 0; d < p.dk; ++d) {
         A* row = out + d * p.dv;
         for (index_t i = 0; i < n; ++i) {
-          const A w = p.scale * (p.gate.log_gate ? exp_acc(b[i]) : A(1)) * qs[i * p.dk + d];
+          const A u = !p.gate.log_gate ? A(1) : resets && ep[i] != A(0) ? A(0) : exp_acc(b[i]);
+          const A w = p.scale * u * qs[i * p.dk + d];
           for (index_t e = 0; e < p.dv; ++e) row[e] += w * dos[i * p.dv + e];
         }
       }
@@ -85,12 +88,14 @@ struct gradient_kernel {
     A* base = p.scratch + lane * p.lane_stride;
     A *qs = base, *kt = qs + c * nk, *vs = kt + nk * c, *b = vs + c * nv, *pr = b + c, *os = pr + c * c;
     A *dos = os + c * nv, *vt = dos + c * nv, *dvs = vt + nv * c, *ks = dvs + c * nv, *dqs = ks + c * nk,
-      *dks = dqs + c * nk, *dp = dks + c * nk, *st = dp + c * c, *et = st + nv * nk;
+      *dks = dqs + c * nk, *dp = dks + c * nk, *st = dp + c * c, *et = st + nv * nk, *ep = et + nv * nk;
     for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
       const index_t ci = item / p.heads, h = item % p.heads;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;
-      p.load(ch, h, qs, kt, vs, b);
+      const bool resets = p.load(ch, h, qs, kt, vs, b, ep);
+      // exp(b_i - b_j), the decay from j to i (the same expression as ever without a full decay)
+      auto decay = [&](index_t i, index_t j) { return resets ? decay_between(b, ep, i, j) : exp_acc(b[i] - b[j]); };
       const A* s0 = p.state(ci, h);
       const A* e0 = adj + (ci * p.heads + h) * nk * nv;
       for (index_t d = 0; d < nk; ++d)
@@ -121,11 +126,11 @@ struct gradient_kernel {
           for (index_t j = 0; j <= i; ++j) drow[j] += de * vt[e * c + j];
         }
         for (index_t j = 0; j <= i; ++j) {
-          const A w = p.scale * (gated ? exp_acc(b[i] - b[j]) : A(1));
+          const A w = p.scale * (gated ? decay(i, j) : A(1));
           prow[j] *= w;
           drow[j] *= w;
         }
-        const A wi = p.scale * (gated ? exp_acc(b[i]) : A(1));
+        const A wi = p.scale * (!gated ? A(1) : resets && ep[i] != A(0) ? A(0) : exp_acc(b[i]));
         for (index_t j = 0; j <= i; ++j) {
           for (index_t e = 0; e < nv; ++e) os[i * nv + e] += prow[j] * vs[j * nv + e];
           for (index_t d = 0; d < nk; ++d) dqs[i * nk + d] += drow[j] * ks[j * nk + d];
@@ -146,9 +151,8 @@ struct gradient_kernel {
           for (index_t d = 0; d < nk; ++d) dks[j * nk + d] += dij * qs[i * nk + d];
           for (index_t e = 0; e < nv; ++e) dvs[j * nv + e] += pij * dos[i * nv + e];
         }
-      const A last = b[n - 1];
       for (index_t j = 0; j < n; ++j) {
-        const A w = gated ? exp_acc(last - b[j]) : A(1);
+        const A w = gated ? decay(n - 1, j) : A(1);
         for (index_t e = 0; e < nv; ++e) {
           const A ve = w * vs[j * nv + e];
           for (index_t d = 0; d < nk; ++d) dks[j * nk + d] += ve * et[e * nk + d];

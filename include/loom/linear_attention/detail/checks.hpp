@@ -8,7 +8,6 @@
 #include <loom/linear_attention/detail/forward_kernels.hpp>
 #include <loom/linear_attention/types.hpp>
 
-#include <cmath>
 #include <type_traits>
 
 namespace loom::linear_attention::detail {
@@ -32,8 +31,8 @@ gate_ref<A> check_gating(const fixed_decay<GA, GS>& g, index_t, index_t heads) {
   if constexpr (Space::host_accessible)
     for (index_t h = 0; h < heads; ++h) {
       const A x = g.log_decay(h);
-      LOOM_EXPECTS(std::isfinite(static_cast<double>(x)) && x <= A(0), errc::invalid_argument, "fixed_decay.log_decay[",
-                   h, "] = ", static_cast<double>(x), ": expected a finite log-decay <= 0 (decay in (0, 1])");
+      LOOM_EXPECTS(x <= A(0), errc::invalid_argument, "fixed_decay.log_decay[", h, "] = ", static_cast<double>(x),
+                   ": expected a log-decay <= 0 (decay in [0, 1]; -inf is a decay of 0), not NaN or > 0");
     }
   return {g.log_decay.data(), 0, g.log_decay.stride(0)};
 }
@@ -47,9 +46,9 @@ gate_ref<A> check_gating(const scalar_gate<GA, GS>& g, index_t tokens, index_t h
     for (index_t t = 0; t < tokens; ++t)
       for (index_t h = 0; h < heads; ++h) {
         const A x = g.log_gate(t, h);
-        LOOM_EXPECTS(std::isfinite(static_cast<double>(x)) && x <= A(0), errc::invalid_argument,
-                     "scalar_gate.log_gate(", t, ", ", h, ") = ", static_cast<double>(x),
-                     ": expected a finite log-gate <= 0");
+        LOOM_EXPECTS(x <= A(0), errc::invalid_argument, "scalar_gate.log_gate(", t, ", ", h,
+                     ") = ", static_cast<double>(x),
+                     ": expected a log-gate <= 0 (-inf is a gate of 0, full decay), not NaN or > 0");
       }
   // A null data pointer means "no decay" to the kernels: only possible when T * H == 0.
   return {tokens * heads > 0 ? g.log_gate.data() : nullptr, g.log_gate.stride(0), g.log_gate.stride(1)};

@@ -8,7 +8,10 @@
 //!   S_end = a S0 + L,   L = sum_j exp(b_{n-1} - b_j) k_j v_j^T
 //! Only values <= 0 are exponentiated, directly or as exp(b_i) exp(-b_j) when the chunk's total
 //! log-decay is small enough (>= -decay_split) that both factors stay well inside the range: no
-//! overflow for any log-gate magnitude.
+//! overflow for any log-gate magnitude. A log-gate at or below full_decay_log_gate (down to -inf) is
+//! full decay, a gate of exactly 0: in a chunk holding one, b restarts at 0 after each such token
+//! and every factor that spans one is 0, selected, not computed as exp(-huge) from sums that would
+//! overflow or lose their bits (mode 3 below).
 //!
 //! Every product is a small dense one, C (C x n) += A (C x K) B (K x n), done by tile_product on
 //! tile_rows x tile_cols tiles whose accumulators the compiler keeps in vector registers (unit
@@ -37,13 +40,30 @@ LOOM_HD inline A decay_add(A a, A s, A l) {
 //! The largest -b_{n-1} for which exp(b_i - b_j) is evaluated as exp(b_i) exp(-b_j).
 inline constexpr double decay_split = 40.0;
 
-//! Log-gate of token t, head h: 0 (no decay), log_gate[h] (fixed) or log_gate[t*st + h*sh].
+//! The smallest log-gate the kernels use: a log-gate below it (down to -inf, a gate of 0) is full
+//! decay and is read as this value. Its exponential, and that of every sum or difference of
+//! log-gates that includes it, is exactly 0 in A (exp underflows to 0 below about -103.97 in float
+//! and -745.13 in double; the margin covers the rounding of cumulative sums), while every
+//! cumulative log-gate stays far inside A's range: a chunk of C tokens sums to at least C times it,
+//! so no huge gate overflows to -inf and no inf - inf or 0 * inf arises. As small in magnitude as
+//! that allows: the cumulative sums after a full decay keep as many bits as possible.
+template <class A>
+LOOM_HD constexpr A full_decay_log_gate() {
+  return sizeof(A) >= 8 ? A(-800) : A(-112);
+}
+
+//! Log-gate of token t, head h: 0 (no decay), log_gate[h] (fixed) or log_gate[t*st + h*sh], at
+//! least full_decay_log_gate (a NaN stays a NaN).
 template <class A>
 struct gate_ref {
   const A* log_gate = nullptr;  //!< null: no decay
   index_t stride_t = 0;         //!< 0 for a fixed per-head decay
   index_t stride_h = 1;
-  LOOM_HD A operator()(index_t t, index_t h) const { return log_gate ? log_gate[t * stride_t + h * stride_h] : A(0); }
+  LOOM_HD A operator()(index_t t, index_t h) const {
+    if (!log_gate) return A(0);
+    const A x = log_gate[t * stride_t + h * stride_h];
+    return x < full_decay_log_gate<A>() ? full_decay_log_gate<A>() : x;
+  }
 };
 
 //! c[R x W] (row stride ldc) = sum_{k < n1} a1(r, k) b1[k, :] + sum_{k < n2} a2(r, k) b2[k, :], with
@@ -94,21 +114,49 @@ struct problem {
 
   LOOM_HD A* state(index_t chunk, index_t h) const { return states + (chunk * heads + h) * dk * dv; }
 
-  //! Loads the chunk into the lane's scratch: Q [n, dk], K^T [dk, C], V [n, dv], b [n]. (The
-  //! backward kernels' layout.)
-  LOOM_HD void load(const chunk_info& ci, index_t h, A* qs, A* kt, A* vs, A* b) const {
+  //! Loads the chunk into the lane's scratch: Q [n, dk], K^T [dk, C], V [n, dv], b [n] and the
+  //! epochs ep [n] (see log_gates). (The backward kernels' layout.) Returns whether the chunk holds a
+  //! full-decay token.
+  LOOM_HD bool load(const chunk_info& ci, index_t h, A* qs, A* kt, A* vs, A* b, A* ep) const {
     const index_t n = ci.end - ci.begin;
-    A acc = A(0);
+    const bool resets = log_gates(ci.begin, n, h, b, ep);
     for (index_t i = 0; i < n; ++i) {
       const index_t t = ci.begin + i;
-      acc += gate(t, h);
-      b[i] = acc;
       for (index_t d = 0; d < dk; ++d) qs[i * dk + d] = static_cast<A>(q(t, h, d));
       for (index_t d = 0; d < dk; ++d) kt[d * c + i] = static_cast<A>(k(t, h, d));
       for (index_t e = 0; e < dv; ++e) vs[i * dv + e] = static_cast<A>(v(t, h, e));
     }
+    return resets;
+  }
+
+  //! b[i] = the sum of the log-gates of tokens begin + 0..i of head h and ep[i] = 0, for m tokens,
+  //! unless a token of them is full decay (log-gate <= full_decay_log_gate): then ep[i] counts those
+  //! at or before i (the epoch) and b restarts at 0 at each, so b[i] - b[j] is the log-decay from j
+  //! to i inside one epoch and the decay is 0 across epochs. Returns whether one was found. Without
+  //! one, the sums are the plain running sums (the same bits as ever).
+  LOOM_HD bool log_gates(index_t begin, index_t m, index_t h, A* b, A* ep) const {
+    A acc = A(0), epoch = A(0);
+    for (index_t i = 0; i < m; ++i) {
+      const A g = gate(begin + i, h);
+      if (g <= full_decay_log_gate<A>()) {
+        epoch += A(1);
+        acc = A(0);
+      } else {
+        acc += g;
+      }
+      b[i] = acc;
+      ep[i] = epoch;
+    }
+    return epoch != A(0);
   }
 };
+
+//! The decay from token j to token i >= j of a chunk (the product of the gates in (j, i]) from its
+//! log-gates b and epochs ep (problem::log_gates): 0 across a full-decay token.
+template <class A>
+LOOM_HD inline A decay_between(const A* b, const A* ep, index_t i, index_t j) {
+  return ep[i] == ep[j] ? exp_acc(b[i] - b[j]) : A(0);
+}
 
 //! Copies row (t, h) of x, times f, into dst[0, m) and zeros dst[m, mp).
 template <class S, class A, class Space>
@@ -164,34 +212,44 @@ template <class S, class A, class Space>
 struct chunk_steps {
   const problem<S, A, Space>& p;
   const lane_tiles<A>& l;
-  mutable index_t cached[max_head_group];  //!< fixed decay: the head whose b, u, w a slot holds (-1: none)
+  mutable index_t cached[max_head_group];   //!< fixed decay: the head whose b, u, w a slot holds (-1: none)
+  mutable int cached_mode[max_head_group];  //!< and its mode
 
   LOOM_HD chunk_steps(const problem<S, A, Space>& p_, const lane_tiles<A>& l_) : p(p_), l(l_) {
-    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1;
+    for (index_t s = 0; s < max_head_group; ++s) cached[s] = -1, cached_mode[s] = 0;
   }
 
-  //! 0: no decay; 1: exp(b_i - b_j) = u_i w_j; 2: evaluated per element.
+  //! 0: no decay; 1: exp(b_i - b_j) = u_i w_j; 2: evaluated per element; 3: the chunk holds a
+  //! full-decay token: per element, w holds the epochs (problem::log_gates), factors across epochs
+  //! are 0 and u_i = exp(b_i) in epoch 0 only (the decay from the chunk's start).
   LOOM_HD int gates(const chunk_info& ch, index_t s, index_t h) const {
     const index_t n = ch.end - ch.begin;
     if (!p.gate.log_gate) return 0;
     const bool fixed = p.gate.stride_t == 0;
+    // A fixed decay gives the same b for every chunk of the head: computed once for C tokens (its
+    // mode, from the first C tokens, covers any shorter chunk).
+    if (fixed && cached[s] == h) return cached_mode[s];
     A *b = l.b(s), *u = l.u(s), *w = l.w(s);
-    if (!fixed || cached[s] != h) {
-      // A fixed decay gives the same b for every chunk of the head: computed once for C tokens.
-      const index_t m = fixed ? p.c : n;
-      A acc = A(0);
-      for (index_t i = 0; i < m; ++i) {
-        acc += p.gate(ch.begin + i, h);
-        b[i] = acc;
-      }
+    const index_t m = fixed ? p.c : n;
+    int mode = 3;
+    if (p.log_gates(ch.begin, m, h, b, w)) {
+      for (index_t i = 0; i < m; ++i) u[i] = w[i] == A(0) ? exp_acc(b[i]) : A(0);
+    } else {
       const bool split = -static_cast<double>(b[m - 1]) <= decay_split;
       for (index_t i = 0; i < m; ++i) u[i] = exp_acc(b[i]);
       if (split)
         for (index_t i = 0; i < m; ++i) w[i] = exp_acc(-b[i]);
-      cached[s] = fixed ? h : index_t(-1);
+      mode = split ? 1 : 2;
     }
-    // For a fixed decay the split test of the first C tokens covers any shorter chunk.
-    return -static_cast<double>(b[fixed ? p.c - 1 : n - 1]) <= decay_split ? 1 : 2;
+    cached[s] = fixed ? h : index_t(-1);
+    cached_mode[s] = mode;
+    return mode;
+  }
+
+  //! The chunk's log-decay (n tokens, slot s): the sum of its log-gates, or full_decay_log_gate when
+  //! it holds a full-decay token (its exponential, the chunk's decay, is then exactly 0).
+  LOOM_HD A chunk_log_decay(index_t n, index_t s, int mode) const {
+    return mode == 0 ? A(0) : mode == 3 ? full_decay_log_gate<A>() : l.b(s)[n - 1];
   }
 
   //! Stages heads h0 .. h0 + g - 1 of the chunk, token by token: K^T and V, and Q (times scale,
@@ -231,7 +289,7 @@ struct chunk_steps {
       const A *b = l.b(s), *u = l.u(s), *w = l.w(s);
       const A last = b[n - 1], un = u[n - 1];
       for (index_t j = 0; j < n; ++j) {
-        const A f = mode == 1 ? un * w[j] : exp_acc(last - b[j]);
+        const A f = mode == 1 ? un * w[j] : mode == 2 ? exp_acc(last - b[j]) : decay_between(b, w, n - 1, j);
         for (index_t d = 0; d < l.kp; ++d) ks[j * l.kp + d] *= f;
       }
     }
@@ -257,11 +315,13 @@ struct chunk_steps {
         } else if (mode == 2) {
           const A bi = b[i];
           for (index_t j = 0; j <= i; ++j) row[j] *= exp_acc(bi - b[j]);
+        } else if (mode == 3) {
+          for (index_t j = 0; j <= i; ++j) row[j] *= decay_between(b, w, i, j);
         }
         for (index_t j = i + 1; j < jn; ++j) row[j] = A(0);
       }
     }
-    if (mode == 2)
+    if (mode >= 2)
       for (index_t i = 0; i < n; ++i) {
         const A f = l.u(s)[i];
         for (index_t d = 0; d < kp; ++d) qs[i * kp + d] *= f;
@@ -334,7 +394,7 @@ struct chunk_state_kernel {
         A* out = p.state(ci, h0 + s);
         for (index_t d = 0; d < p.dk; ++d)
           for (index_t e = 0; e < p.dv; ++e) out[d * p.dv + e] = l.lt[d * l.vp + e];
-        p.log_decay[ci * p.heads + h0 + s] = mode[s] == 0 ? A(0) : l.b(s)[n - 1];
+        p.log_decay[ci * p.heads + h0 + s] = st.chunk_log_decay(n, s, mode[s]);
       }
     }
   }
@@ -451,7 +511,7 @@ struct state_scan_kernel {
             for (index_t dd = 0; dd < p.dk; ++dd)
               for (index_t e = 0; e < p.dv; ++e) out[dd * p.dv + e] = s0[dd * l.vp + e];
           }
-          const A lg = mode[s] == 0 ? A(0) : l.b(s)[n - 1];
+          const A lg = st.chunk_log_decay(n, s, mode[s]);
           if (cum && d == 0) {
             cum[ci * p.heads + h] = before[s];
             before[s] += lg;
@@ -501,7 +561,7 @@ struct fused_kernel {
           st.scores(ch, s, mode[s]);
           st.output(n, s);
           st.chunk_state(n, s, mode[s]);
-          const A a = mode[s] != 0 ? exp_acc(l.b(s)[n - 1]) : A(1);
+          const A a = mode[s] != 0 ? exp_acc(st.chunk_log_decay(n, s, mode[s])) : A(1);
           A* s0 = l.s0(s);
           for (index_t x = 0; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
         }

@@ -11,6 +11,30 @@
 
 namespace loom::linear_attention::detail {
 
+//! Every check of one backward call on this rank (run before the cross-rank agreement, and again
+//! by the implementation).
+template <class P, class C, class Gating>
+void check_backward_call(const C& comm, const lasp2_work<P, C>& wk, const Gating& gating,
+                         const operands<P, host_memory>& x,
+                         tensor_view<const typename P::storage_type, 3, host_memory> d_o,
+                         tensor_view<const typename P::accum_type, 4, host_memory> dfin,
+                         tensor_view<const typename P::accum_type, 3, host_memory> incoming,
+                         const gradients<P, host_memory>& g) {
+  LOOM_EXPECTS(wk.backward, errc::invalid_argument,
+               "lasp2_backward: workspace: built with lasp2_passes::forward; expected one built with "
+               "lasp2_passes::forward_and_backward");
+  wk.check_use(comm, x, "lasp2_backward");
+  (void)check_gating<typename P::accum_type, host_memory>(gating, wk.tokens, wk.heads);
+  const index_t H = wk.heads, dk = wk.dk, dv = wk.dv;
+  expect_extents(d_o, {wk.tokens, H, dv}, "d_o (the workspace's [slice tokens, heads, dv])");
+  if (present(dfin)) expect_extents(dfin, {wk.docs, H, dk, dv}, "d_final_state");
+  check_state_out(g.d_initial_state, wk.docs, H, dk, dv, "d_initial_state");
+  LOOM_EXPECTS(!wk.s.continues_left || present(incoming), errc::invalid_argument,
+               "incoming_state: expected the [H, dk, dv] state lasp2_forward returned on this rank (the slice "
+               "continues a document from an earlier rank)");
+  if (present(incoming)) expect_extents(incoming, {H, dk, dv}, "incoming_state");
+}
+
 template <class P, class C, class B, class Gating>
 void lasp2_backward_impl(C& comm, const B& b, lasp2_work<P, C>& wk, const Gating& gating,
                          const operands<P, host_memory>& x,
@@ -20,21 +44,11 @@ void lasp2_backward_impl(C& comm, const B& b, lasp2_work<P, C>& wk, const Gating
                          const gradients<P, host_memory>& g) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  LOOM_EXPECTS(wk.backward, errc::invalid_argument,
-               "lasp2_backward: workspace: built with lasp2_passes::forward; expected one built with "
-               "lasp2_passes::forward_and_backward");
-  wk.check_use(comm, x, "lasp2_backward");
+  check_backward_call(comm, wk, gating, x, d_o, dfin, incoming, g);
   const gate_ref<A> gate = check_gating<A, host_memory>(gating, wk.tokens, wk.heads);
   const auto& s = wk.s;
   const auto& cu = wk.cu;
   const index_t H = wk.heads, sz = wk.sz, segs = s.segments(), dk = wk.dk, dv = wk.dv, tokens = wk.tokens;
-  expect_extents(d_o, {tokens, H, dv}, "d_o (the workspace's [slice tokens, heads, dv])");
-  if (present(dfin)) expect_extents(dfin, {wk.docs, H, dk, dv}, "d_final_state");
-  check_state_out(g.d_initial_state, wk.docs, H, dk, dv, "d_initial_state");
-  LOOM_EXPECTS(!s.continues_left || present(incoming), errc::invalid_argument,
-               "incoming_state: expected the [H, dk, dv] state lasp2_forward returned on this rank (the slice "
-               "continues a document from an earlier rank)");
-  if (present(incoming)) expect_extents(incoming, {H, dk, dv}, "incoming_state");
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   const A* df = present(dfin) ? dfin.data() : nullptr;
   auto& init_loc = wk.init_loc;
@@ -60,25 +74,22 @@ void lasp2_backward_impl(C& comm, const B& b, lasp2_work<P, C>& wk, const Gating
   gradients<P, host_memory> gl{g.dq, g.dk, g.dv, g.d_log_gate, view_of<A, 4>(dinit_loc, {segs, H, dk, dv})};
   run_backward(b, wk.pl, gating, xl, d_o, view_of<const A, 4>(dfin_loc, {segs, H, dk, dv}), gl, wk.bytes,
                fin_loc.data());
-  // The element passed to the left: identity for an empty slice, (0, 0) when the slice starts a
-  // document, else (product of the gates if one document spans the slice, d state leaving it).
+  // The element passed to the left, y -> a y + M: identity for an empty slice; (product of the
+  // gates, d state leaving the slice) when one document spans it; else a reset to the constant M
+  // (the d state leaving segment 0, zero when the slice starts with a document).
   auto& ex = wk.ex;
   ex.clear();
+  const bool pass = tokens == 0 || (s.continues_left && segs == 1);
   for (index_t h = 0; h < H; ++h) {
-    const bool pass = tokens == 0 || (s.continues_left && segs == 1);
     ex.a()[h] = pass ? exp_acc(log_gate_sum(gate, 0, tokens, h)) : A(0);
     copy_state(tokens > 0 && s.continues_left ? dinit_loc.data() + h * sz : nullptr, ex.m(H) + h * sz, sz);
   }
+  ex.set_reset(!pass);  // a document starts here: what enters from the right stops at it
   ex.post(comm);
-  const auto& all = ex.finish(comm);
+  ex.finish(comm);
   auto& y = wk.y;
   std::fill(y.begin(), y.end(), A(0));
-  const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
-  for (int q = comm.size() - 1; q > comm.rank(); --q) {
-    const A* blk = all.data() + m * static_cast<std::size_t>(q);
-    for (index_t h = 0; h < H; ++h)
-      for (index_t e = 0; e < sz; ++e) y[h * sz + e] = blk[h] * y[h * sz + e] + blk[H + h * sz + e];
-  }
+  for (int q = comm.size() - 1; q > comm.rank(); --q) ex.fold(q, y.data());
   if (s.continues_right) {
     const index_t lb = s.local_cu[static_cast<std::size_t>(segs) - 1];
     constexpr bool gated = is_scalar_gate<Gating>;

@@ -19,22 +19,39 @@
 
 namespace loom::linear_attention::detail {
 
-//! Per head (a, M) in one message of H (1 + dk dv) values; issued as one all_gather or posted.
-//! Holds the send / receive buffers and the requests across calls (no communicator kept).
+//! Per head (a, M), and one reset flag, in one message of H (1 + dk dv) + 1 values; issued as one
+//! all_gather or posted. Holds the send / receive buffers and the requests across calls (no
+//! communicator kept). A rank's element is the map X -> a X + M of its slice; reset = 1 when a
+//! document starts inside the slice: the map is then the constant M, and fold() selects M instead of
+//! forming 0 X + M (0 * NaN is NaN: a non-finite state of one document would reach the next).
 template <class C, class A>
 class state_exchange {
  public:
   state_exchange() = default;
   state_exchange(index_t heads, index_t sz, int ranks, bool posted)
-      : m_(static_cast<std::size_t>(heads * (1 + sz))), posted_(posted) {
+      : heads_(heads), sz_(sz), m_(static_cast<std::size_t>(heads * (1 + sz) + 1)), posted_(posted) {
     send_.assign(m_, A(0));
     recv_.assign(m_ * static_cast<std::size_t>(ranks), A(0));
     if (posted_) reqs_.reserve(2 * static_cast<std::size_t>(ranks - 1));
   }
-  //! The message, zeroed: a [H] then M [H, dk, dv].
+  //! The message, zeroed: a [H], M [H, dk, dv], reset.
   void clear() { std::fill(send_.begin(), send_.end(), A(0)); }
   A* a() { return send_.data(); }
   A* m(index_t heads) { return send_.data() + heads; }
+  void set_reset(bool r) { send_[m_ - 1] = r ? A(1) : A(0); }
+  //! x [H, dk, dv] <- rank q's element applied to x: M_q when q resets, else a_q x + M_q.
+  void fold(int q, A* x) const {
+    const A* blk = recv_.data() + m_ * static_cast<std::size_t>(q);
+    const bool reset = blk[m_ - 1] != A(0);
+    for (index_t h = 0; h < heads_; ++h) {
+      const A* mq = blk + heads_ + h * sz_;
+      A* xh = x + h * sz_;
+      if (reset)
+        for (index_t e = 0; e < sz_; ++e) xh[e] = mq[e];
+      else
+        for (index_t e = 0; e < sz_; ++e) xh[e] = blk[h] * xh[e] + mq[e];
+    }
+  }
   void post(C& comm) {
     if (!posted_) return;
     reqs_.clear();
@@ -46,19 +63,19 @@ class state_exchange {
       reqs_.push_back(comm.irecv(std::span<A>(recv_.data() + m_ * static_cast<std::size_t>(q), m_), q, tag));
     }
   }
-  //! Returns the gathered elements: block q is rank q's message.
-  const std::vector<A>& finish(C& comm) {
+  //! Completes the exchange; fold() then reads rank q's message.
+  void finish(C& comm) {
     if (posted_) {
       comm::wait_all(comm, std::span<typename C::request>(reqs_));
       reqs_.clear();
     } else {
       comm.all_gather(std::span<const A>(send_.data(), m_), std::span<A>(recv_.data(), recv_.size()));
     }
-    return recv_;
   }
 
  private:
   static constexpr int tag = 7301;
+  index_t heads_ = 0, sz_ = 0;
   std::size_t m_ = 0;
   bool posted_ = false;
   std::vector<A> send_, recv_;
@@ -91,7 +108,7 @@ struct lasp2_work {
   using A = typename P::accum_type;
   int rank = 0, ranks = 1;
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
-  bool backward = false;
+  bool backward = false, posted_exchange = false;
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
@@ -112,7 +129,8 @@ struct lasp2_work {
         dk(dk_),
         dv(dv_),
         sz(dk_ * dv_),
-        backward(backward_) {
+        backward(backward_),
+        posted_exchange(posted) {
     LOOM_EXPECTS(!cu_.empty(), errc::invalid_argument, "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
     (void)make_chunk_table(cu_, cu_.back(), opt.chunk, "cu_seqlens");
     docs = static_cast<index_t>(cu_.size()) - 1;
@@ -151,6 +169,20 @@ struct lasp2_work {
   }
 };
 
+//! Every check of one forward call on this rank (run before the cross-rank agreement, and again by
+//! the implementation).
+template <class P, class C, class Gating>
+void check_forward_call(const C& comm, const lasp2_work<P, C>& w, const Gating& gating,
+                        const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
+                        tensor_view<typename P::accum_type, 4, host_memory> fin,
+                        tensor_view<typename P::accum_type, 3, host_memory> incoming) {
+  w.check_use(comm, x, "lasp2_forward");
+  (void)check_gating<typename P::accum_type, host_memory>(gating, w.tokens, w.heads);
+  expect_extents(o, {w.tokens, w.heads, w.dv}, "o (the workspace's [slice tokens, heads, dv])");
+  check_state_out(fin, w.docs, w.heads, w.dk, w.dv, "final_state");
+  if (present(incoming)) expect_extents(incoming, {w.heads, w.dk, w.dv}, "incoming_state");
+}
+
 //! Access to lasp2_workspace's internals for the implementation.
 struct lasp2_access {
   template <class W>
@@ -165,14 +197,11 @@ void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& 
                         tensor_view<typename P::accum_type, 4, host_memory> fin,
                         tensor_view<typename P::accum_type, 3, host_memory> incoming) {
   using A = typename P::accum_type;
-  w.check_use(comm, x, "lasp2_forward");
+  check_forward_call(comm, w, gating, x, o, fin, incoming);
   const gate_ref<A> gate = check_gating<A, host_memory>(gating, w.tokens, w.heads);
   const auto& s = w.s;
   const auto& cu = w.cu;
   const index_t H = w.heads, sz = w.sz, segs = s.segments();
-  expect_extents(o, {w.tokens, H, w.dv}, "o (the workspace's [slice tokens, heads, dv])");
-  check_state_out(fin, w.docs, H, w.dk, w.dv, "final_state");
-  if (present(incoming)) expect_extents(incoming, {H, w.dk, w.dv}, "incoming_state");
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   auto& init_loc = w.init_loc;
   auto& fin_loc = w.fin_loc;
@@ -203,17 +232,13 @@ void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& 
         [&] {
           for (index_t h = 0; h < H; ++h)
             ex.a()[h] = !roles.publish ? A(1) : reset ? A(0) : exp_acc(log_gate_sum(gate, 0, w.tokens, h));
+          ex.set_reset(roles.publish && reset);
           ex.post(comm);
         },
         [&]() -> const A* {
-          const auto& all = ex.finish(comm);
+          ex.finish(comm);
           // X = fold over the ranks before this one, in rank order.
-          const std::size_t m = static_cast<std::size_t>(H * (1 + sz));
-          for (int q = 0; q < comm.rank(); ++q) {
-            const A* blk = all.data() + m * static_cast<std::size_t>(q);
-            for (index_t h = 0; h < H; ++h)
-              for (index_t e = 0; e < sz; ++e) xin[h * sz + e] = blk[h] * xin[h * sz + e] + blk[H + h * sz + e];
-          }
+          for (int q = 0; q < comm.rank(); ++q) ex.fold(q, xin.data());
           return s.continues_left ? static_cast<const A*>(xin.data()) : nullptr;
         });
   }

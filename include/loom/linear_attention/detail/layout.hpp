@@ -78,13 +78,13 @@ LOOM_HD constexpr index_t forward_slot_floats(index_t c, index_t dk, index_t dv)
 //! tile_cols), for forward items of `group` heads.
 //! Forward: P [cp cp], L [kp vp], then `group` head slots.
 //! Backward: Q[C dk], K^T[dk C], V[C dv], P[C C], b[C], O[C dv], dO[C dv], V^T[dv C], K[C dk],
-//! dP[C C], dQ[C dk], dK[C dk], dV[C dv], two transposed states S^T[dv dk] and E^T[dv dk], and a
-//! running state [dk dv].
+//! dP[C C], dQ[C dk], dK[C dk], dV[C dv], two transposed states S^T[dv dk] and E^T[dv dk], the
+//! epochs of the log-gates [C], and a running state [dk dv].
 inline index_t lane_floats(index_t c, index_t dk, index_t dv, index_t group = 1) {
   const index_t cp = round_up(c, tile_cols), kp = round_up(dk, tile_cols), vp = round_up(dv, tile_cols);
   const index_t fwd = cp * cp + kp * vp + group * forward_slot_floats(c, dk, dv);
   const index_t bwd =
-      (c * dk * 2 + c * dv * 2 + c * c + c) + (c * dv * 3 + c * dk * 3 + c * c + c * dk + 2 * dv * dk) + dk * dv;
+      (c * dk * 2 + c * dv * 2 + c * c + c) + (c * dv * 3 + c * dk * 3 + c * c + c * dk + 2 * dv * dk) + c + dk * dv;
   return round_up(fwd > bwd ? fwd : bwd, tile_cols);
 }
 
