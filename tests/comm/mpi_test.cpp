@@ -278,6 +278,21 @@ TEST_CASE("comm::mpi point-to-point waits time out naming the wait", "[comm][mpi
     }
     world.barrier();  // rank 0 progresses its freed send here
   }
+  SECTION("a sendrecv whose peer is absent: the send times out and the receive is cancelled") {
+    std::vector<float> big(std::size_t{1} << 20, 1.5f), in(big.size(), 0.f);
+    if (world.rank() == 0) {
+      CHECK_THAT(thrown([&] { c.sendrecv(std::span<const float>(big), 1, std::span<float>(in), 1, 24); }),
+                 Catch::StartsWith("timeout|") && Catch::Contains("isend(dest=1, tag=24"));
+      CHECK(!c.usable());
+    }
+    world.barrier();
+    if (world.rank() == 1) {  // late: takes the abandoned send, sends nothing (the receive is gone)
+      auto q = c.irecv(std::span<float>(in), 0, 24);
+      CHECK(thrown([&] { c.wait(q); }).empty());
+      CHECK(in == big);
+    }
+    world.barrier();
+  }
 }
 
 // Run alone, by its own ctest entry: the job ends in MPI_Abort.

@@ -116,7 +116,7 @@ class mpi {
     auto& q = *r.p_;
     MPI_Status status;
     if (!usable()) {  // nobody will complete it: release it, so nothing stays pending
-      (void)abandon(q, status);
+      release(r);
       ensure_usable("wait");
     }
     bool done = false;
@@ -140,7 +140,12 @@ class mpi {
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     request rr = irecv(recv, src, tag);
     request sr = isend(send, dest, tag);
-    wait(sr);
+    try {
+      wait(sr);
+    } catch (...) {
+      if (!usable()) release(rr);  // the send timed out: cancel the receive rather than leave it posted
+      throw;
+    }
     wait(rr);
   }
 
@@ -368,6 +373,12 @@ class mpi {
     }
     if (q.req != MPI_REQUEST_NULL) MPI_Request_free(&q.req);
     return false;
+  }
+
+  //! Cancels (receive) or frees (send) a pending request.
+  void release(request& r) const {
+    MPI_Status status;
+    if (r.valid()) (void)abandon(*r.p_, status);
   }
 
   //! Marks the communicator unusable and throws errc::timeout (or aborts, if so configured).
