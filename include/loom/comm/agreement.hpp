@@ -13,7 +13,7 @@
 //!     return comm::signature{}.add("the plan", digest).add("the options", opt.causal, opt.window);
 //!   });
 //!
-//! Cost: one all_gather of `agreement_bytes` (632) bytes per rank. A check that throws on one rank
+//! Cost: one all_gather of `agreement_bytes` (648) bytes per rank. A check that throws on one rank
 //! can no longer leave the others waiting in a later collective (over MPI that was a hang).
 
 #include <loom/comm/communicator.hpp>
@@ -85,6 +85,13 @@ class signature {
     digests_[size_++] = digest;
     return *this;
   }
+  //! Two numbers of this rank that are exchanged but not compared (e.g. where its slice begins and
+  //! ends): agree() returns every rank's, so the caller can check how they fit together.
+  signature& local(std::uint64_t first, std::uint64_t second = 0) {
+    local_ = {first, second};
+    return *this;
+  }
+  [[nodiscard]] const std::array<std::uint64_t, 2>& local() const noexcept { return local_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::string_view name(std::size_t i) const { return names_[i]; }
   [[nodiscard]] std::uint64_t digest(std::size_t i) const { return digests_[i]; }
@@ -93,6 +100,7 @@ class signature {
   std::array<std::string_view, capacity> names_{};
   std::array<std::uint64_t, capacity> digests_{};
   std::size_t size_ = 0;
+  std::array<std::uint64_t, 2> local_{};
 };
 
 //! The error every rank throws when an agreement fails. It is a loom::error; a second agreement
@@ -109,8 +117,11 @@ class agreement_error : public error {
 namespace detail {
 inline constexpr std::size_t agreement_text_words = 60;  //!< 480 bytes of a rank's error message
 //! [0] status (0 accepted, 1 rejected, 2 passed on) [1] errc [2] rank label [3] call digest
-//! [4] field count [5, 5 + capacity) field digests, then the message.
-inline constexpr std::size_t agreement_words = 5 + signature::capacity + agreement_text_words;
+//! [4] field count [5, 5 + capacity) field digests, two local numbers, then the message.
+inline constexpr std::size_t agreement_fields = 5;
+inline constexpr std::size_t agreement_locals = agreement_fields + signature::capacity;
+inline constexpr std::size_t agreement_text = agreement_locals + 2;
+inline constexpr std::size_t agreement_words = agreement_text + agreement_text_words;
 
 //! The message of a loom::error without its "loom::<code>: " prefix.
 inline std::string bare_message(const error& e) {
@@ -131,10 +142,11 @@ inline constexpr std::size_t agreement_bytes = detail::agreement_words * sizeof(
 //!    rank <r> differs from rank <r0>", for the lowest rank r and its first differing field.
 //! `label` is the number this rank is called by in messages (default: comm.rank(); a sub-group
 //! passes the rank in the whole job). Collective: every rank of comm calls it, once per call site.
+//! Returns every rank's signature::local() numbers, in rank order.
 //! Cost: one all_gather of agreement_bytes per rank; the wait is the communicator's (bounded by
 //! its timeout).
 template <communicator C, class Check>
-void agree(C& comm, std::string_view call, Check&& check, int label = -1) {
+std::vector<std::array<std::uint64_t, 2>> agree(C& comm, std::string_view call, Check&& check, int label = -1) {
   std::array<std::uint64_t, detail::agreement_words> mine{};
   signature sig;
   std::string text;
@@ -159,9 +171,11 @@ void agree(C& comm, std::string_view call, Check&& check, int label = -1) {
   mine[2] = static_cast<std::uint64_t>(static_cast<std::int64_t>(label >= 0 ? label : comm.rank()));
   mine[3] = hasher{}.add_string(call).value();
   mine[4] = sig.size();
-  for (std::size_t i = 0; i < sig.size(); ++i) mine[5 + i] = sig.digest(i);
+  for (std::size_t i = 0; i < sig.size(); ++i) mine[detail::agreement_fields + i] = sig.digest(i);
+  mine[detail::agreement_locals] = sig.local()[0];
+  mine[detail::agreement_locals + 1] = sig.local()[1];
   const std::size_t room = detail::agreement_text_words * sizeof(std::uint64_t) - 1;
-  std::memcpy(&mine[5 + signature::capacity], text.data(), text.size() < room ? text.size() : room);
+  std::memcpy(&mine[detail::agreement_text], text.data(), text.size() < room ? text.size() : room);
 
   const auto p = static_cast<std::size_t>(comm.size());
   std::vector<std::uint64_t> all(p * detail::agreement_words);
@@ -172,7 +186,7 @@ void agree(C& comm, std::string_view call, Check&& check, int label = -1) {
   for (std::size_t r = 0; r < p; ++r)
     if (rec(r)[0] != 0) {
       char buf[detail::agreement_text_words * sizeof(std::uint64_t)];
-      std::memcpy(buf, rec(r) + 5 + signature::capacity, sizeof buf);
+      std::memcpy(buf, rec(r) + detail::agreement_text, sizeof buf);
       buf[sizeof buf - 1] = '\0';
       const auto c = static_cast<errc>(rec(r)[1]);
       if (rec(r)[0] == 2) throw agreement_error(c, buf);  // an earlier agreement's error, passed on
@@ -184,13 +198,17 @@ void agree(C& comm, std::string_view call, Check&& check, int label = -1) {
       what = "the call (another primitive, or another pass)";
     } else {
       for (std::size_t i = 0; i < sig.size() && what.empty(); ++i)
-        if (rec(r)[5 + i] != rec(0)[5 + i]) what = sig.name(i);
+        if (rec(r)[detail::agreement_fields + i] != rec(0)[detail::agreement_fields + i]) what = sig.name(i);
     }
     if (!what.empty())
       throw agreement_error(errc::invalid_argument,
                             ::loom::detail::concat(call, ": ranks disagree on ", what, ": rank ", label_of(r),
                                                    " differs from rank ", label_of(0)));
   }
+  std::vector<std::array<std::uint64_t, 2>> locals(p);
+  for (std::size_t r = 0; r < p; ++r)
+    locals[r] = {rec(r)[detail::agreement_locals], rec(r)[detail::agreement_locals + 1]};
+  return locals;
 }
 
 //! agree() for calls whose checks run inside code that goes on to communicate: `body(agreed)` must

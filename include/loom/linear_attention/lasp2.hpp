@@ -16,11 +16,18 @@
 //!
 //! Communication per rank per pass: one all_gather of H (1 + dk dv) values of Accum per rank, i.e.
 //! each rank sends H (1 + dk dv) sizeof(Accum) bytes and receives P times that, independent of T.
+//! Collective checks: before any state moves, every rank's checks and its call (cu_seqlens, shapes,
+//! chunk, scale, exchange) go through one agreement (comm/agreement.hpp), and the ranks' slices
+//! must tile [0, T) in rank order: otherwise every rank throws the same loom::error. The
+//! agreement costs one all_gather of comm::agreement_bytes per rank per call.
 //! Deterministic: the fold runs in rank order on every rank.
 
+#include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/detail/lasp2_impl.hpp>
+
+#include <optional>
 
 namespace loom::linear_attention {
 
@@ -84,6 +91,29 @@ class lasp2_workspace {
   detail::lasp2_work<P, C> w_;
 };
 
+namespace detail {
+//! What the ranks of a LASP-2 call must agree on; the slice travels as the local numbers.
+template <class P, class C>
+comm::signature lasp2_signature(const lasp2_work<P, C>& w) {
+  return comm::signature{}
+      .add("the shapes (heads, dk, dv)", w.heads, w.dk, w.dv)
+      .add_range("cu_seqlens", std::span<const index_t>(w.cu))
+      .add("the chunk, the scale and the exchange", w.pl.chunk, w.pl.scale, w.posted_exchange)
+      .local(static_cast<std::uint64_t>(w.begin), static_cast<std::uint64_t>(w.begin + w.tokens));
+}
+
+//! One agreement over `check()` (this rank's checks; returns its workspace's internals), then the
+//! slices of the ranks must follow each other: rank q + 1 begins where rank q ends.
+template <class C, class Check>
+void lasp2_agree(C& comm, std::string_view call, Check&& check) {
+  const auto slices = comm::agree(comm, call, [&] { return lasp2_signature(check()); });
+  for (std::size_t q = 1; q < slices.size(); ++q)
+    LOOM_EXPECTS(slices[q][0] == slices[q - 1][1], errc::invalid_argument, call,
+                 ": the slices must tile the sequence in rank order: rank ", q - 1, " ends at token ", slices[q - 1][1],
+                 ", rank ", q, " begins at ", slices[q][0]);
+}
+}  // namespace detail
+
 //! LASP-2 forward on this rank's slice with a workspace built for it (no allocation). x.q/k/v and
 //! o: [T_r, H, d] of the workspace's slice; gating on the slice's tokens; x.initial_state and
 //! final_state: the GLOBAL [docs, H, dk, dv] (or empty); incoming_state as below.
@@ -96,7 +126,13 @@ void lasp2_forward(C& comm, const B& b, lasp2_workspace<P, C>& ws, const Gating&
                    tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
                    tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {}) {
   static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2_forward: host backends only");
-  detail::lasp2_forward_impl<P>(comm, b, detail::lasp2_access::work(ws), gating, x, o, final_state, incoming_state);
+  auto& w = detail::lasp2_access::work(ws);
+  detail::lasp2_agree(
+      comm, "lasp2_forward", [&]() -> const auto& {
+        detail::check_forward_call(comm, w, gating, x, o, final_state, incoming_state);
+        return w;
+      });
+  detail::lasp2_forward_impl<P>(comm, b, w, gating, x, o, final_state, incoming_state);
 }
 
 //! LASP-2 backward with a workspace built for this slice with lasp2_passes::forward_and_backward
@@ -110,8 +146,13 @@ void lasp2_backward(C& comm, const B& b, lasp2_workspace<P, C>& ws, const Gating
                     tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
                     const gradients<P, host_memory>& g) {
   static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2_backward: host backends only");
-  detail::lasp2_backward_impl<P>(comm, b, detail::lasp2_access::work(ws), gating, x, d_o, d_final_state, incoming_state,
-                                 g);
+  auto& w = detail::lasp2_access::work(ws);
+  detail::lasp2_agree(
+      comm, "lasp2_backward", [&]() -> const auto& {
+        detail::check_backward_call(comm, w, gating, x, d_o, d_final_state, incoming_state, g);
+        return w;
+      });
+  detail::lasp2_backward_impl<P>(comm, b, w, gating, x, d_o, d_final_state, incoming_state, g);
 }
 
 //! LASP-2 forward on this rank's slice. x.q/k/v and o: [T_r, H, d] of the slice; gating as in
@@ -130,9 +171,16 @@ void lasp2_forward(C& comm, const B& b, const Gating& gating, const operands<P, 
                    index_t token_begin, tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
                    tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {},
                    const lasp2_options& opt = {}) {
-  lasp2_workspace<P, C> ws(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2),
-                           opt, lasp2_passes::forward);
-  lasp2_forward(comm, b, ws, gating, x, o, final_state, incoming_state);
+  std::optional<lasp2_workspace<P, C>> ws;
+  detail::lasp2_agree(
+      comm, "lasp2_forward", [&]() -> const auto& {
+        ws.emplace(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2), opt,
+                   lasp2_passes::forward);
+        auto& w = detail::lasp2_access::work(*ws);
+        detail::check_forward_call(comm, w, gating, x, o, final_state, incoming_state);
+        return w;
+      });
+  detail::lasp2_forward_impl<P>(comm, b, detail::lasp2_access::work(*ws), gating, x, o, final_state, incoming_state);
 }
 
 //! LASP-2 backward on this rank's slice. d_o: [T_r, H, dv]; d_final_state: GLOBAL [docs, H, dk, dv]
@@ -147,9 +195,17 @@ void lasp2_backward(C& comm, const B& b, const Gating& gating, const operands<P,
                     tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
                     tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
                     const gradients<P, host_memory>& g, const lasp2_options& opt = {}) {
-  lasp2_workspace<P, C> ws(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2),
-                           opt, lasp2_passes::forward_and_backward);
-  lasp2_backward(comm, b, ws, gating, x, d_o, d_final_state, incoming_state, g);
+  std::optional<lasp2_workspace<P, C>> ws;
+  detail::lasp2_agree(
+      comm, "lasp2_backward", [&]() -> const auto& {
+        ws.emplace(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2), opt,
+                   lasp2_passes::forward_and_backward);
+        auto& w = detail::lasp2_access::work(*ws);
+        detail::check_backward_call(comm, w, gating, x, d_o, d_final_state, incoming_state, g);
+        return w;
+      });
+  detail::lasp2_backward_impl<P>(comm, b, detail::lasp2_access::work(*ws), gating, x, d_o, d_final_state,
+                                 incoming_state, g);
 }
 
 }  // namespace loom::linear_attention
