@@ -134,9 +134,13 @@ struct local_context {
 
 //! Solves h_t = f(h_{t-1}, x_t) for every t of every packed sequence (options.cu_seqlens) with
 //! the iteration options.solver, h_{-1} = h0[s] per sequence. Converged sequences are frozen
-//! (not re-linearized; their rows pass through the scan unchanged). If the method stops without
-//! converging, options.on_failure decides the fallback; the report states what ran and which
-//! sequences met the tolerance. h is written in place (read first with initial_guess::warm_start).
+//! (not re-linearized; their rows pass through the scan unchanged). A sequence whose residual goes
+//! non-finite (a NaN or inf in its x or h0 with check_inputs off, or a diverging iterate) is frozen
+//! too and the others iterate on, so sequences never change each other: each one's result has the
+//! bits it would have next to any other sequences. The method then stops with reason non_finite
+//! once no sequence is left iterating. If it stops without converging, options.on_failure decides
+//! the fallback; the report states what ran and which sequences met the tolerance. h is written in
+//! place (read first with initial_guess::warm_start).
 //! @throws loom::error(shape_mismatch) for views that do not fit the cell; (invalid_argument) for
 //! bad options or offsets, a block structure that does not divide d, non-finite x or h0 (with
 //! check_inputs), a declared Jacobian that finite differences contradict (with verify_jacobian).

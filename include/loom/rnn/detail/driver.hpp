@@ -209,6 +209,11 @@ class engine {
   }
 
   //! Iterates `m` from the current h; returns why it stopped. Updates conv_, norms_, rep.
+  //! A sequence whose residual goes non-finite is dropped from this run (frozen like a converged
+  //! one: its rows pass through every later solve unchanged) while the others go on, so one
+  //! sequence's NaN or infinity never changes what happens to another; the run stops when no
+  //! sequence is left iterating or the budget is spent, and reports non_finite if one was dropped.
+  //! (residual_history leaves a dropped sequence out after the iterate where it went non-finite.)
   termination run(method m, int budget, report& rep) {
     const index_t as = St::a_size(d_);
     T* f = f_buf_.get(b_, n_ * d_);
@@ -220,6 +225,10 @@ class engine {
                           : m == method::quasi_newton ? lin_mode::quasi
                           : m == method::picard       ? lin_mode::picard
                                                       : lin_mode::damped;
+    // Sequences dropped in earlier runs are tried again (their rows were reset to zeros).
+    write_to(b_, frozen_, conv_);
+    std::vector<int> dropped(static_cast<std::size_t>(segs_), 0), stop(static_cast<std::size_t>(segs_), 0);
+    bool any_dropped = false;
     for (int it = 0;; ++it) {
       const T* halo = ctx_.halo(h_, hs_, n_, halo_buf_.get(b_, d_));
       for_each_index(b_, n_,
@@ -227,24 +236,30 @@ class engine {
                                               frozen_, d_, opt_.abs_tol, opt_.rel_tol, mode});
       norms_ = segment_norms(norm);
       double worst = 0;
-      bool nonfinite = false;
+      index_t active = 0, frozen = 0;
       for (index_t s = 0; s < segs_; ++s) {
         conv_[s] = norms_[s] <= 1.0 ? 1 : 0;
+        if (dropped[s]) {  // its residual is the stale non-finite one
+          ++frozen;
+          continue;
+        }
         if (!conv_[s]) worst = std::max(worst, norms_[s]);
-        if (!std::isfinite(norms_[s])) nonfinite = true;
+        if (!std::isfinite(norms_[s])) dropped[s] = 1, any_dropped = true;
+        stop[s] = conv_[s] || dropped[s] ? 1 : 0;
+        active += stop[s] ? 0 : 1;
+        frozen += stop[s];
       }
       rep.residual_history.push_back(worst);
-      if (unconverged() == 0) return termination::converged;
-      if (nonfinite) return termination::non_finite;
-      if (it >= budget) return termination::max_iterations;
-      write_to(b_, frozen_, conv_);
+      const termination failed = any_dropped ? termination::non_finite : termination::max_iterations;
+      if (active == 0) return any_dropped ? termination::non_finite : termination::converged;
+      if (it >= budget) return failed;
+      write_to(b_, frozen_, stop);
       const index_t ae = a_elems(m);
       T* a_solve = (m == method::quasi_newton || m == method::picard) ? ad : a;
       if (m == method::damped) {
         damped_step(a, f, rhs, norm, rep);
       } else {
-        if (unconverged() < segs_)
-          for_each_index(b_, n_, freeze_step<T>{map_, frozen_, a_solve, ae, rhs, h_, hs_, d_, false});
+        if (frozen > 0) for_each_index(b_, n_, freeze_step<T>{map_, frozen_, a_solve, ae, rhs, h_, hs_, d_, false});
         const tensor_view<const T, 2, Space> rv(rhs, {n_, d_});
         const tensor_view<T, 2, Space> hv(h_, {n_, d_}, {hs_, 1});
         if (m == method::newton)
