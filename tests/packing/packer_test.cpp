@@ -483,7 +483,7 @@ using loom::test::require_loom_error;
 TEST_CASE("packing::causal_pairs and chunk_causal_pairs reject counts that overflow, naming the length",
           "[packing][cost][errors][overflow]") {
   STATIC_REQUIRE(pk::causal_pairs(pk::max_causal_length) == 9223372034707292160);  // (2^32 - 1) 2^31
-  STATIC_REQUIRE(pk::causal_pairs(3037000499) == 4611686016981624750);  // odd n
+  STATIC_REQUIRE(pk::causal_pairs(3037000499) == 4611686016981624750);             // odd n
   STATIC_REQUIRE(pk::chunk_causal_pairs(0, pk::max_causal_length) == pk::causal_pairs(pk::max_causal_length));
   const auto inv = loom::errc::invalid_argument;
   require_loom_error([] { (void)pk::causal_pairs(pk::max_causal_length + 1); }, inv,
