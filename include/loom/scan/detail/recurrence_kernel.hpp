@@ -11,7 +11,8 @@
 //! process, so a rank never needs its neighbour's rows. At a segment head (first row forward,
 //! last row adjoint) x is replaced by the segment's initial value (init[s], or zero). After the
 //! segment's last processed row, x is written to fin[s] (forward: final state; adjoint: d init).
-//! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d), reset (1)].
+//! Aggregates are affine maps x_in -> M x_in + v, stored as [M (structure layout), v (d), reset (1)]
+//! and zeros up to a whole number of 64-byte lines.
 //! reset = 1 when a segment head lies inside the span: the map is then the constant v, and every
 //! consumer selects v instead of forming M x_in + v (M is 0 there, but 0 * NaN is NaN: a non-finite
 //! value of one segment would leak into the next one). The same selection in compose() keeps the
@@ -61,7 +62,10 @@ struct recurrence_kernel {
         adjoint(adj),
         first_window(first) {
     carry_size = d;
-    agg_size = St::a_size(d) + d + 1;
+    // [M, v, reset] padded to whole 64-byte lines, so the engine's arrays after the aggregates keep
+    // the alignment of the state rows (the scratch rows are vectorized)
+    constexpr index_t line = 64 / static_cast<index_t>(sizeof(Acc));
+    agg_size = (St::a_size(d) + d + 1 + line - 1) / line * line;
     scratch_size = 2 * St::a_size(d) + 2 * d;
   }
 
@@ -109,8 +113,7 @@ struct recurrence_kernel {
 
   LOOM_HD void identity_agg(Acc* agg) const {
     St::identity(d, agg);
-    for (index_t c = 0; c < d; ++c) agg[St::a_size(d) + c] = Acc(0);
-    agg[St::a_size(d) + d] = Acc(0);
+    for (index_t e = St::a_size(d); e < agg_size; ++e) agg[e] = Acc(0);
   }
   //! Whether aggregate g holds a segment head (its map ignores what enters it).
   LOOM_HD bool resets(const Acc* g) const { return g[St::a_size(d) + d] != Acc(0); }
@@ -168,6 +171,7 @@ struct recurrence_kernel {
     for (index_t e = 0; e < asz; ++e) agg[e] = reset ? Acc(0) : m0[e];
     for (index_t c = 0; c < d; ++c) agg[asz + c] = x0[c];
     agg[asz + d] = reset ? Acc(1) : Acc(0);
+    for (index_t e = asz + d + 1; e < agg_size; ++e) agg[e] = Acc(0);
   }
 
   //! out = the carry after a span: agg's v when the span holds a head (selected, never 0 * carry),
@@ -187,7 +191,7 @@ struct recurrence_kernel {
   LOOM_HD void compose(const Acc* first, const Acc* second, Acc* out) const {
     const index_t asz = St::a_size(d);
     if (resets(second)) {
-      for (index_t e = 0; e < asz + d + 1; ++e) out[e] = second[e];
+      for (index_t e = 0; e < agg_size; ++e) out[e] = second[e];
       return;
     }
     if (resets(first))
@@ -197,6 +201,7 @@ struct recurrence_kernel {
     St::matvec(second, false, d, first + asz, out + asz);
     for (index_t c = 0; c < d; ++c) out[asz + c] += second[asz + c];
     out[asz + d] = first[asz + d];
+    for (index_t e = asz + d + 1; e < agg_size; ++e) out[e] = Acc(0);
   }
 
   //! ht[0, d) = y. On x86 hosts, a state of 16 bytes or more in the accumulation type goes to
