@@ -147,4 +147,13 @@ inline void require_same_outside(const std::vector<double>& got, const std::vect
   CHECK(non_finite == 0);
 }
 
+// Input `which` (0: q, 1: k, 2: v, 3: dout), token t, head 1, element 0 set to `bad`.
+inline void poison(sharded_inputs& g, int which, index_t t, double bad) {
+  const auto& s = g.s;
+  if (which == 0) g.q[static_cast<std::size_t>((t * s.hq + 1) * s.dk)] = bad;
+  if (which == 1) g.k[static_cast<std::size_t>((t * s.hkv + 1) * s.dk)] = bad;
+  if (which == 2) g.v[static_cast<std::size_t>((t * s.hkv + 1) * s.dv)] = bad;
+  if (which == 3) g.dout[static_cast<std::size_t>((t * s.hq + 1) * s.dv)] = bad;
+}
+
 }  // namespace loom::test

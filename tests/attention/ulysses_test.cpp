@@ -440,10 +440,7 @@ TEST_CASE("ulysses and hybrid: a non-finite input stays in its document on every
                 << "qkvd"[which]);
       auto g = clean;
       const double bad = which % 2 ? std::numeric_limits<double>::infinity() : std::nan("");
-      if (which == 0) g.q[(t * s.hq + 1) * s.dk] = bad;
-      if (which == 1) g.k[(t * s.hkv + 1) * s.dk] = bad;
-      if (which == 2) g.v[(t * s.hkv + 1) * s.dv] = bad;
-      if (which == 3) g.dout[(t * s.hq + 1) * s.dv] = bad;
+      lt::poison(g, which, t, bad);
       const auto got = runner(g);
       lt::require_same_outside(got.out, ref.out, s.hq * s.dv, 40, 141, "out");
       lt::require_same_outside(got.lse, ref.lse, s.hq, 40, 141, "lse");

@@ -73,16 +73,16 @@ struct comm_context {
   template <class St, class AV, class RV, class HV>
   void solve(St, AV a, RV rhs, HV h, bool with_init) {
     // Agreed once per solve (make_comm_engine): the scans inside skip their own agreement.
-    scan::detail::linear_recurrence_impl(
-        b, comm, St{}, a, rhs, h,
-        scan::segments<T, Space>{offsets, with_init ? init : tensor_view<const T, 2, Space>{}, {}}, {}, false);
+    scan::detail::recurrence_impl(b, comm, St{}, a, rhs, h, offsets,
+                                  with_init ? init : tensor_view<const T, 2, Space>{}, tensor_view<T, 2, Space>{},
+                                  false, {}, false);
   }
   template <class St, class AV, class GV, class LV, class DH0V>
   void adjoint(St, AV a, GV g, LV lambda, DH0V dh0) {
     for (index_t s = 0; s < dh0.extent(0); ++s)
       for (index_t c = 0; c < dh0.extent(1); ++c) dh0(s, c) = 0;  // rows of other ranks' sequences
-    scan::detail::linear_recurrence_adjoint_impl(b, comm, St{}, a, g, lambda,
-                                                 scan::adjoint_segments<T, Space>{offsets, {}, dh0}, {}, false);
+    scan::detail::recurrence_impl(b, comm, St{}, a, g, lambda, offsets, tensor_view<const T, 2, Space>{}, dh0, true, {},
+                                  false);
   }
   template <class DTV, class DH0V>
   void sum_gradients(DTV dtheta, DH0V dh0) {

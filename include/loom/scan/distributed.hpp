@@ -200,44 +200,28 @@ void segmented_exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, O
 }
 
 namespace detail {
-//! The cross-rank recurrence and its adjoint; `agree` false skips the agreement (for callers that
-//! agreed on the whole computation once, as the sequence-parallel Newton solver does).
-template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
-void linear_recurrence_impl(const B& b, C& comm, St, AV a, BV bv, HV h, const segments<T, Space>& seg,
-                            const options& opt, bool agree) {
-  constexpr std::string_view call = "linear_recurrence";
-  const window w = slice_of(comm, bv.extent(0), call);
+//! The cross-rank recurrence (states in: the segments' initial states, out: their final states)
+//! or its adjoint (in: the gradients at the final states, out: those of the initial states);
+//! `agree` false skips the agreement (for callers that agreed on the whole computation once, as
+//! the sequence-parallel Newton solver does).
+template <backend B, comm::communicator C, structure St, class AV, class XV, class YV, class OffV, class InV,
+          class OutV>
+void recurrence_impl(const B& b, C& comm, St, AV a, XV x, YV y, OffV offsets, InV in_states, OutV out_states,
+                     bool adjoint, const options& opt, bool agree) {
+  const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
+  const window w = slice_of(comm, x.extent(0), call);
   auto run = [&](auto&& agreed) {
-    const auto sig = scan_signature(St::name(), opt, false, 0, offsets_digest(&seg.offsets),
-                                    recurrence_shape(a, bv, seg.initial, seg.final_state));
+    const auto sig = scan_signature(St::name(), opt, adjoint, 0, offsets_digest(&offsets),
+                                    recurrence_shape(a, x, in_states, out_states));
     with_recurrence_kernel<St>(
-        a, bv, h, seg.offsets, seg.initial, seg.final_state, w, false, opt, call,
-        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, false, opt, call, agreed, sig); });
+        a, x, y, offsets, in_states, out_states, w, adjoint, opt, call,
+        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, adjoint, opt, call, agreed, sig); });
   };
   if (agree)
     comm::agree_within(comm, call, run);
   else
     run([](const comm::signature&) {});
-  fill_empty_segments(b, seg.offsets, seg.initial, seg.final_state, bv.extent(1), w.total);
-}
-
-template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
-void linear_recurrence_adjoint_impl(const B& b, C& comm, St, AV a, GV g, LV lambda,
-                                    const adjoint_segments<T, Space>& seg, const options& opt, bool agree) {
-  constexpr std::string_view call = "linear_recurrence_adjoint";
-  const window w = slice_of(comm, g.extent(0), call);
-  auto run = [&](auto&& agreed) {
-    const auto sig = scan_signature(St::name(), opt, true, 0, offsets_digest(&seg.offsets),
-                                    recurrence_shape(a, g, seg.d_final, seg.d_initial));
-    with_recurrence_kernel<St>(
-        a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, w, true, opt, call,
-        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, true, opt, call, agreed, sig); });
-  };
-  if (agree)
-    comm::agree_within(comm, call, run);
-  else
-    run([](const comm::signature&) {});
-  fill_empty_segments(b, seg.offsets, seg.d_final, seg.d_initial, g.extent(1), w.total);
+  fill_empty_segments(b, offsets, in_states, out_states, x.extent(1), w.total);
 }
 }  // namespace detail
 
@@ -249,7 +233,7 @@ void linear_recurrence_adjoint_impl(const B& b, C& comm, St, AV a, GV g, LV lamb
 template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
 void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const segments<T, Space>& seg = {},
                        const options& opt = {}) {
-  detail::linear_recurrence_impl(b, comm, st, a, bv, h, seg, opt, true);
+  detail::recurrence_impl(b, comm, st, a, bv, h, seg.offsets, seg.initial, seg.final_state, false, opt, true);
 }
 
 //! Cross-rank adjoint recurrence (see the single-rank form); d_initial rows are written for the
@@ -257,7 +241,7 @@ void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const segm
 template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
 void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda,
                                const adjoint_segments<T, Space>& seg = {}, const options& opt = {}) {
-  detail::linear_recurrence_adjoint_impl(b, comm, st, a, g, lambda, seg, opt, true);
+  detail::recurrence_impl(b, comm, st, a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, true, opt, true);
 }
 
 }  // namespace loom::scan
