@@ -6,16 +6,17 @@
 //! (slices in rank order tile [0, T); documents may cross slice boundaries; global cu_seqlens).
 //!
 //! Forward: each rank runs the chunked algorithm on its slice with a zero incoming state, and sends
-//! the affine element of its slice, per head (a = product of its gates, or 0 when a document starts
-//! inside the slice; M = its end state), in ONE all_gather. Rank r folds the elements of ranks < r,
-//! X = a_q X + M_q, and its first document's outputs get the incoming state's contribution scale
-//! exp(B_t) q_t^T X (B_t: the log-gates from the slice start to t), through the state for the chunks
-//! run after the exchange and as an added product for those run before it (docs/linear_attention.md:
-//! the schedule, and which precisions use which). Backward mirrors it: one
-//! all_gather of (product of gates, d state leaving the slice to the left) and a suffix fold.
+//! the affine element of its slice, per head (a = product of its gates; M = its end state) and one
+//! reset flag (a document starts inside the slice), in ONE all_gather. Rank r folds the elements of
+//! ranks < r, X = a_q X + M_q, or X = M_q where q resets (selected, never 0 · X), and its first document's outputs get
+//! the incoming state's contribution scale exp(B_t) q_t^T X (B_t: the log-gates from the slice start to t), through the
+//! state for the chunks run after the exchange and as an added product for those run before it
+//! (docs/linear_attention.md: the schedule, and which precisions use which). Backward mirrors it: one all_gather of
+//! (product of gates, d state leaving the slice to the left) and a suffix fold.
 //!
-//! Communication per rank per pass: one all_gather of H (1 + dk dv) values of Accum per rank, i.e.
-//! each rank sends H (1 + dk dv) sizeof(Accum) bytes and receives P times that, independent of T.
+//! Communication per rank per pass: one all_gather of H (1 + dk dv) + 1 values of Accum per rank,
+//! i.e. each rank sends (H (1 + dk dv) + 1) sizeof(Accum) bytes and receives P times that,
+//! independent of T.
 //! Collective checks: before any state moves, every rank's checks and its call (cu_seqlens, shapes,
 //! chunk, scale, exchange) go through one agreement (comm/agreement.hpp), and the ranks' slices
 //! must tile [0, T) in rank order: otherwise every rank throws the same loom::error. The
@@ -164,7 +165,7 @@ void lasp2_backward(C& comm, const B& b, lasp2_workspace<P, C>& ws, const Gating
 //! repeated calls build one and pass it to the form above).
 //! @throws loom::error as chunked forward, and (invalid_argument) for a slice outside [0, T), rank 0
 //!         not starting at 0 or the last rank not ending at T; comm errors of the communicator.
-//! Communication: one all_gather of H (1 + dk dv) Accum values per rank.
+//! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank, and the agreement.
 template <precision_policy P, comm::communicator C, backend B, class Gating>
 void lasp2_forward(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
                    tensor_view<typename P::storage_type, 3, host_memory> o, std::span<const index_t> cu_seqlens,
@@ -187,7 +188,7 @@ void lasp2_forward(C& comm, const B& b, const Gating& gating, const operands<P, 
 //! or empty (each rank reads the documents it owns); incoming_state: what lasp2_forward returned
 //! on this rank. g.dq/dk/dv/d_log_gate: the slice's; g.d_initial_state: GLOBAL, written for the
 //! documents whose first token this rank holds. Builds a lasp2_workspace for the call.
-//! Communication: one all_gather of H (1 + dk dv) Accum values per rank.
+//! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank, and the agreement.
 template <precision_policy P, comm::communicator C, backend B, class Gating>
 void lasp2_backward(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
                     tensor_view<const typename P::storage_type, 3, host_memory> d_o,

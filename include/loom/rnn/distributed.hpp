@@ -7,7 +7,8 @@
 //!
 //! Per Newton iteration each rank sends its last row of h (d values) to the next non-empty rank
 //! and receives the previous one's (the h_{t-1} of its first row): one point-to-point exchange of
-//! d elements; the cross-rank scan adds P × 8 bytes + P × (a_size(d) + d) accumulators
+//! d elements; the cross-rank scan adds P × 8 bytes + P × (a_size(d) + d + 1) accumulators (padded
+//! to whole 64-byte lines)
 //! (all_gather); convergence is decided globally with one all_reduce(max) of S per-sequence
 //! residual norms. Every rank takes the same decisions (they depend on global values only), so
 //! the report is identical on every rank. The damped fallback doubles that per step; the

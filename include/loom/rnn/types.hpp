@@ -80,7 +80,9 @@ struct report {
   method requested = method::newton;
   int iterations = 0;  //!< linear solves done (requested method + damped fallback)
   //! residual_history[i]: the largest scaled residual max |r| / (abs_tol + rel_tol |h|) over the
-  //! sequences not converged at iterate i (entry 0: the initial guess; 0 once all converged)
+  //! sequences not converged at iterate i (entry 0: the initial guess; 0 once all converged). A
+  //! sequence whose residual went non-finite is frozen (the others go on) and left out of the
+  //! entries after that iterate.
   std::vector<double> residual_history;
   std::vector<bool> converged;                  //!< per sequence, at the returned h
   std::vector<double> residual;                 //!< per sequence: scaled residual at the returned h

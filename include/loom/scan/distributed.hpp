@@ -16,10 +16,13 @@
 //! one agreement (comm/agreement.hpp): a rejection or a disagreement is the same loom::error on
 //! every rank, before any aggregate moves.
 //! Communication: P * 8 bytes + P * sizeof(aggregate) bytes received per rank, plus the
-//! agreement's P * comm::agreement_bytes, independent of the sequence length (a recurrence's aggregate is (a_size(d) +
-//! d) accumulators). Segment offsets are global (the segmentation of the whole sequence, identical on every rank), so
-//! documents that cross rank boundaries are handled: a reset inside a slice is part of its aggregate. The result has
-//! the same bits for every P only when each rank's slice maps to whole blocks; for a fixed P and slicing it is bitwise
+//! agreement's P * comm::agreement_bytes, independent of the sequence length (a recurrence's
+//! aggregate is a_size(d) + d accumulators and a reset flag, padded to whole 64-byte lines).
+//! Segment offsets are global (the segmentation of the whole sequence, identical on every rank),
+//! so documents that cross rank boundaries are handled: a reset inside a slice is part of its
+//! aggregate, and a carry meeting it is replaced, never multiplied by zero. The result has the
+//! same bits for every P only when each rank's slice maps to whole blocks; for a fixed P and
+//! slicing it is bitwise
 //! reproducible.
 
 #include <loom/comm/agreement.hpp>
