@@ -23,12 +23,11 @@ inline std::chrono::milliseconds parse_timeout_ms(const char* name, const char* 
   const std::string v(value);
   long long ms = 0;
   bool ok = !v.empty() && v.size() <= 15;  // up to ~31,000 years: no overflow below
-  for (char ch : v) {
-    if (ch < '0' || ch > '9') {
+  for (std::size_t i = 0; ok && i < v.size(); ++i) {
+    if (v[i] < '0' || v[i] > '9')
       ok = false;
-      break;
-    }
-    ms = ms * 10 + (ch - '0');
+    else
+      ms = ms * 10 + (v[i] - '0');
   }
   if (!ok || ms <= 0)
     throw error(errc::invalid_argument, std::string(name) +
