@@ -103,18 +103,18 @@ struct prepare_kv_kernel {
 
 //! max(init, row[0..tile_k)) and sum(row[0..tile_k)) over `lanes` interleaved partial results, so
 //! the loops vectorise (a plain float reduction would not without reassociation); the order is
-//! fixed, so results do not depend on the machine. The max is NaN when any element (or init) is
-//! NaN: a NaN score poisons its row rather than being passed over.
+//! fixed, so results do not depend on the machine. NaN elements are passed over by the max (a
+//! NaN-propagating max does not vectorise as well); the exp of a NaN score is NaN, so it still
+//! poisons its row's sum, and a row of only NaN and masked scores is caught by its caller.
 inline constexpr index_t lanes = 16;
 template <class Acc>
 LOOM_HD Acc row_max(const Acc* row, Acc init) {
   Acc part[lanes];
   for (index_t u = 0; u < lanes; ++u) part[u] = init;
   for (index_t j0 = 0; j0 < tile_k; j0 += lanes)
-    for (index_t u = 0; u < lanes; ++u)
-      part[u] = row[j0 + u] > part[u] || row[j0 + u] != row[j0 + u] ? row[j0 + u] : part[u];
+    for (index_t u = 0; u < lanes; ++u) part[u] = row[j0 + u] > part[u] ? row[j0 + u] : part[u];
   Acc mx = part[0];
-  for (index_t u = 1; u < lanes; ++u) mx = part[u] > mx || part[u] != part[u] ? part[u] : mx;
+  for (index_t u = 1; u < lanes; ++u) mx = part[u] > mx ? part[u] : mx;
   return mx;
 }
 template <class Acc>
@@ -125,14 +125,6 @@ LOOM_HD Acc row_sum(const Acc* row) {
   Acc sum = Acc(0);
   for (index_t u = 0; u < lanes; ++u) sum += part[u];
   return sum;
-}
-
-//! Scores that are not finite become NaN (finite_or_nan), so that after the mask -inf means
-//! "masked" and nothing else.
-template <class Acc>
-LOOM_HD void poison_non_finite(index_t nq, Acc* s) {
-  for (index_t i = 0; i < nq; ++i)
-    for (index_t j = 0; j < tile_k; ++j) s[i * tile_k + j] = finite_or_nan(s[i * tile_k + j]);
 }
 
 //! Whether query q0 + i sees key k0 + l, for gemm_visible.
@@ -150,14 +142,17 @@ struct pair_visible_by_key {
   LOOM_HD bool operator()(index_t i, index_t l) const { return v(l, i); }
 };
 
-//! Sets masked scores to -inf (partial tiles only).
+//! Sets masked scores to -inf and visible ones that are not finite to NaN (finite_or_nan), so that
+//! after it -inf means "masked" and nothing else (partial tiles only).
 template <class Acc>
 LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_coords& kc, index_t q0, index_t nq,
                         index_t k0, index_t nk, Acc* s) {
   for (index_t i = 0; i < nq; ++i) {
     const index_t qd = qc.d(q0 + i), qp = qc.p(q0 + i);
     for (index_t j = 0; j < nk; ++j)
-      if (!visible(qd, qp, kc.d(k0 + j), kc.p(k0 + j), pb.causal, pb.window)) s[i * tile_k + j] = neg_inf<Acc>();
+      s[i * tile_k + j] = visible(qd, qp, kc.d(k0 + j), kc.p(k0 + j), pb.causal, pb.window)
+                              ? finite_or_nan(s[i * tile_k + j])
+                              : neg_inf<Acc>();
   }
 }
 
@@ -200,18 +195,28 @@ struct forward_kernel {
       const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.window);
       if (kind == tile_kind::skip) continue;
       gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
-      poison_non_finite(nq, s);
-      if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
+      const bool full = kind == tile_kind::full;
+      if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
       for (index_t i = 0; i < nq; ++i) {
         Acc* row = s + i * tile_k;
         for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
         const Acc mx = row_max(row, m[i]);
-        if (mx == neg_inf<Acc>()) {  // nothing visible in this row yet
-          for (index_t j = 0; j < tile_k; ++j) row[j] = Acc(0);
+        if (mx == neg_inf<Acc>()) {
+          // No finite score in this row yet: nothing visible, or visible scores that are all
+          // -inf or NaN (then the row is NaN, never the merge identity out = 0, lse = -inf).
+          bool poisoned = full && nk > 0;
+          for (index_t j = 0; j < tile_k; ++j) {
+            poisoned |= row[j] != row[j];
+            row[j] = Acc(0);
+          }
+          if (poisoned) m[i] = l[i] = std::numeric_limits<Acc>::quiet_NaN();
           continue;
         }
         const Acc alpha = fast_exp(m[i] - mx);
-        for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
+        if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
+          for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
+        else
+          for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
         const Acc sum = row_sum(row);
         l[i] = l[i] * alpha + sum;
         m[i] = mx;
@@ -263,8 +268,8 @@ LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const to
                              const Acc* dos, const Acc* vt, index_t ld, const Acc* lse_rows, const Acc* delta_rows,
                              Acc* s, Acc* dp) {
   gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, ld, s, tile_k, false);
-  poison_non_finite(nq, s);
-  if (kind == tile_kind::partial) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);
+  const bool full = kind == tile_kind::full;
+  if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
   gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, ld, dp, tile_k, false);
   for (index_t i = 0; i < nq; ++i) {
     Acc* srow = s + i * tile_k;
@@ -272,8 +277,8 @@ LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const to
     const Acc delta = delta_rows[i];
     const Acc lse = lse_rows[i] == -neg_inf<Acc>() ? std::numeric_limits<Acc>::quiet_NaN() : lse_rows[i];
     for (index_t j = 0; j < tile_k; ++j) {
-      const bool seen = j < nk && srow[j] != neg_inf<Acc>();
-      const Acc p = seen ? fast_exp(srow[j] - lse) : Acc(0);
+      const bool seen = j < nk && (full || srow[j] != neg_inf<Acc>());
+      const Acc p = seen ? fast_exp(finite_or_nan(srow[j]) - lse) : Acc(0);
       srow[j] = p;
       drow[j] = seen ? p * (drow[j] - delta) : Acc(0);
     }

@@ -29,17 +29,24 @@ LOOM_HD inline float bits_to_float(std::uint32_t u) {
   return f;
 }
 
-//! e^x for float, relative error below 3e-7 on (-87, 88): 0 below (and for -inf), +inf above 88.72
-//! (where float overflows), NaN for NaN, so a stale or non-finite exponent shows instead of
-//! wrapping the exponent bits. Branch-free (selects), so loops over it vectorise. Double uses the
-//! library exp (the oracle precision).
+LOOM_HD inline std::uint32_t float_to_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+//! e^x for float, relative error below 3e-7 on (-87, 88.37): 0 at and below -87 (and for -inf),
+//! +inf above (where float overflows), NaN for NaN, so a stale or non-finite exponent shows
+//! instead of wrapping the exponent bits. Plain arithmetic and two selects, no float-to-int
+//! conversion (k is read from the bits of t + 1.5 * 2^23), so loops over it vectorise and no
+//! input is undefined behaviour. Double uses the library exp (the oracle precision).
 LOOM_HD inline float fast_exp(float x) {
-  const float xc = x > 88.0f ? 88.0f : (x > -87.0f ? x : -87.0f);  // NaN -> -87, selected away below
-  const float t = xc * 1.44269504088896341f;                       // x = k ln2 + r, k integer, |r| <= ln2 / 2
-  const int k = static_cast<int>(t < 0 ? t - 0.5f : t + 0.5f);
-  const float kf = static_cast<float>(k);
-  const float r = (xc - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
-  // e^r: Taylor terms up to r^7 (error below 1e-8 for |r| <= 0.35)
+  constexpr float magic = 12582912.0f;               // 1.5 * 2^23: t + magic holds round(t) in its low bits
+  const float z = x * 1.44269504088896341f + magic;  // x = k ln2 + r, k integer, |r| <= ln2 / 2
+  const float kf = z - magic;
+  const auto k = static_cast<std::int32_t>(float_to_bits(z) - float_to_bits(magic));
+  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
+  // e^r: Taylor terms up to r^7 (error below 1e-8 for |r| <= 0.35); NaN stays NaN
   float p = 1.9841270e-4f;
   p = p * r + 1.3888889e-3f;
   p = p * r + 8.3333333e-3f;
@@ -49,8 +56,8 @@ LOOM_HD inline float fast_exp(float x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const float e = p * bits_to_float(static_cast<std::uint32_t>(k + 127) << 23);
-  const float big = x > 88.72283905f ? std::numeric_limits<float>::infinity() : e;
-  return x > -87.0f ? big : (x != x ? x : 0.0f);
+  const float hi = x > 88.37f ? std::numeric_limits<float>::infinity() : e;
+  return x <= -87.0f ? 0.0f : hi;  // NaN compares false both times: e, which is NaN
 }
 LOOM_HD inline double fast_exp(double x) { return x == neg_inf<double>() ? 0.0 : std::exp(x); }
 
