@@ -44,8 +44,8 @@ LOOM_HD inline float fast_exp(float x) {
   constexpr float magic = 12582912.0f;               // 1.5 * 2^23: t + magic holds round(t) in its low bits
   const float z = x * 1.44269504088896341f + magic;  // x = k ln2 + r, k integer, |r| <= ln2 / 2
   const float kf = z - magic;
-  const auto k = static_cast<std::int32_t>(float_to_bits(z) - float_to_bits(magic));
-  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;  // ln 2 split in two (Cody-Waite)
+  const std::uint32_t k = float_to_bits(z) - float_to_bits(magic);  // round(t) mod 2^32 (unsigned: no overflow)
+  const float r = (x - kf * 0.693145752f) - kf * 1.42860677e-6f;    // ln 2 split in two (Cody-Waite)
   // e^r: Taylor terms up to r^7 (error below 1e-8 for |r| <= 0.35); NaN stays NaN
   float p = 1.9841270e-4f;
   p = p * r + 1.3888889e-3f;
@@ -55,7 +55,7 @@ LOOM_HD inline float fast_exp(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const float e = p * bits_to_float(static_cast<std::uint32_t>(k + 127) << 23);
+  const float e = p * bits_to_float((k + 127u) << 23);
   const float hi = x > 88.37f ? std::numeric_limits<float>::infinity() : e;
   return x <= -87.0f ? 0.0f : hi;  // NaN compares false both times: e, which is NaN
 }
