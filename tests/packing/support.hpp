@@ -4,6 +4,7 @@
 
 #include <loom/packing/packer.hpp>
 
+#include <support/errors.hpp>
 #include <support/random.hpp>
 
 #include <catch2/catch.hpp>
@@ -33,21 +34,7 @@ inline std::vector<index_t> long_tail(std::size_t n, tail t, index_t window, std
   return v;
 }
 
-//! Runs f and requires a loom::error with `code` whose what() contains every part (the call and
-//! the names of the arguments).
-template <class F>
-void require_loom_error(F&& f, errc code, std::initializer_list<std::string_view> parts) {
-  try {
-    f();
-  } catch (const loom::error& e) {
-    const std::string what = e.what();
-    INFO(what);
-    CHECK(e.code() == code);
-    for (auto p : parts) CHECK(what.find(p) != std::string::npos);
-    return;
-  }
-  FAIL("no loom::error was thrown");
-}
+using loom::test::require_loom_error;
 
 //! Every document id appears in exactly one micro-batch, with its own length.
 inline void require_covers(const std::vector<packing::micro_batch>& bins, const std::vector<index_t>& lengths) {

@@ -27,18 +27,6 @@ namespace {
 template <class T, std::size_t R>
 using view = loom::tensor_view<T, R>;
 
-template <class St, class T>
-auto a_view(T* p, index_t n, index_t d) {
-  if constexpr (St::a_rank == 1)
-    return view<T, 1>(p, {n});
-  else if constexpr (St::a_rank == 2)
-    return view<T, 2>(p, {n, d});
-  else if constexpr (St::a_rank == 4)
-    return view<T, 4>(p, {n, d / St::block, static_cast<index_t>(St::block), static_cast<index_t>(St::block)});
-  else
-    return view<T, 3>(p, {n, d, d});
-}
-
 template <class T>
 struct inputs {
   std::vector<T> a, b, init, g, dfin;
@@ -63,7 +51,7 @@ outputs<T> run(const inputs<T>& in, const std::vector<index_t>& off, const std::
     const index_t b = cut[static_cast<std::size_t>(comm.rank())], e = cut[static_cast<std::size_t>(comm.rank()) + 1];
     // final states and initial-state gradients: each rank writes the rows it owns into its own copy
     std::vector<T> fin(out.fin.size(), T(0)), dinit(out.dinit.size(), T(0));
-    const auto av = a_view<St>(in.a.data() + b * as, e - b, d);
+    const auto av = lp::a_view<St>(in.a.data() + b * as, e - b, d);
     ls::linear_recurrence(
         loom::serial{}, comm, St{}, av, view<const T, 2>(in.b.data() + b * d, {e - b, d}),
         view<T, 2>(out.h.data() + b * d, {e - b, d}),

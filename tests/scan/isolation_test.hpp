@@ -32,19 +32,6 @@ using loom::test::space;
 template <class T, std::size_t R>
 using view = loom::tensor_view<T, R, space>;
 
-//! A view of A with the rank of structure St.
-template <class St, class T>
-auto a_view(T* p, index_t n, index_t d) {
-  if constexpr (St::a_rank == 1)
-    return view<T, 1>(p, {n});
-  else if constexpr (St::a_rank == 2)
-    return view<T, 2>(p, {n, d});
-  else if constexpr (St::a_rank == 4)
-    return view<T, 4>(p, {n, d / St::block, static_cast<index_t>(St::block), static_cast<index_t>(St::block)});
-  else
-    return view<T, 3>(p, {n, d, d});
-}
-
 template <class T>
 struct rec_inputs {
   std::vector<T> a, b, init, g, dfin;
@@ -67,7 +54,7 @@ rec_outputs<T> run_recurrence(const rec_inputs<T>& in, const std::vector<index_t
   const view<const index_t, 1> ov(o.data(), {segs + 1});
   ls::options opt;
   opt.block = block;
-  const auto av = a_view<St>(static_cast<const T*>(a.data()), n, d);
+  const auto av = lp::a_view<St, space>(static_cast<const T*>(a.data()), n, d);
   const ls::segments<T, space> seg{ov, view<const T, 2>(init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})};
   ls::linear_recurrence(be, St{}, av, view<const T, 2>(x.data(), {n, d}), view<T, 2>(h.data(), {n, d}), seg, opt);
   const ls::adjoint_segments<T, space> aseg{ov, view<const T, 2>(dfin.data(), {segs, d}),
@@ -75,7 +62,7 @@ rec_outputs<T> run_recurrence(const rec_inputs<T>& in, const std::vector<index_t
   ls::linear_recurrence_adjoint(be, St{}, av, view<const T, 2>(g.data(), {n, d}), view<T, 2>(lam.data(), {n, d}), aseg,
                                 opt);
   ls::transition_gradient(be, St{}, view<const T, 2>(lam.data(), {n, d}), view<const T, 2>(h.data(), {n, d}),
-                          a_view<St>(da.data(), n, d), seg);
+                          lp::a_view<St, space>(da.data(), n, d), seg);
   return {h.to_host(), fin.to_host(), lam.to_host(), dinit.to_host(), da.to_host()};
 }
 

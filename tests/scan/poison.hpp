@@ -21,6 +21,20 @@ inline constexpr value all_values[] = {value::nan, value::pos_inf, value::neg_in
 
 inline const char* name(value v) { return v == value::nan ? "NaN" : v == value::pos_inf ? "+inf" : "-inf"; }
 
+//! A view of A with the rank of structure St, in memory space Space.
+template <class St, class Space = host_memory, class T>
+auto a_view(T* p, index_t n, index_t d) {
+  if constexpr (St::a_rank == 1)
+    return tensor_view<T, 1, Space>(p, {n});
+  else if constexpr (St::a_rank == 2)
+    return tensor_view<T, 2, Space>(p, {n, d});
+  else if constexpr (St::a_rank == 4)
+    return tensor_view<T, 4, Space>(
+        p, {n, d / St::block, static_cast<index_t>(St::block), static_cast<index_t>(St::block)});
+  else
+    return tensor_view<T, 3, Space>(p, {n, d, d});
+}
+
 template <class T>
 T make(value v) {
   if (v == value::nan) return static_cast<T>(std::numeric_limits<double>::quiet_NaN());
