@@ -170,10 +170,11 @@ inline std::uint64_t digest_of(const plan& hp) {
 template <class T, class Acc, class C, class Local>
 problem agree_grid(groups<C>& gc, const plan& hp, const options& opt, std::string_view call, Local&& local) {
   const int label = gc.ring.rank() * hp.dims().ulysses + gc.ulysses.rank();
+  const std::uint64_t digest = digest_of(hp);
   problem pb{};
   std::exception_ptr first;
   try {
-    pb = agree_on<T, Acc>(gc.ulysses, digest_of(hp), opt, call, local, label);
+    pb = agree_on<T, Acc>(gc.ulysses, digest, opt, call, local, label);
   } catch (const comm::agreement_error&) {
     first = std::current_exception();
   }
@@ -181,7 +182,7 @@ problem agree_grid(groups<C>& gc, const plan& hp, const options& opt, std::strin
       gc.ring, call,
       [&] {
         if (first) std::rethrow_exception(first);
-        return attention_signature<T, Acc>(digest_of(hp), pb, opt);
+        return attention_signature<T, Acc>(digest, pb, opt);
       },
       label);
   return pb;

@@ -11,8 +11,8 @@
 
 namespace loom::linear_attention::detail {
 
-//! Every check of one backward call on this rank (run before the cross-rank agreement, and again
-//! by the implementation).
+//! Every check of one backward call on this rank, run before the cross-rank agreement; the
+//! implementation relies on it.
 template <class P, class C, class Gating>
 void check_backward_call(const C& comm, const lasp2_work<P, C>& wk, const Gating& gating,
                          const operands<P, host_memory>& x,
@@ -44,7 +44,7 @@ void lasp2_backward_impl(C& comm, const B& b, lasp2_work<P, C>& wk, const Gating
                          const gradients<P, host_memory>& g) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  check_backward_call(comm, wk, gating, x, d_o, dfin, incoming, g);
+  // The arguments were checked by check_backward_call before the agreement (lasp2.hpp).
   const gate_ref<A> gate = check_gating<A, host_memory>(gating, wk.tokens, wk.heads);
   const auto& s = wk.s;
   const auto& cu = wk.cu;

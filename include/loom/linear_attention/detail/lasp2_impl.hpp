@@ -169,8 +169,8 @@ struct lasp2_work {
   }
 };
 
-//! Every check of one forward call on this rank (run before the cross-rank agreement, and again by
-//! the implementation).
+//! Every check of one forward call on this rank, run before the cross-rank agreement; the
+//! implementation relies on it.
 template <class P, class C, class Gating>
 void check_forward_call(const C& comm, const lasp2_work<P, C>& w, const Gating& gating,
                         const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
@@ -197,7 +197,7 @@ void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& 
                         tensor_view<typename P::accum_type, 4, host_memory> fin,
                         tensor_view<typename P::accum_type, 3, host_memory> incoming) {
   using A = typename P::accum_type;
-  check_forward_call(comm, w, gating, x, o, fin, incoming);
+  // The arguments were checked by check_forward_call before the agreement (lasp2.hpp).
   const gate_ref<A> gate = check_gating<A, host_memory>(gating, w.tokens, w.heads);
   const auto& s = w.s;
   const auto& cu = w.cu;
