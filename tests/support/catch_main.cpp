@@ -3,6 +3,7 @@
 // Kokkos::initialize / finalize, the mpi flavour with MPI_Init_thread / MPI_Finalize (the exit
 // status is the worst over ranks, so mpiexec reports any rank's failure).
 #define CATCH_CONFIG_RUNNER
+#include <support/allocations.hpp>
 #include <support/random.hpp>
 
 #include <catch2/catch.hpp>
@@ -16,6 +17,38 @@
 #endif
 
 #include <cstdio>
+#include <cstdlib>
+#include <new>
+
+// Every operator new of a test executable is counted per thread (support/allocations.hpp).
+namespace {
+thread_local long long heap_allocations = 0;
+thread_local int count_paused = 0;
+void* counted_alloc(std::size_t n, std::size_t align) {
+  if (count_paused == 0) ++heap_allocations;
+  if (n == 0) n = 1;
+  void* p =
+      align <= alignof(std::max_align_t) ? std::malloc(n) : std::aligned_alloc(align, (n + align - 1) / align * align);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+}  // namespace
+
+long long loom::test::allocations_on_this_thread() noexcept { return heap_allocations; }
+void loom::test::pause_allocation_count(int delta) noexcept { count_paused += delta; }
+
+void* operator new(std::size_t n) { return counted_alloc(n, alignof(std::max_align_t)); }
+void* operator new[](std::size_t n) { return counted_alloc(n, alignof(std::max_align_t)); }
+void* operator new(std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 
 int main(int argc, char** argv) {
 #if defined(LOOM_TEST_MAIN_KOKKOS)

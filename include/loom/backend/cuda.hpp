@@ -45,18 +45,23 @@ struct backend_traits<cuda> {
 template <class T>
 class temporary_buffer<cuda, T, cuda_memory> {
  public:
-  temporary_buffer(const cuda& b, index_t count) : stream_(b.stream) {
+  temporary_buffer(const cuda& b, index_t count) : stream_(b.stream), count_(count > 0 ? count : 0) {
     const auto bytes = sizeof(T) * static_cast<std::size_t>(count > 0 ? count : 1);
     detail::cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&data_), bytes, stream_), "cudaMallocAsync", __FILE__,
                        __LINE__);
+    detail::temporary_counter().fetch_add(1, std::memory_order_relaxed);
   }
   temporary_buffer(const temporary_buffer&) = delete;
   temporary_buffer& operator=(const temporary_buffer&) = delete;
   ~temporary_buffer() { cudaFreeAsync(data_, stream_); }
   T* data() const noexcept { return data_; }
+  std::span<std::byte> bytes() const noexcept {
+    return {reinterpret_cast<std::byte*>(data_), sizeof(T) * static_cast<std::size_t>(count_)};
+  }
 
  private:
   cudaStream_t stream_;
+  index_t count_;
   T* data_ = nullptr;
 };
 

@@ -29,6 +29,15 @@ using fp32 = precision<float, float>;
 using bf16 = precision<bfloat16, float>;  //!< bfloat16 storage, float accumulation
 using fp16 = precision<half, float>;      //!< binary16 storage, float accumulation
 
+//! The accumulation type every family uses for storage T unless a precision policy overrides
+//! it: double for double, float for float, bfloat16 and half.
+template <class T>
+using accum_t = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>, double, float>;
+
+//! The precision a family deduces from storage T: precision<T, accum_t<T>>.
+template <floating_storage T>
+using default_precision = precision<std::remove_cv_t<T>, accum_t<T>>;
+
 //! Satisfied by loom::precision<S, A> and user types with the same two member types.
 template <class P>
 concept precision_policy = requires {
