@@ -21,9 +21,9 @@
 
 #include <loom/core/error.hpp>
 #include <loom/packing/cost_model.hpp>
-#include <loom/packing/cp_shard.hpp>
 #include <loom/packing/packer.hpp>
 #include <loom/packing/wlb.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <benchmark/benchmark.h>
 
@@ -335,7 +335,8 @@ void shard_speed(benchmark::State& state) {
                                      [](const auto& a, const auto& b) { return a.tokens() < b.tokens(); });
   double balance = 1;
   for (auto _ : state) {
-    auto plan = loom::shard::make_plan(mb.cu_seqlens, ranks, loom::shard::per_document{});
+    auto plan = loom::shard::make_plan(loom::segments(std::span<const loom::index_t>(mb.cu_seqlens)), ranks,
+                                       loom::shard::per_document{});
     balance = pair_balance(plan);
     benchmark::DoNotOptimize(&plan);
   }
@@ -344,8 +345,8 @@ void shard_speed(benchmark::State& state) {
   state.counters["tokens"] = static_cast<double>(mb.tokens());
   state.counters["documents"] = static_cast<double>(mb.documents.size());
   state.counters["pair_max_over_mean"] = balance;
-  state.counters["zigzag_pair_max_over_mean"] =
-      pair_balance(loom::shard::make_plan(mb.cu_seqlens, ranks, loom::shard::zigzag{}));
+  state.counters["zigzag_pair_max_over_mean"] = pair_balance(loom::shard::make_plan(
+      loom::segments(std::span<const loom::index_t>(mb.cu_seqlens)), ranks, loom::shard::zigzag{}));
 }
 
 [[maybe_unused]] const bool registered = [] {

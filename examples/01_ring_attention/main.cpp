@@ -8,7 +8,7 @@
 //   mpiexec -n 4 loom.example.ring_attention_mpi   the same code over MPI (comm::mpi)
 
 #include <loom/attention/ring.hpp>
-#include <loom/attention/shard.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <common/attention_check.hpp>
 

@@ -16,9 +16,9 @@
 // is flushed at the end.
 
 #include <loom/packing/cost_model.hpp>
-#include <loom/packing/cp_shard.hpp>
 #include <loom/packing/packer.hpp>
 #include <loom/packing/wlb.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <algorithm>
 #include <charconv>
@@ -105,7 +105,8 @@ double max_over_mean(const std::vector<double>& v) { return pk::balance_of(v).ma
 
 template <class S>
 std::vector<double> rank_pairs(const pk::micro_batch& mb, int ranks, S strategy) {
-  const auto plan = loom::shard::make_plan(mb.cu_seqlens, ranks, strategy);
+  const auto plan =
+      loom::shard::make_plan(loom::segments(std::span<const loom::index_t>(mb.cu_seqlens)), ranks, strategy);
   std::vector<double> pairs;
   for (int r = 0; r < ranks; ++r) pairs.push_back(static_cast<double>(plan.rank(r).causal_pairs));
   return pairs;
@@ -218,7 +219,8 @@ int run(int argc, char** argv) {
   // Context parallelism inside the first WLB micro-batch: P ranks share its packed sequence.
   constexpr int ranks = 4;
   const auto& mb = first_wlb.front();
-  const auto plan = loom::shard::make_plan(mb.cu_seqlens, ranks, loom::shard::per_document{});
+  const auto plan = loom::shard::make_plan(loom::segments(std::span<const loom::index_t>(mb.cu_seqlens)), ranks,
+                                           loom::shard::per_document{});
   std::printf("  shard::per_document of WLB micro-batch 0 of step 0 (documents: %zu, tokens: %lld) on P = %d ranks\n",
               mb.documents.size(), static_cast<long long>(mb.tokens()), ranks);
   std::printf("  rank   tokens   causal pairs   pieces\n");

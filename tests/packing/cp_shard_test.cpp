@@ -1,7 +1,7 @@
 // shard::make_plan: hand-checkable cases, coverage and round-trip properties for every strategy,
 // balance of per_document, and rejections.
 
-#include <loom/packing/cp_shard.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <support/random.hpp>
 
@@ -201,17 +201,25 @@ TEST_CASE("shard::per_document: tokens within one and work balanced on long-tail
 }
 
 TEST_CASE("shard::make_plan rejections", "[packing][shard][errors]") {
+  using loom::test::require_loom_error;
+  const auto inv = loom::errc::invalid_argument;
   const std::vector<index_t> ok{0, 4, 9};
-  CHECK_THROWS_WITH(shard::make_plan(std::span<const index_t>(ok), 0, shard::zigzag{}),
-                    Catch::Contains("ranks must be >= 1, got 0"));
-  CHECK_THROWS_WITH(shard::make_plan(std::span<const index_t>(), 2, shard::zigzag{}),
-                    Catch::Contains("must start with 0"));
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(ok), 0, shard::zigzag{}); }, inv,
+                     {"shard::make_plan", "ranks must be >= 1, got 0"});
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(), 2, shard::zigzag{}); }, inv,
+                     {"shard::make_plan", "cu_seqlens must hold at least one offset"});
   const std::vector<index_t> bad_start{1, 4};
-  CHECK_THROWS_WITH(shard::make_plan(std::span<const index_t>(bad_start), 2, shard::per_document{}),
-                    Catch::Contains("must start with 0"));
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(bad_start), 2, shard::per_document{}); },
+                     inv, {"shard::make_plan", "cu_seqlens[0] must be 0, got 1"});
   const std::vector<index_t> decreasing{0, 5, 3};
-  CHECK_THROWS_WITH(shard::make_plan(std::span<const index_t>(decreasing), 2, shard::contiguous{}),
-                    Catch::Contains("non-decreasing, but entry 2 (3) < entry 1 (5)"));
+  require_loom_error([&] { (void)shard::make_plan(std::span<const index_t>(decreasing), 2, shard::contiguous{}); }, inv,
+                     {"shard::make_plan", "non-decreasing, but cu_seqlens[2] = 3 < cu_seqlens[1] = 5"});
+  const std::vector<std::int32_t> decreasing32{0, 5, 3};
+  require_loom_error(
+      [&] { (void)shard::make_plan(std::span<const std::int32_t>(decreasing32), 2, shard::contiguous{}); }, inv,
+      {"shard::make_plan", "non-decreasing, but cu_seqlens[2] = 3 < cu_seqlens[1] = 5"});
+  require_loom_error([&] { (void)shard::make_plan(loom::segments<>{}, 2, shard::contiguous{}); }, inv,
+                     {"shard::make_plan", "implicit cu_seqlens must be bound to a token count"});
   const auto p = shard::make_plan(std::span<const index_t>(ok), 2, shard::per_document{});
   CHECK_THROWS_WITH(p.to_local(9), Catch::Contains("token 9 outside [0, 9)"));
   CHECK_THROWS_WITH(p.to_global(2, 0), Catch::Contains("rank 2 outside"));
@@ -221,6 +229,43 @@ TEST_CASE("shard::make_plan rejections", "[packing][shard][errors]") {
                     Catch::Contains("local array of rank 0 holds 3 elements, expected 5"));
   CHECK_THROWS_WITH(p.gather(0, std::span<const float>(l), 2, std::span<float>(g)),
                     Catch::Contains("global array holds 9"));
+}
+
+TEST_CASE("shard::make_plan takes int32 and int64 offsets and whole(n) alike", "[packing][shard]") {
+  const std::vector<std::int32_t> cu32{0, 5, 5, 12, 31};
+  const std::vector<index_t> cu64(cu32.begin(), cu32.end());
+  const int ranks = GENERATE(1, 2, 3);
+  const auto check_same = [&](const shard::plan& a, const shard::plan& b) {
+    REQUIRE(a.ranks() == b.ranks());
+    CHECK(a.cu_seqlens() == b.cu_seqlens());
+    for (int r = 0; r < a.ranks(); ++r) {
+      CHECK(globals_of(a, r) == globals_of(b, r));
+      CHECK(a.rank(r).cu_seqlens == b.rank(r).cu_seqlens);
+      CHECK(a.rank(r).reset_points == b.rank(r).reset_points);
+      CHECK(a.rank(r).causal_pairs == b.rank(r).causal_pairs);
+    }
+  };
+  const auto wide = shard::make_plan(loom::segments(std::span<const index_t>(cu64)), ranks, shard::per_document{});
+  const auto narrow =
+      shard::make_plan(loom::segments(std::span<const std::int32_t>(cu32)), ranks, shard::per_document{});
+  check_same(wide, narrow);
+  CHECK(wide.cu_seqlens() == cu64);
+  // Device-style views of the same host memory.
+  const auto view32 = loom::tensor_view<const std::int32_t, 1>(cu32.data(), {static_cast<index_t>(cu32.size())});
+  check_same(wide, shard::make_plan(loom::segments(view32), ranks, shard::per_document{}));
+  // The plan's segments views read back the offsets.
+  const auto seg = wide.segments();
+  REQUIRE(seg.count() == 4);
+  CHECK(seg[4] == 31);
+  for (int r = 0; r < ranks; ++r) {
+    const auto local = wide.rank(r).segments();
+    REQUIRE(local.count() == static_cast<index_t>(wide.rank(r).pieces.size()));
+    CHECK(local[local.count()] == wide.rank(r).tokens);
+  }
+  // whole(n): one document of n tokens.
+  const std::vector<index_t> one{0, 31};
+  check_same(shard::make_plan(loom::segments<>::whole(31), ranks, shard::zigzag{}),
+             shard::make_plan(std::span<const index_t>(one), ranks, shard::zigzag{}));
 }
 
 TEST_CASE("shard::make_plan: products and sums of sizes that overflow are errors naming the argument",

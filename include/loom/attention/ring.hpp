@@ -2,7 +2,7 @@
 
 //! @file
 //! Exact attention over the ranks of a communicator, for a sequence sharded by a shard::plan
-//! (contiguous, zigzag or per_document; see loom/attention/shard.hpp). Each rank passes its own
+//! (contiguous, zigzag or per_document; see loom/shard/plan.hpp). Each rank passes its own
 //! rows: q [n_r, Hq, Dqk], k [n_r, Hkv, Dqk], v [n_r, Hkv, Dv], out [n_r, Hq, Dv], lse [n_r, Hq], with
 //! n_r = plan.rank(r).tokens in the plan's local order. Masks use the global (document, position)
 //! of every token, taken from the plan, so every variant gives the local kernel's answer.

@@ -8,7 +8,7 @@
 #include <loom/attention/merge.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/packing/cp_shard.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <array>
 #include <cstdint>

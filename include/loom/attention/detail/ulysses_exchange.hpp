@@ -11,7 +11,7 @@
 #include <loom/attention/detail/ring_common.hpp>
 #include <loom/attention/local.hpp>
 #include <loom/comm/communicator.hpp>
-#include <loom/packing/cp_shard.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <algorithm>
 #include <cstddef>

@@ -1,9 +1,10 @@
 #pragma once
 
 //! @file
-//! Context-parallel shard plans: which tokens of a packed sequence (documents delimited by
-//! cu_seqlens) each of P ranks holds. One planner serves attention (ring / Ulysses sharding) and
-//! linear-attention scans (state-reset points); strategies are tag types:
+//! Context-parallel shard plans: which tokens of a packed sequence (documents delimited by a
+//! loom::segments view, int32 or int64 offsets) each of P ranks holds. One planner serves
+//! attention (ring, Ulysses and hybrid sharding), scans and linear attention (state-reset points)
+//! and the packers; strategies are tag types:
 //!
 //!   shard::contiguous     rank r holds tokens [r T / P, (r + 1) T / P)
 //!   shard::zigzag         the packed sequence in 2P chunks; rank r holds chunks r and 2P - 1 - r
@@ -19,9 +20,17 @@
 //! document) in local order, the local cu_seqlens (one segment per piece), the local positions
 //! where a document starts (where a scan resets its state), and the exact causal work. It maps
 //! global token positions to (rank, local position) and back.
+//!
+//!   std::vector<std::int32_t> cu = {0, 5, 12};
+//!   auto p = loom::shard::make_plan(loom::segments{std::span<const std::int32_t>(cu)}, 4,
+//!                                   loom::shard::per_document{});
+//!   p.rank(r).segments();   // rank r's local documents (one per piece), as loom::segments
+//!
+//! A plan is immutable once made, and may be read from several threads at once.
 
 #include <loom/core/checked.hpp>
 #include <loom/core/error.hpp>
+#include <loom/core/segments.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/packing/cost_model.hpp>
 
@@ -29,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace loom::shard {
@@ -57,6 +67,11 @@ struct rank_plan {
   index_t tokens = 0;                 //!< tokens held
   std::int64_t causal_pairs = 0;      //!< exact causal (query, key) pairs of the held queries
 
+  //! The local offsets as a loom::segments view (valid while the plan lives).
+  [[nodiscard]] loom::segments<host_memory> segments() const noexcept {
+    return loom::segments<host_memory>(std::span<const std::int64_t>(cu_seqlens));
+  }
+
   //! Modelled cost of this rank's queries: sum over pieces of m.chunk(doc_offset, length).
   [[nodiscard]] double cost(const packing::cost_model& m) const {
     double c = 0;
@@ -76,6 +91,10 @@ class plan {
   [[nodiscard]] int ranks() const noexcept { return static_cast<int>(rank_.size()); }
   [[nodiscard]] index_t total_tokens() const noexcept { return cu_seqlens_.back(); }
   [[nodiscard]] const std::vector<index_t>& cu_seqlens() const noexcept { return cu_seqlens_; }
+  //! The global document offsets as a loom::segments view (int64; valid while the plan lives).
+  [[nodiscard]] loom::segments<host_memory> segments() const noexcept {
+    return loom::segments<host_memory>(std::span<const std::int64_t>(cu_seqlens_));
+  }
   [[nodiscard]] const rank_plan& rank(int r) const { return rank_.at(static_cast<std::size_t>(r)); }
 
   //! Where global token `g` lives. @throws loom::error(invalid_argument) if g is out of range.
@@ -119,7 +138,7 @@ class plan {
 
  private:
   template <strategy S>
-  friend plan make_plan(std::span<const index_t> cu_seqlens, int ranks, S);
+  friend plan make_plan(const loom::segments<host_memory>& documents, int ranks, S);
 
   struct ref {
     int rank;
@@ -172,21 +191,36 @@ inline void append_range(rank_plan& rp, std::span<const index_t> cu, index_t g0,
 
 }  // namespace detail
 
-//! Plans `ranks` shards of the packed sequence described by cu_seqlens (offsets, size docs + 1,
-//! starting at 0, non-decreasing; empty documents are allowed and hold no tokens).
-//! O(tokens / chunk + documents * ranks) time; the plan is the same on every rank that calls it.
-//! @throws loom::error(invalid_argument) for ranks < 1, malformed cu_seqlens, sizes whose
-//! products overflow (ranks * tokens, 2 * ranks * tokens for zigzag), a document longer than
-//! packing::max_causal_length, or causal pairs summed over the documents beyond 2^63 - 1.
+namespace detail {
+
+//! Validates `documents` for the planner and returns their offsets widened to index_t: the
+//! offsets must start at 0 and be non-decreasing (loom::check_segments); implicit segments must
+//! be bound to a token count (loom::segments<>::whole(n)).
+inline std::vector<index_t> checked_offsets(const loom::segments<host_memory>& documents, std::string_view call) {
+  LOOM_EXPECTS(!documents.implicit() || documents[1] >= 0, errc::invalid_argument, call,
+               ": implicit cu_seqlens must be bound to a token count (loom::segments<>::whole(n))");
+  const index_t n = documents.implicit() ? documents[1] : documents.size() >= 1 ? documents[documents.count()] : 0;
+  const auto seg = loom::check_segments(documents, n, call, "cu_seqlens");
+  std::vector<index_t> cu(static_cast<std::size_t>(seg.count()) + 1);
+  for (std::size_t i = 0; i < cu.size(); ++i) cu[i] = seg[static_cast<index_t>(i)];
+  return cu;
+}
+
+}  // namespace detail
+
+//! Plans `ranks` shards of the packed sequence whose documents `documents` delimits (int32 or
+//! int64 offsets in host memory, documents + 1 values starting at 0, non-decreasing; empty
+//! documents are allowed and hold no tokens). O(tokens / chunk + documents * ranks) time; the
+//! plan is the same on every rank that calls it.
+//! @throws loom::error(invalid_argument) for ranks < 1, malformed offsets (loom::check_segments),
+//! implicit segments without a token count, sizes whose products overflow (ranks * tokens,
+//! 2 * ranks * tokens for zigzag), a document longer than packing::max_causal_length, or causal
+//! pairs summed over the documents beyond 2^63 - 1.
 template <strategy S>
-plan make_plan(std::span<const index_t> cu_seqlens, int ranks, S) {
+plan make_plan(const loom::segments<host_memory>& documents, int ranks, S) {
   LOOM_EXPECTS(ranks >= 1, errc::invalid_argument, "shard::make_plan: ranks must be >= 1, got ", ranks);
-  LOOM_EXPECTS(!cu_seqlens.empty() && cu_seqlens[0] == 0, errc::invalid_argument,
-               "shard::make_plan: cu_seqlens must start with 0 (it has ", cu_seqlens.size(), " entries)");
-  for (std::size_t i = 1; i < cu_seqlens.size(); ++i)
-    LOOM_EXPECTS(cu_seqlens[i] >= cu_seqlens[i - 1], errc::invalid_argument,
-                 "shard::make_plan: cu_seqlens must be non-decreasing, but entry ", i, " (", cu_seqlens[i],
-                 ") < entry ", i - 1, " (", cu_seqlens[i - 1], ")");
+  const std::vector<index_t> offsets = detail::checked_offsets(documents, "shard::make_plan");
+  const std::span<const index_t> cu_seqlens(offsets);
   const index_t total = cu_seqlens.back();
   const index_t p = ranks;
   // Chunk boundaries are k * total / P (contiguous) and k * total / 2P (zigzag) for k <= P or 2P.
@@ -206,7 +240,7 @@ plan make_plan(std::span<const index_t> cu_seqlens, int ranks, S) {
                                       "shard::make_plan: the causal pairs of the documents of cu_seqlens");
   }
   plan out;
-  out.cu_seqlens_.assign(cu_seqlens.begin(), cu_seqlens.end());
+  out.cu_seqlens_ = offsets;
   out.rank_.resize(static_cast<std::size_t>(ranks));
   auto& rk = out.rank_;
 
