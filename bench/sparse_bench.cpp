@@ -106,11 +106,14 @@ void loom_spmm(benchmark::State& state) {
   const loom::tensor_view<const float, 2> bv(b.data(), {k, n}, {col ? 1 : n, col ? k : 1});
   const loom::tensor_view<float, 2> cv(out.data(), {m, n}, {col ? 1 : n, col ? m : 1});
   const loom::openmp be{.threads = threads};
+  // One plan and one workspace for every call (the plan form allocates nothing).
+  const auto pl = ls::make_plan(be, c.bitmap, n);
+  loom::workspace_buffer ws(pl.workspace_bytes());
   for (auto _ : state) {
     if constexpr (Format == 2)
-      ls::spmm(be, c.csr, bv, cv);
+      ls::spmm(be, pl, c.csr, bv, cv, ws.span());
     else
-      ls::spmm(be, c.bitmap, bv, cv);
+      ls::spmm(be, pl, c.bitmap, bv, cv, ws.span());
     benchmark::DoNotOptimize(out.data());
   }
   rate(state, m, k, n);

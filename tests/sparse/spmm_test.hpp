@@ -6,7 +6,9 @@
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
 
+#include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 using loom::index_t;
@@ -28,6 +31,18 @@ namespace lt = loom::test;
 namespace {
 
 using space = loom::backend_traits<backend_under_test>::memory_space;
+
+// A workspace in the backend's memory space, starting on loom::workspace_alignment (shifted by
+// `misalign` bytes for the rejection test).
+struct workspace {
+  buffer<std::byte> raw;
+  std::span<std::byte> span;
+  explicit workspace(std::size_t bytes, std::size_t misalign = 0) : raw(bytes + 2 * loom::workspace_alignment) {
+    const auto at = reinterpret_cast<std::uintptr_t>(raw.data());
+    const auto pad = (loom::workspace_alignment - at % loom::workspace_alignment) % loom::workspace_alignment;
+    span = std::span<std::byte>(raw.data() + pad + misalign, bytes);
+  }
+};
 
 // The arrays of a format copied into the backend's memory space, and a view of them.
 template <class T>
@@ -128,11 +143,13 @@ std::vector<double> run(int fmt, const std::vector<TA>& dense_a, index_t m, inde
   const loom::tensor_view<TC, 2, space> cv(cc.data(), {m, n}, {c0.rs, c0.cs});
   const loom::tensor_view<const TC, 1, space> biasv(bias_buf.data(), {m});
   const loom::tensor_view<const TA, 2> av(dense_a.data(), {m, k});
-  auto call = [&](const auto& a) {
+  auto call = [&](const auto& a) {  // the plan form, with a workspace of the plan's size
+    const auto pl = ls::make_plan(b_, a, n, {.alpha = alpha, .beta = beta});
+    workspace ws(pl.workspace_bytes());
     if (bias)
-      ls::spmm(b_, a, bv, cv, alpha, beta, biasv);
+      ls::spmm(b_, pl, a, bv, cv, biasv, ws.span);
     else
-      ls::spmm(b_, a, bv, cv, alpha, beta);
+      ls::spmm(b_, pl, a, bv, cv, ws.span);
   };
   if (fmt == 0) {
     on_device_csr<TA> d(ls::to_csr(av));
@@ -285,7 +302,9 @@ TEST_CASE("spmm coverage: every stored nonzero is read exactly once per 64-colum
       INFO(what);
       std::vector<int> counts(static_cast<std::size_t>(stored), 0);
       const loom::tensor_view<const float, 1>* none = nullptr;
-      ls::detail::spmm_impl(b_, view, bv, cv, 1.0, 0.0, none, counting_hook{counts.data()});
+      std::vector<float> panel(static_cast<std::size_t>(k * n));
+      ls::detail::spmm_run<float>(b_, ls::detail::plan_geometry(view, n), view, bv, cv, 1.0, 0.0, none,
+                                  counting_hook{counts.data()}, panel.data());
       return counts;
     };
     INFO("N = " << n);
@@ -334,8 +353,7 @@ TEST_CASE("spmm rejects a bias that does not hold M values" LOOM_BACKEND_TAG, "[
   const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
   const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
   const loom::tensor_view<const float, 1, space> biasv(bias.data(), {3});
-  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv, 1.0, 0.0, biasv),
-                      Catch::Contains("bias must hold A.rows = 4 values"));
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv, biasv), Catch::Contains("bias must hold A.rows = 4 values"));
 }
 
 TEST_CASE("spmm rejects a B with no unit stride" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
@@ -373,7 +391,7 @@ std::vector<float> run_shared(const AV& a, index_t n, bool col_major, index_t sh
   const index_t rs = col_major ? 1 : n, cs = col_major ? m + 1 : 1;
   const loom::tensor_view<const float, 2, space> bv(io.data(), {m, n}, {rs, cs});
   const loom::tensor_view<float, 2, space> cv(io.data() + shift * rs, {m, n}, {rs, cs});
-  ls::spmm(make_backend(), a, bv, cv, 1.0, beta);
+  ls::spmm(make_backend(), a, bv, cv, {.beta = beta});
   const auto h = io.to_host();
   std::vector<float> c(static_cast<std::size_t>(m * n));
   for (index_t i = 0; i < m; ++i)
@@ -390,7 +408,7 @@ std::vector<float> run_separate(const AV& a, index_t n, bool col_major, index_t 
   buffer<float> bb(init), cc(init);
   const loom::tensor_view<const float, 2, space> bv(bb.data(), {m, n}, {rs, cs});
   const loom::tensor_view<float, 2, space> cv(cc.data() + shift * rs, {m, n}, {rs, cs});
-  ls::spmm(make_backend(), a, bv, cv, 1.0, beta);
+  ls::spmm(make_backend(), a, bv, cv, {.beta = beta});
   const auto h = cc.to_host();
   std::vector<float> c(static_cast<std::size_t>(m * n));
   for (index_t i = 0; i < m; ++i)
@@ -431,7 +449,7 @@ TEST_CASE("spmm rejects a bias that shares memory with C" LOOM_BACKEND_TAG, "[sp
   const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
   const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6}, {1, 4});  // column-major
   const loom::tensor_view<const float, 1, space> column0(c.data(), {4});
-  require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv, 1.0, 0.0, column0); }, loom::errc::invalid_argument,
+  require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv, column0); }, loom::errc::invalid_argument,
                      "spmm: bias and C share memory; bias must not overlap C");
 }
 
@@ -471,4 +489,108 @@ TEST_CASE("spmm rejects sizes whose products overflow, naming them" LOOM_BACKEND
     require_loom_error([&] { ls::spmm(make_backend(), a, bv, cv); }, inv,
                        "spmm: work items (A.rows / 8 * B.cols / 64) = 576460752303423488 * 16384 overflows");
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plan form: no allocation, one plan reused across calls and threads, rejections
+
+TEST_CASE(
+    "spmm plan form: allocates nothing; one plan reused across calls and threads gives the bits of fresh "
+    "plans" LOOM_BACKEND_TAG,
+    "[sparse][spmm][plan]") {
+  const auto b_ = make_backend();
+  const index_t m = 37, k = 131, n = 9;
+  const auto dense = make_matrix<float>(m, k, 0.7, false, 200);
+  const on_device_bitmap<float> a1(ls::to_bitmap(loom::tensor_view<const float, 2>(dense.data(), {m, k})));
+  const on_device_csr<float> a0(ls::to_csr(loom::tensor_view<const float, 2>(dense.data(), {m, k})));
+  const auto pl = ls::make_plan(b_, a1.v, n, {.alpha = 0.5, .beta = 0.0});
+  static_assert(std::is_same_v<std::remove_cvref_t<decltype(pl)>, ls::plan<loom::fp32>>);
+  REQUIRE(pl.rows() == m);
+  REQUIRE(pl.cols() == k);
+  REQUIRE(pl.n() == n);
+  REQUIRE(pl.workspace_bytes() >= sizeof(float) * static_cast<std::size_t>(k * n));
+  REQUIRE(pl.workspace_bytes() % loom::workspace_alignment == 0);
+  constexpr int calls = 3;
+  std::vector<buffer<float>*> bs;
+  std::vector<std::unique_ptr<buffer<float>>> keep;
+  for (int c = 0; c < calls; ++c)  // column-major B: always packed into the workspace
+    keep.push_back(
+        std::make_unique<buffer<float>>(lt::uniform<float>(k * n, -1, 1, 210 + static_cast<std::uint64_t>(c))));
+  auto bview = [&](int c) {
+    return loom::tensor_view<const float, 2, space>(keep[static_cast<std::size_t>(c)]->data(), {k, n}, {1, k});
+  };
+  // Fresh plans (the convenience form), one call each.
+  std::vector<std::vector<float>> want;
+  for (int c = 0; c < calls; ++c) {
+    buffer<float> cc(static_cast<std::size_t>(m * n));
+    ls::spmm(b_, a1.v, bview(c), loom::tensor_view<float, 2, space>(cc.data(), {m, n}), {.alpha = 0.5});
+    want.push_back(cc.to_host());
+  }
+  // One plan, one workspace, every call: no heap allocation and no temporary.
+  {
+    workspace ws(pl.workspace_bytes());
+    std::vector<std::unique_ptr<buffer<float>>> outs;
+    for (int c = 0; c < calls; ++c) outs.push_back(std::make_unique<buffer<float>>(static_cast<std::size_t>(m * n)));
+    for (int c = 0; c < calls; ++c) {
+      const loom::tensor_view<float, 2, space> cv(outs[static_cast<std::size_t>(c)]->data(), {m, n});
+      const auto counted = lt::count_allocations([&] { ls::spmm(b_, pl, a1.v, bview(c), cv, ws.span); });
+#if !defined(LOOM_TEST_BACKEND_KOKKOS)
+      CHECK(counted.heap == 0);
+#endif
+      CHECK(counted.temporaries == 0);
+    }
+    for (int c = 0; c < calls; ++c)
+      REQUIRE(outs[static_cast<std::size_t>(c)]->to_host() == want[static_cast<std::size_t>(c)]);
+  }
+  // One const plan shared by two threads, each with its own workspace and C.
+#if !defined(LOOM_TEST_BACKEND_CUDA)
+  std::vector<float> got0(static_cast<std::size_t>(m * n)), got1(got0.size());
+  auto worker = [&](std::vector<float>& out, int c) {
+    workspace ws(pl.workspace_bytes());
+    for (int rep = 0; rep < 4; ++rep)
+      ls::spmm(loom::serial{}, pl, a1.v, bview(c), loom::tensor_view<float, 2, space>(out.data(), {m, n}), ws.span);
+  };
+  std::thread t0(worker, std::ref(got0), 0), t1(worker, std::ref(got1), 1);
+  t0.join();
+  t1.join();
+  REQUIRE(got0 == want[0]);
+  REQUIRE(got1 == want[1]);
+#endif
+  // The same plan serves any A of the same extents (another format).
+  buffer<float> c0(static_cast<std::size_t>(m * n)), c1(static_cast<std::size_t>(m * n));
+  workspace ws(pl.workspace_bytes());
+  ls::spmm(b_, pl, a0.v, bview(0), loom::tensor_view<float, 2, space>(c0.data(), {m, n}), ws.span);
+  ls::spmm(b_, a0.v, bview(0), loom::tensor_view<float, 2, space>(c1.data(), {m, n}), {.alpha = 0.5});
+  REQUIRE(c0.to_host() == c1.to_host());
+}
+
+TEST_CASE("spmm plan form rejects a too-small or misaligned workspace and operands of other extents" LOOM_BACKEND_TAG,
+          "[sparse][spmm][plan][reject]") {
+  const auto b_ = make_backend();
+  const index_t m = 4, k = 5, n = 6;
+  const ls::csr_view<float, space> a{m, k, nullptr, nullptr, nullptr};
+  const auto pl = ls::make_plan(b_, a, n);
+  buffer<float> b(60), c(48);
+  const loom::tensor_view<const float, 2, space> bv(b.data(), {k, n}, {1, k});
+  const loom::tensor_view<float, 2, space> cv(c.data(), {m, n});
+  const auto inv = loom::errc::invalid_argument, shape = loom::errc::shape_mismatch;
+  {
+    workspace ws(pl.workspace_bytes() - 1);
+    lt::require_loom_error([&] { ls::spmm(b_, pl, a, bv, cv, ws.span); }, inv,
+                           {"spmm: workspace must hold at least", "plan.workspace_bytes()"});
+  }
+  {
+    workspace ws(pl.workspace_bytes(), 8);
+    lt::require_loom_error([&] { ls::spmm(b_, pl, a, bv, cv, ws.span); }, inv,
+                           {"spmm: workspace must start on a 64-byte boundary"});
+  }
+  workspace ws(pl.workspace_bytes());
+  const ls::csr_view<float, space> other{m, k + 1, nullptr, nullptr, nullptr};
+  lt::require_loom_error([&] { ls::spmm(b_, pl, other, bv, cv, ws.span); }, shape,
+                         {"spmm: A must be 4 x 5 (the plan's), got 4 x 6"});
+  const loom::tensor_view<const float, 2, space> narrow(b.data(), {k, n - 1}, {1, k});
+  const loom::tensor_view<float, 2, space> cnarrow(c.data(), {m, n - 1});
+  lt::require_loom_error([&] { ls::spmm(b_, pl, a, narrow, cnarrow, ws.span); }, shape,
+                         {"spmm: B must have the plan's 6 columns, got 5"});
+  lt::require_loom_error([&] { (void)ls::make_plan(b_, a, -1); }, inv, {"spmm: B's column count must be >= 0"});
 }

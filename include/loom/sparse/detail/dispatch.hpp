@@ -81,9 +81,60 @@ void check_sizes(const AV& a) {
   }
 }
 
-template <class Backend, class AV, class BV, class CV, class Bias, class Hook>
-void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double alpha, double beta, const Bias* bias,
-               const Hook& hook) {
+//! The accumulation type spmm deduces from the element types: double if any operand is double,
+//! else float.
+template <class TA, class TB, class TC>
+using deduced_accum =
+    std::conditional_t<std::is_same_v<TA, double> || std::is_same_v<TB, double> || std::is_same_v<TC, double>, double,
+                       float>;
+
+//! What a plan derives from A's extents and N: the sizes a kernel forms (checked for overflow).
+struct geometry {
+  index_t m = 0, k = 0, n = 0, panel = 0, items = 0;
+};
+
+template <class AV>
+geometry plan_geometry(const AV& a, index_t n) {
+  const index_t m = a.rows, k = a.cols;
+  LOOM_EXPECTS(m >= 0 && k >= 0, errc::invalid_argument, "spmm: A's extents must be >= 0, got ", m, " x ", k);
+  LOOM_EXPECTS(n >= 0, errc::invalid_argument, "spmm: B's column count must be >= 0, got ", n);
+  check_sizes(a);
+  geometry g{m, k, n, 0, 0};
+  g.panel = loom::detail::checked_mul(k, n, "spmm: A.cols * B.cols (the packed B panel)");
+  g.items = loom::detail::checked_mul(loom::detail::ceil_div(m, tile_rows), loom::detail::ceil_div(n, n_block),
+                                      "spmm: work items (A.rows / 8 * B.cols / 64)");
+  return g;
+}
+
+//! The per-call checks of B, C and the bias against the plan's geometry (allocate nothing unless
+//! they throw).
+template <class AV, class BV, class CV, class Bias>
+void check_call(const geometry& g, const AV& a, const BV& bm, const CV& c, const Bias* bias) {
+  LOOM_EXPECTS(a.rows == g.m && a.cols == g.k, errc::shape_mismatch, "spmm: A must be ", g.m, " x ", g.k,
+               " (the plan's), got ", a.rows, " x ", a.cols);
+  LOOM_EXPECTS(bm.extent(0) == g.k, errc::shape_mismatch, "spmm: B must have A.cols = ", g.k, " rows, got ",
+               bm.extent(0));
+  LOOM_EXPECTS(bm.extent(1) == g.n, errc::shape_mismatch, "spmm: B must have the plan's ", g.n, " columns, got ",
+               bm.extent(1));
+  LOOM_EXPECTS(c.extent(0) == g.m && c.extent(1) == g.n, errc::shape_mismatch, "spmm: C must be ", g.m, " x ", g.n,
+               " (A.rows x B.cols), got ", c.extent(0), " x ", c.extent(1));
+  check_layout(bm, "B");
+  check_layout(c, "C");
+  if (bias) {
+    LOOM_EXPECTS(bias->extent(0) == g.m, errc::shape_mismatch, "spmm: bias must hold A.rows = ", g.m, " values, got ",
+                 bias->extent(0));
+    LOOM_EXPECTS(bias->stride(0) == 1 || g.m <= 1, errc::invalid_argument, "spmm: bias must be contiguous");
+    LOOM_EXPECTS(!overlaps(*bias, c), errc::invalid_argument,
+                 "spmm: bias and C share memory; bias must not overlap C (it is read while C is written)");
+  }
+}
+
+//! Runs the product with accumulation type Acc; `panel` holds g.panel values of Acc in the
+//! backend's memory (the packed copy of B, used unless B already is such a panel). No allocation,
+//! no fence: stream-ordered on device backends.
+template <class Acc, class Backend, class AV, class BV, class CV, class Bias, class Hook>
+void spmm_run(const Backend& b, const geometry& g, const AV& a, const BV& bm, const CV& c, double alpha, double beta,
+              const Bias* bias, const Hook& hook, Acc* panel) {
   using space = typename backend_traits<Backend>::memory_space;
   static_assert(BV::rank == 2 && CV::rank == 2, "spmm: B and C must be rank-2 views");
   static_assert(std::is_same_v<typename AV::space, space> || (AV::space::host_accessible && space::host_accessible),
@@ -94,29 +145,9 @@ void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double 
                 "spmm: C must live in the backend's memory space");
   using TB = typename BV::value_type;
   using TC = typename CV::value_type;
-  using TA = typename AV::value_type;
   static_assert(!std::is_const_v<typename CV::element_type>, "spmm: C must be writable");
-  using Acc = std::conditional_t<std::is_same_v<TA, double> || std::is_same_v<TB, double> || std::is_same_v<TC, double>,
-                                 double, float>;
-  const index_t m = a.rows, k = a.cols, n = bm.extent(1);
-  LOOM_EXPECTS(m >= 0 && k >= 0, errc::invalid_argument, "spmm: A's extents must be >= 0, got ", m, " x ", k);
-  LOOM_EXPECTS(bm.extent(0) == k, errc::shape_mismatch, "spmm: B must have A.cols = ", k, " rows, got ", bm.extent(0));
-  LOOM_EXPECTS(c.extent(0) == m && c.extent(1) == n, errc::shape_mismatch, "spmm: C must be ", m, " x ", n,
-               " (A.rows x B.cols), got ", c.extent(0), " x ", c.extent(1));
-  check_layout(bm, "B");
-  check_layout(c, "C");
-  if (bias) {
-    LOOM_EXPECTS(bias->extent(0) == m, errc::shape_mismatch, "spmm: bias must hold A.rows = ", m, " values, got ",
-                 bias->extent(0));
-    LOOM_EXPECTS(bias->stride(0) == 1 || m <= 1, errc::invalid_argument, "spmm: bias must be contiguous");
-    LOOM_EXPECTS(!overlaps(*bias, c), errc::invalid_argument,
-                 "spmm: bias and C share memory; bias must not overlap C (it is read while C is written)");
-  }
-  check_sizes(a);
-  const index_t panel = loom::detail::checked_mul(k, n, "spmm: A.cols * B.cols (the packed B panel)");
-  const index_t items =
-      loom::detail::checked_mul(loom::detail::ceil_div(m, tile_rows), loom::detail::ceil_div(n, n_block),
-                                "spmm: work items (A.rows / 8 * B.cols / 64)");
+  check_call(g, a, bm, c, bias);
+  const index_t m = g.m, k = g.k, n = g.n;
   if (m == 0 || n == 0) return;
 
   spmm_common<TC, Acc> common;
@@ -130,22 +161,18 @@ void spmm_impl(const Backend& b, const AV& a, const BV& bm, const CV& c, double 
                 bias ? bias->data() : nullptr,
                 m};
   using K = typename format_of<AV>::template kernel<TC, Acc, Hook>;
-  auto go = [&] { spmm_runner<Backend, AV>::run(b, K{a, common, hook}, items); };
   // B is used in place when it is already a row-major panel of Acc (a unit-stride vector for N == 1)
-  // that C does not overlap; otherwise it is first copied into a panel, so C may share B's memory.
+  // that C does not overlap; otherwise it is first copied into the panel, so C may share B's memory.
   const bool direct = std::is_same_v<TB, Acc> && (n == 1 ? bm.stride(0) == 1 : bm.stride(1) == 1) && !overlaps(bm, c);
   if (direct) {
     common.b = reinterpret_cast<const Acc*>(bm.data());
     common.ldb = bm.stride(0);
-    go();
   } else {
-    temporary_buffer<Backend, Acc> packed(b, panel);
-    if (k > 0) for_each_index(b, panel, pack_b<BV, Acc>{bm, packed.data(), n});
-    common.b = packed.data();
+    if (k > 0) for_each_index(b, g.panel, pack_b<BV, Acc>{bm, panel, n});
+    common.b = panel;
     common.ldb = n;
-    go();
-    fence(b);  // the panel dies here
   }
+  spmm_runner<Backend, AV>::run(b, K{a, common, hook}, g.items);
 }
 
 }  // namespace loom::sparse::detail
