@@ -11,8 +11,9 @@
 // linear_attention.lasp2/T:t/P:p             LASP-2 forward over comm::local with p ranks of one
 //     OpenMP thread each (the same problem); P:1 is the one-rank figure (one thread, so P:2 vs P:1
 //     is the speedup from a second core, each rank on its own core; compare P:2 with
-//     chunked/threads:2 for equal total threads). Each rank's lasp2_workspace is built once before
-//     the timed loop, so the loop times the calls without their allocation and set-up; the loop
+//     chunked/threads:2 for equal total threads). Each rank's plan (lasp2::make_plan, the agreement)
+//     and workspace are made once before the timed loop, so the loop times the calls without their
+//     allocation, set-up and agreement; the loop
 //     still starts the P rank threads of comm::run_local on every iteration (P:1 one thread).
 
 #include <loom/backend/openmp.hpp>
@@ -64,17 +65,14 @@ void chunked(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(1));
   data x(T);
   const loom::openmp b{.threads = threads};
-  const std::vector<index_t> cu{0, T};
-  const auto pl = la::make_plan<loom::fp32>(b, cu, H, D, D, {.chunk = C});
-  std::vector<std::byte> ws(pl.forward_workspace_bytes() + 64);
-  auto* base = reinterpret_cast<std::byte*>((reinterpret_cast<std::uintptr_t>(ws.data()) + 63) / 64 * 64);
-  const la::operands<loom::fp32> ops{loom::tensor_view<const float, 3>(x.q.data(), {T, H, D}),
-                                     loom::tensor_view<const float, 3>(x.k.data(), {T, H, D}),
-                                     loom::tensor_view<const float, 3>(x.v.data(), {T, H, D})};
+  const auto pl = la::make_plan(b, {}, {.tokens = T, .heads = H, .dk = D, .dv = D}, {.chunk = C});  // one document
+  loom::workspace_buffer ws(pl.forward_workspace_bytes());
+  const la::operands ops{loom::tensor_view<const float, 3>(x.q.data(), {T, H, D}),
+                         loom::tensor_view<const float, 3>(x.k.data(), {T, H, D}),
+                         loom::tensor_view<const float, 3>(x.v.data(), {T, H, D})};
   const la::fixed_decay<float> gate{loom::tensor_view<const float, 1>(x.lg.data(), {H})};
   for (auto _ : state) {
-    la::forward(b, pl, gate, ops, loom::tensor_view<float, 3>(x.o.data(), {T, H, D}), {},
-                std::span<std::byte>(base, pl.forward_workspace_bytes()));
+    la::forward(b, pl, gate, ops, loom::tensor_view<float, 3>(x.o.data(), {T, H, D}), {}, ws.span());
     benchmark::DoNotOptimize(x.o.data());
   }
   state.counters["GFLOP/s"] = benchmark::Counter(flops(T) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
@@ -130,24 +128,28 @@ void lasp2(benchmark::State& state) {
   const std::vector<index_t> cu{0, T};
   const la::fixed_decay<float> gate{loom::tensor_view<const float, 1>(x.lg.data(), {H})};
   const loom::openmp b{.threads = 1};
-  // One workspace per rank, built once here, outside the timed loop (as an engine keeps it from
-  // layer to layer); the loop's calls allocate nothing. P:1 is measured the same way.
-  using workspace = la::lasp2_workspace<loom::fp32, loom::comm::local>;
-  std::vector<std::optional<workspace>> ws(static_cast<std::size_t>(P));
+  // One plan and one workspace per rank, made once here, outside the timed loop (as an engine keeps
+  // them from layer to layer); the loop's calls allocate nothing and repeat no agreement. P:1 is
+  // measured the same way.
+  std::vector<std::optional<la::lasp2::plan<loom::fp32>>> plans(static_cast<std::size_t>(P));
+  std::vector<std::optional<loom::workspace_buffer>> ws(static_cast<std::size_t>(P));
   auto slice = [&](int r) { return std::pair<index_t, index_t>{T * r / P, T * (r + 1) / P - T * r / P}; };
   loom::comm::run_local(P, [&](loom::comm::local& comm) {
     const auto [b0, n] = slice(comm.rank());
-    ws[static_cast<std::size_t>(comm.rank())].emplace(
-        comm, b, cu, b0, n, H, D, D, la::lasp2_options{.chunked = {.chunk = C}}, la::lasp2_passes::forward);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    plans[r].emplace(
+        la::lasp2::make_plan(b, comm, std::span<const index_t>(cu), b0, {n, H, D, D}, {.chunked = {.chunk = C}}));
+    ws[r].emplace(plans[r]->forward_workspace_bytes());
   });
   for (auto _ : state) {
     loom::comm::run_local(P, [&](loom::comm::local& comm) {
       const auto [b0, n] = slice(comm.rank());
-      const la::operands<loom::fp32> ops{loom::tensor_view<const float, 3>(x.q.data() + b0 * H * D, {n, H, D}),
-                                         loom::tensor_view<const float, 3>(x.k.data() + b0 * H * D, {n, H, D}),
-                                         loom::tensor_view<const float, 3>(x.v.data() + b0 * H * D, {n, H, D})};
-      la::lasp2_forward(comm, b, *ws[static_cast<std::size_t>(comm.rank())], gate, ops,
-                        loom::tensor_view<float, 3>(x.o.data() + b0 * H * D, {n, H, D}));
+      const auto r = static_cast<std::size_t>(comm.rank());
+      const la::operands ops{loom::tensor_view<const float, 3>(x.q.data() + b0 * H * D, {n, H, D}),
+                             loom::tensor_view<const float, 3>(x.k.data() + b0 * H * D, {n, H, D}),
+                             loom::tensor_view<const float, 3>(x.v.data() + b0 * H * D, {n, H, D})};
+      la::lasp2::forward(b, comm, *plans[r], gate, ops, loom::tensor_view<float, 3>(x.o.data() + b0 * H * D, {n, H, D}),
+                         {}, {}, ws[r]->span());
     });
     benchmark::DoNotOptimize(x.o.data());
   }

@@ -13,6 +13,7 @@
 #endif
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -24,7 +25,8 @@ using loom::index_t;
 
 int main(int argc, char** argv) {
   const index_t T = 1000, H = 2, d = 16;
-  const std::vector<index_t> cu{0, 300, 301, 1000};  // three documents; the last one crosses ranks
+  const std::vector<std::int32_t> cu{0, 300, 301, 1000};  // three documents (int32 offsets); the last crosses ranks
+  const loom::segments<> docs{std::span<const std::int32_t>(cu)};
   std::mt19937 g(1);
   std::uniform_real_distribution<float> u(-1, 1), gate(-0.2f, 0.0f);
   std::vector<float> q(T * H * d), k(q.size()), v(q.size()), lg(T * H), o1(q.size()), op(q.size());
@@ -33,17 +35,20 @@ int main(int argc, char** argv) {
   for (auto& y : lg) y = gate(g);
   // One device.
   using cv3 = loom::tensor_view<const float, 3>;
-  la::operands<loom::fp32> all{cv3(q.data(), {T, H, d}), cv3(k.data(), {T, H, d}), cv3(v.data(), {T, H, d})};
-  la::scalar_gate<float> gates{loom::tensor_view<const float, 2>(lg.data(), {T, H})};
-  la::forward<loom::fp32>(loom::serial{}, gates, all, loom::tensor_view<float, 3>(o1.data(), {T, H, d}), cu);
-  // P ranks, each with a contiguous slice.
+  const la::operands all{cv3(q.data(), {T, H, d}), cv3(k.data(), {T, H, d}), cv3(v.data(), {T, H, d})};  // fp32
+  const la::scalar_gate<float> gates{loom::tensor_view<const float, 2>(lg.data(), {T, H})};
+  la::forward(loom::serial{}, docs, gates, all, loom::tensor_view<float, 3>(o1.data(), {T, H, d}));
+  // P ranks, each with a contiguous slice: plan once (the cross-rank agreement runs here), then
+  // call the plan form with a workspace as often as needed (layer after layer; no allocation).
   auto rank_part = [&](auto& comm, int ranks) {
     const index_t b = T * comm.rank() / ranks, e = T * (comm.rank() + 1) / ranks, n = e - b;
-    la::operands<loom::fp32> mine{cv3(q.data() + b * H * d, {n, H, d}), cv3(k.data() + b * H * d, {n, H, d}),
-                                  cv3(v.data() + b * H * d, {n, H, d})};
-    la::scalar_gate<float> my_gates{loom::tensor_view<const float, 2>(lg.data() + b * H, {n, H})};
-    la::lasp2_forward<loom::fp32>(comm, loom::serial{}, my_gates, mine,
-                                  loom::tensor_view<float, 3>(op.data() + b * H * d, {n, H, d}), cu, b);
+    const la::operands mine{cv3(q.data() + b * H * d, {n, H, d}), cv3(k.data() + b * H * d, {n, H, d}),
+                            cv3(v.data() + b * H * d, {n, H, d})};
+    const la::scalar_gate<float> my_gates{loom::tensor_view<const float, 2>(lg.data() + b * H, {n, H})};
+    const auto plan = la::lasp2::make_plan(loom::serial{}, comm, docs, b, {.tokens = n, .heads = H, .dk = d, .dv = d});
+    loom::workspace_buffer ws(plan.forward_workspace_bytes());
+    la::lasp2::forward(loom::serial{}, comm, plan, my_gates, mine,
+                       loom::tensor_view<float, 3>(op.data() + b * H * d, {n, H, d}), {}, {}, ws.span());
   };
 #if defined(LOOM_EXAMPLE_MPI)
   MPI_Init(&argc, &argv);

@@ -3,7 +3,9 @@
 
 #include <loom/linear_attention/chunked.hpp>
 
+#include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -11,7 +13,9 @@
 
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -48,6 +52,28 @@ std::vector<double> widen(const std::vector<T>& x) {
   return r;
 }
 
+// A workspace in the backend's memory space starting on loom::workspace_alignment (plus
+// `misalign` bytes, for the rejection test).
+struct workspace {
+  buffer<std::byte> raw;
+  std::span<std::byte> span;
+  explicit workspace(std::size_t bytes, std::size_t misalign = 0) : raw(bytes + 2 * loom::workspace_alignment) {
+    const auto at = reinterpret_cast<std::uintptr_t>(raw.data());
+    const auto pad = (loom::workspace_alignment - at % loom::workspace_alignment) % loom::workspace_alignment;
+    span = std::span<std::byte>(raw.data() + pad + misalign, bytes);
+  }
+};
+
+// The problem's documents as int64 offsets, or as an int32 copy (FlashAttention's convention).
+struct docs_of {
+  std::vector<std::int32_t> narrow;
+  loom::segments<> seg;
+  docs_of(const std::vector<index_t>& cu, bool wide) : narrow(cu.begin(), cu.end()) {
+    seg = wide ? loom::segments<>(std::span<const std::int64_t>(cu))
+               : loom::segments<>(std::span<const std::int32_t>(narrow));
+  }
+};
+
 struct run_result {
   std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
 };
@@ -56,6 +82,7 @@ struct run_result {
 template <class P>
 run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o = {},
                const std::vector<double>& dfin = {}) {
+  const docs_of offsets(p.cu, chunk % 2 == 0);  // int64 offsets for even chunks, int32 for odd
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   const auto b = make_backend();
@@ -75,7 +102,7 @@ run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o =
     if (p.mode == gating::fixed) return f(la::fixed_decay<A, space>{mk(static_cast<const A*>(hlg.data()), {H})});
     return f(la::scalar_gate<A, space>{mk(static_cast<const A*>(lg.data()), {T, H})});
   };
-  with_gating([&](const auto& g) { la::forward<P>(b, g, x, o_v, p.cu, fin_v, opt); });
+  with_gating([&](const auto& g) { la::forward(b, offsets.seg, g, x, o_v, fin_v, opt); });
   run_result r{widen(o.to_host()), widen(fin.to_host()), {}, {}, {}, {}, {}};
   if (d_o.empty()) return r;
   buffer<S> dob(cast<S>(d_o)), dq(p.q.size()), dk(p.k.size()), dv(p.v.size());
@@ -86,7 +113,7 @@ run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o =
   loom::tensor_view<const A, 4, space> dfin_v;
   if (!dfin.empty()) dfin_v = mk(static_cast<const A*>(dfb.data()), {docs, H, p.dk, p.dv});
   const auto dov = mk(static_cast<const S*>(dob.data()), {T, H, p.dv});
-  with_gating([&](const auto& gt) { la::backward<P>(b, gt, x, dov, p.cu, dfin_v, g, opt); });
+  with_gating([&](const auto& gt) { la::backward(b, offsets.seg, gt, x, dov, dfin_v, g, opt); });
   r.dq = widen(dq.to_host()), r.dk = widen(dk.to_host()), r.dv = widen(dv.to_host());
   r.dinit = widen(dinit.to_host());
   if (p.mode == gating::scalar) r.dlg = widen(dlg.to_host());
@@ -107,11 +134,12 @@ run_result run_plan(const problem& p, index_t chunk, bool fused, index_t group) 
                            mk(static_cast<const S*>(k.data()), {T, H, p.dk}),
                            mk(static_cast<const S*>(v.data()), {T, H, p.dv})};
   if (!p.init.empty()) x.initial_state = mk(static_cast<const A*>(init.data()), {docs, H, p.dk, p.dv});
-  auto pl = la::make_plan<P>(b, p.cu, H, p.dk, p.dv, {.chunk = chunk, .scale = p.scale});
-  pl.fused = fused;
-  pl.head_group = group;
-  buffer<std::byte> ws(pl.forward_workspace_bytes());
-  const std::span<std::byte> wsp(ws.data(), ws.size());
+  const auto pl = la::make_plan<P>(b, docs_of(p.cu, true).seg, {T, H, p.dk, p.dv},
+                                   {.chunk = chunk, .scale = p.scale, .fused = fused, .head_group = group});
+  REQUIRE(pl.fused() == fused);
+  REQUIRE(pl.head_group() == group);
+  workspace ws(pl.forward_workspace_bytes());
+  const std::span<std::byte> wsp = ws.span;
   const auto fin_v = mk(fin.data(), {docs, H, p.dk, p.dv});
   const auto o_v = mk(o.data(), {T, H, p.dv});
   if (p.mode == gating::none)
@@ -266,5 +294,129 @@ TEST_CASE("linear_attention::forward with strong gates (decay factors evaluated 
     check_forward<loom::fp64>(p, chunk, what + " fp64");
     check_forward<loom::fp32>(p, chunk, what + " fp32");
     check_backward<loom::fp64>(p, chunk, what + " fp64");
+  }
+}
+
+namespace {
+
+//! The buffers of one fp32 forward + backward with scalar gates, on the backend under test.
+struct plan_io {
+  index_t T, H, dk, dv, docs;
+  buffer<float> q, k, v, lg, o, fin, dob, dq, dk_, dv_, dlg, dinit;
+  explicit plan_io(const problem& p)
+      : T(p.T),
+        H(p.H),
+        dk(p.dk),
+        dv(p.dv),
+        docs(p.docs()),
+        q(cast<float>(p.q)),
+        k(cast<float>(p.k)),
+        v(cast<float>(p.v)),
+        lg(cast<float>(p.lg)),
+        o(static_cast<std::size_t>(T * H * dv)),
+        fin(static_cast<std::size_t>(docs * H * dk * dv)),
+        dob(loom::test::uniform<float>(T * H * dv, -1, 1, 501)),
+        dq(p.q.size()),
+        dk_(p.k.size()),
+        dv_(p.v.size()),
+        dlg(static_cast<std::size_t>(T * H)),
+        dinit(static_cast<std::size_t>(docs * H * dk * dv)) {}
+  template <class B>
+  void run(const B& b, const la::plan<loom::fp32>& pl, std::span<std::byte> ws) {
+    const la::operands x{mk(static_cast<const float*>(q.data()), {T, H, dk}),
+                         mk(static_cast<const float*>(k.data()), {T, H, dk}),
+                         mk(static_cast<const float*>(v.data()), {T, H, dv})};
+    static_assert(std::is_same_v<decltype(x), const la::operands<loom::fp32, space>>);
+    const la::scalar_gate<float, space> gate{mk(static_cast<const float*>(lg.data()), {T, H})};
+    la::forward(b, pl, gate, x, mk(o.data(), {T, H, dv}), mk(fin.data(), {docs, H, dk, dv}), ws);
+    const la::gradients g{mk(dq.data(), {T, H, dk}), mk(dk_.data(), {T, H, dk}), mk(dv_.data(), {T, H, dv}),
+                          mk(dlg.data(), {T, H}), mk(dinit.data(), {docs, H, dk, dv})};
+    la::backward(b, pl, gate, x, mk(static_cast<const float*>(dob.data()), {T, H, dv}), {}, g, ws);
+  }
+  std::vector<float> all() const {
+    std::vector<float> r;
+    for (const auto* x : {&o, &fin, &dq, &dk_, &dv_, &dlg, &dinit}) {
+      const auto h = x->to_host();
+      r.insert(r.end(), h.begin(), h.end());
+    }
+    return r;
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "linear_attention plan form: allocates nothing; one plan reused across calls and threads gives the bits of "
+    "fresh plans; int32 and int64 offsets agree",
+    "[linear_attention][plan]" LOOM_BACKEND_TAG) {
+  const auto b = make_backend();
+  const index_t T = 157, H = 3;
+  const auto p =
+      loom::test::la::make_problem(T, H, 8, 4, gating::scalar, loom::test::la::random_docs(T, 4, 11), true, 90);
+  const docs_of wide(p.cu, true), narrow(p.cu, false);
+  const la::shape sh{T, H, 8, 4};
+  const la::options opt{.chunk = 16};
+  // Fresh plans, one per call, from int64 offsets.
+  std::vector<float> want;
+  {
+    plan_io io(p);
+    const auto pl = la::make_plan(b, wide.seg, sh, opt);
+    workspace ws(pl.workspace_bytes());
+    io.run(b, pl, ws.span);
+    want = io.all();
+  }
+  // One plan from int32 offsets, one workspace, three calls: nothing allocated, the same bits.
+  const auto pl = la::make_plan(b, narrow.seg, sh, opt);
+  REQUIRE(pl.docs() == p.docs());
+  REQUIRE(pl.workspace_bytes() >= pl.forward_workspace_bytes());
+  REQUIRE(pl.workspace_bytes() >= pl.backward_workspace_bytes());
+  workspace ws(pl.workspace_bytes());
+  for (int call = 0; call < 3; ++call) {
+    plan_io io(p);
+    const auto counted = loom::test::count_allocations([&] { io.run(b, pl, ws.span); });
+#if !defined(LOOM_TEST_BACKEND_KOKKOS)
+    CHECK(counted.heap == 0);
+#endif
+    CHECK(counted.temporaries == 0);
+    REQUIRE(io.all() == want);
+  }
+#if !defined(LOOM_TEST_BACKEND_CUDA)
+  // One const plan shared by two threads, each with its own workspace and outputs.
+  plan_io io0(p), io1(p);
+  auto worker = [&](plan_io& io) {
+    workspace mine(pl.workspace_bytes());
+    for (int rep = 0; rep < 3; ++rep) io.run(loom::serial{}, pl, mine.span);
+  };
+  std::thread t0(worker, std::ref(io0)), t1(worker, std::ref(io1));
+  t0.join();
+  t1.join();
+  REQUIRE(io0.all() == want);
+  REQUIRE(io1.all() == want);
+#endif
+}
+
+TEST_CASE("linear_attention plan form rejects a too-small or misaligned workspace",
+          "[linear_attention][plan][errors]" LOOM_BACKEND_TAG) {
+  const auto b = make_backend();
+  const index_t T = 40, H = 2;
+  const auto p = loom::test::la::make_problem(T, H, 8, 4, gating::scalar, {0, 17, 40}, true, 91);
+  plan_io io(p);
+  const auto pl = la::make_plan(b, docs_of(p.cu, false).seg, {T, H, 8, 4}, {.chunk = 8});
+  using loom::errc;
+  {
+    workspace ws(pl.forward_workspace_bytes() - 1);
+    loom::test::require_loom_error([&] { io.run(b, pl, ws.span); }, errc::invalid_argument,
+                                   {"linear_attention::forward: workspace must hold at least"});
+  }
+  {
+    workspace ws(pl.forward_workspace_bytes(), 16);
+    loom::test::require_loom_error([&] { io.run(b, pl, ws.span); }, errc::invalid_argument,
+                                   {"linear_attention::forward: workspace must start on a 64-byte boundary"});
+  }
+  {  // enough for the forward, not for the backward
+    workspace ws(pl.forward_workspace_bytes());
+    REQUIRE(pl.forward_workspace_bytes() < pl.backward_workspace_bytes());
+    loom::test::require_loom_error([&] { io.run(b, pl, ws.span); }, errc::invalid_argument,
+                                   {"linear_attention::backward: workspace must hold at least"});
   }
 }

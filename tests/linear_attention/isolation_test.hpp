@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
@@ -77,11 +78,14 @@ result run(const problem& p, index_t chunk, bool fused, const std::vector<double
   la::operands<P, space> x{
       mk(static_cast<const S*>(q.data()), {T, H, dk}), mk(static_cast<const S*>(k.data()), {T, H, dk}),
       mk(static_cast<const S*>(v.data()), {T, H, dv}), mk(static_cast<const A*>(init.data()), {docs, H, dk, dv})};
-  auto pl = la::make_plan<P>(b, p.cu, H, dk, dv, {.chunk = chunk, .scale = p.scale});
-  pl.fused = fused;
-  const std::size_t bytes = std::max(pl.forward_workspace_bytes(), pl.backward_workspace_bytes());
-  buffer<std::byte> ws(bytes);
-  const std::span<std::byte> wsp(ws.data(), bytes);
+  const auto pl = la::make_plan<P>(b, loom::segments<>(std::span<const index_t>(p.cu)), {p.T, H, dk, dv},
+                                   {.chunk = chunk, .scale = p.scale, .fused = fused});
+  const std::size_t bytes = pl.workspace_bytes();  // serves both passes
+  buffer<std::byte> ws(bytes + loom::workspace_alignment);
+  const auto pad =
+      (loom::workspace_alignment - reinterpret_cast<std::uintptr_t>(ws.data()) % loom::workspace_alignment) %
+      loom::workspace_alignment;
+  const std::span<std::byte> wsp(ws.data() + pad, bytes);
   la::gradients<P, space> g{mk(dq.data(), {T, H, dk}), mk(dkb.data(), {T, H, dk}), mk(dvb.data(), {T, H, dv})};
   g.d_initial_state = mk(dinit.data(), {docs, H, dk, dv});
   if (p.mode == gating::scalar) g.d_log_gate = mk(dlg.data(), {T, H});
@@ -257,7 +261,8 @@ TEST_CASE("linear_attention: NaN and +inf log-gates are rejected, naming the gat
     const la::operands<loom::fp32, space> x{mk(static_cast<const float*>(q.data()), {T, H, d}),
                                             mk(static_cast<const float*>(q.data()), {T, H, d}),
                                             mk(static_cast<const float*>(q.data()), {T, H, d})};
-    const std::vector<index_t> cu{0, 4, 10};
+    const std::vector<std::int32_t> cu32{0, 4, 10};
+    const loom::segments<> cu{std::span<const std::int32_t>(cu32)};
     for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
       std::vector<float> lg(T * H, -0.1f), hl(H, -0.1f);
       lg[7] = bad;
@@ -265,16 +270,16 @@ TEST_CASE("linear_attention: NaN and +inf log-gates are rejected, naming the gat
       buffer<float> lgb(lg), hlb(hl);
       require_error(
           [&] {
-            la::forward<loom::fp32>(make_backend(),
-                                    la::scalar_gate<float, space>{mk(static_cast<const float*>(lgb.data()), {T, H})}, x,
-                                    mk(o.data(), {T, H, d}), cu);
+            la::forward(make_backend(), cu,
+                        la::scalar_gate<float, space>{mk(static_cast<const float*>(lgb.data()), {T, H})}, x,
+                        mk(o.data(), {T, H, d}));
           },
           "scalar_gate.log_gate(3, 1)");
       require_error(
           [&] {
-            la::forward<loom::fp32>(make_backend(),
-                                    la::fixed_decay<float, space>{mk(static_cast<const float*>(hlb.data()), {H})}, x,
-                                    mk(o.data(), {T, H, d}), cu);
+            la::forward(make_backend(), cu,
+                        la::fixed_decay<float, space>{mk(static_cast<const float*>(hlb.data()), {H})}, x,
+                        mk(o.data(), {T, H, d}));
           },
           "fixed_decay.log_decay[1]");
     }

@@ -55,7 +55,7 @@ struct result {
 struct config {
   int ranks = 2;
   std::vector<index_t> splits;
-  la::exchange ex = la::exchange::all_gather;
+  la::lasp2::exchange ex = la::lasp2::exchange::all_gather;
   int threads = 1;
   index_t chunk = 16;
 };
@@ -86,17 +86,21 @@ result run(const problem& p, const std::vector<double>& d_o, const std::vector<d
     std::vector<S> o(static_cast<std::size_t>(n * H * dv)), dq(q.size()), dkk(k.size()), dvv(v.size());
     std::vector<A> fin(init.size(), A(0)), xin(static_cast<std::size_t>(H * sz)), dlg(lg.size()),
         dinit(init.size(), A(0));
-    const la::lasp2_options opt{.chunked = {.chunk = c.chunk, .scale = p.scale}, .exchange = c.ex};
+    const la::lasp2::options opt{.chunked = {.chunk = c.chunk, .scale = p.scale}, .exchange = c.ex};
+    // One plan and one workspace for both passes.
+    const auto pl = la::lasp2::make_plan<P>(loom::openmp{.threads = c.threads}, comm, std::span<const index_t>(p.cu),
+                                            from, {n, H, dk, dv}, opt);
+    loom::workspace_buffer ws(pl.workspace_bytes());
     const loom::openmp b{.threads = c.threads};
     la::gradients<P> gr{mk(dq.data(), {n, H, dk}), mk(dkk.data(), {n, H, dk}), mk(dvv.data(), {n, H, dv})};
     gr.d_initial_state = mk(dinit.data(), {docs, H, dk, dv});
     if (p.mode == gating::scalar) gr.d_log_gate = mk(dlg.data(), {n, H});
     auto both = [&](const auto& g) {
-      la::lasp2_forward<P>(comm, b, g, x, mk(o.data(), {n, H, dv}), p.cu, from, mk(fin.data(), {docs, H, dk, dv}),
-                           mk(xin.data(), {H, dk, dv}), opt);
-      la::lasp2_backward<P>(comm, b, g, x, mk(static_cast<const S*>(dob.data()), {n, H, dv}), p.cu, from,
-                            mk(df.data(), {docs, H, dk, dv}), mk(static_cast<const A*>(xin.data()), {H, dk, dv}), gr,
-                            opt);
+      la::lasp2::forward(b, comm, pl, g, x, mk(o.data(), {n, H, dv}), mk(fin.data(), {docs, H, dk, dv}),
+                         mk(xin.data(), {H, dk, dv}), ws.span());
+      la::lasp2::backward(b, comm, pl, g, x, mk(static_cast<const S*>(dob.data()), {n, H, dv}),
+                          mk(df.data(), {docs, H, dk, dv}), mk(static_cast<const A*>(xin.data()), {H, dk, dv}), gr,
+                          ws.span());
     };
     if (p.mode == gating::none)
       both(la::no_decay{});
@@ -151,7 +155,7 @@ void isolation(const std::string& what) {
         const auto d_o = rounded_to<S>(loom::test::uniform<double>(T * H * dv, -1, 1, 16));
         const auto dfin = rounded_to<A>(loom::test::uniform<double>(docs * H * sz, -1, 1, 17));
         const config c{ranks, splits(T, ranks, 18 + static_cast<std::uint64_t>(ranks)),
-                       threads == 1 ? la::exchange::posted : la::exchange::all_gather, threads, 16};
+                       threads == 1 ? la::lasp2::exchange::posted : la::lasp2::exchange::all_gather, threads, 16};
         const auto want = run<P>(clean, d_o, dfin, c);
         for (input in : {input::q, input::k, input::v, input::init, input::d_o, input::d_final})
           for (index_t s : {1, 3, 4, 5, 7}) {
@@ -223,7 +227,7 @@ void full_decay(const std::string& what) {
                          ranks == 2   ? std::vector<index_t>{0, 60, T}
                          : ranks == 3 ? std::vector<index_t>{0, 30, 60, T}
                                       : std::vector<index_t>{0, 30, 31, 90, T},
-                         la::exchange::all_gather, threads, 7};
+                         la::lasp2::exchange::all_gather, threads, 7};
           const auto got = run<P>(p, d_o, dfin, c);
           INFO(what << ", log-gate " << huge << ", gating " << static_cast<int>(mode) << ", P = " << ranks
                     << ", threads " << threads);

@@ -3,10 +3,13 @@
 
 #include <loom/backend/openmp.hpp>
 #include <loom/backend/serial.hpp>
+#include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/lasp2.hpp>
 
+#include <support/allocations.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -19,11 +22,13 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
 
 namespace la = loom::linear_attention;
+namespace lasp2 = loom::linear_attention::lasp2;
 using loom::index_t;
 using loom::test::la::gating;
 using loom::test::la::problem;
@@ -43,6 +48,8 @@ struct outputs {
   std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
 };
 
+loom::segments<> docs_of(const std::vector<index_t>& cu) { return loom::segments<>(std::span<const index_t>(cu)); }
+
 template <class F>
 auto with_gating(const problem& p, index_t from, index_t to, F&& f) {
   if (p.mode == gating::none) return f(la::no_decay{});
@@ -55,7 +62,7 @@ auto with_gating(const problem& p, index_t from, index_t to, F&& f) {
 //! single document in the slice from the chunk-parallel phases).
 template <class C>
 void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::vector<double>& d_o,
-              const std::vector<double>& dfin, la::exchange ex, outputs& out, std::mutex& mu, int threads) {
+              const std::vector<double>& dfin, lasp2::exchange ex, outputs& out, std::mutex& mu, int threads) {
   const index_t n = to - from, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
   const loom::openmp b{.threads = threads};
   la::operands<loom::fp64> x{mk(p.q.data() + from * H * dk, {n, H, dk}), mk(p.k.data() + from * H * dk, {n, H, dk}),
@@ -63,10 +70,10 @@ void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::ve
   if (!p.init.empty()) x.initial_state = mk(p.init.data(), {docs, H, dk, dv});
   std::vector<double> o(static_cast<std::size_t>(n * H * dv)), fin(static_cast<std::size_t>(docs * H * dk * dv), 0.0),
       xin(static_cast<std::size_t>(H * dk * dv));
-  const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
+  const lasp2::options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
   with_gating(p, from, to, [&](const auto& g) {
-    la::lasp2_forward<loom::fp64>(comm, b, g, x, mk(o.data(), {n, H, dv}), p.cu, from,
-                                  mk(fin.data(), {docs, H, dk, dv}), mk(xin.data(), {H, dk, dv}), opt);
+    lasp2::forward(b, comm, docs_of(p.cu), from, g, x, mk(o.data(), {n, H, dv}), mk(fin.data(), {docs, H, dk, dv}),
+                   mk(xin.data(), {H, dk, dv}), opt);
   });
   std::vector<double> dq(static_cast<std::size_t>(n * H * dk)), dkk(dq.size()), dvv(o.size()),
       dlg(static_cast<std::size_t>(n * H)), dinit(fin.size(), 0.0);
@@ -74,9 +81,9 @@ void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::ve
   if (p.mode == gating::scalar) gr.d_log_gate = mk(dlg.data(), {n, H});
   gr.d_initial_state = mk(dinit.data(), {docs, H, dk, dv});
   with_gating(p, from, to, [&](const auto& g) {
-    la::lasp2_backward<loom::fp64>(comm, b, g, x, mk(d_o.data() + from * H * dv, {n, H, dv}), p.cu, from,
-                                   mk(dfin.data(), {docs, H, dk, dv}),
-                                   mk(static_cast<const double*>(xin.data()), {H, dk, dv}), gr, opt);
+    lasp2::backward(b, comm, docs_of(p.cu), from, g, x, mk(d_o.data() + from * H * dv, {n, H, dv}),
+                    mk(dfin.data(), {docs, H, dk, dv}), mk(static_cast<const double*>(xin.data()), {H, dk, dv}), gr,
+                    opt);
   });
   std::lock_guard lk(mu);
   auto put = [](std::vector<double>& dst, const std::vector<double>& src, index_t at) {
@@ -87,8 +94,8 @@ void run_rank(C& comm, const problem& p, index_t from, index_t to, const std::ve
   for (std::size_t i = 0; i < fin.size(); ++i) out.fin[i] += fin[i], out.dinit[i] += dinit[i];
 }
 
-outputs lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
-              const std::vector<double>& dfin, la::exchange ex, int threads = 1) {
+outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
+                  const std::vector<double>& dfin, lasp2::exchange ex, int threads = 1) {
   outputs out{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
               std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
               std::vector<double>(p.init.size())};
@@ -111,15 +118,15 @@ outputs single(const problem& p, const std::vector<double>& d_o, const std::vect
                              mk(p.init.data(), {docs, H, dk, dv})};
   const la::options opt{.chunk = chunk, .scale = p.scale};
   with_gating(p, 0, T, [&](const auto& g) {
-    la::forward<loom::fp64>(loom::serial{}, g, x, mk(r.o.data(), {T, H, dv}), p.cu, mk(r.fin.data(), {docs, H, dk, dv}),
-                            opt);
+    la::forward(loom::serial{}, docs_of(p.cu), g, x, mk(r.o.data(), {T, H, dv}), mk(r.fin.data(), {docs, H, dk, dv}),
+                opt);
   });
   la::gradients<loom::fp64> gr{mk(r.dq.data(), {T, H, dk}), mk(r.dk.data(), {T, H, dk}), mk(r.dv.data(), {T, H, dv})};
   if (p.mode == gating::scalar) gr.d_log_gate = mk(r.dlg.data(), {T, H});
   gr.d_initial_state = mk(r.dinit.data(), {docs, H, dk, dv});
   with_gating(p, 0, T, [&](const auto& g) {
-    la::backward<loom::fp64>(loom::serial{}, g, x, mk(d_o.data(), {T, H, dv}), p.cu, mk(dfin.data(), {docs, H, dk, dv}),
-                             gr, opt);
+    la::backward(loom::serial{}, docs_of(p.cu), g, x, mk(d_o.data(), {T, H, dv}), mk(dfin.data(), {docs, H, dk, dv}),
+                 gr, opt);
   });
   return r;
 }
@@ -148,7 +155,7 @@ void compare(const outputs& got, const outputs& want, loom::test::tolerance tol,
 TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[linear_attention][lasp2]") {
   const int P = GENERATE(1, 2, 3, 4, 7);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
-  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
   const int threads = GENERATE(1, 2);
   const index_t T = 157;
   // Documents crossing ranks, a single-token and an empty document, and long ones.
@@ -158,7 +165,7 @@ TEST_CASE("linear_attention::lasp2 equals single-device chunked attention", "[li
   const auto dfin = loom::test::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 42);
   const auto want = single(p, d_o, dfin, 64);
   for (const auto& splits : {even_splits(T, P, static_cast<std::uint64_t>(P)), even_splits(T, P, 99)}) {
-    const auto got = lasp2(p, splits, d_o, dfin, ex, threads);
+    const auto got = run_lasp2(p, splits, d_o, dfin, ex, threads);
     compare(got, want, {1e-11, 1e-11}, "P=" + std::to_string(P) + " threads=" + std::to_string(threads));
   }
 }
@@ -168,7 +175,7 @@ namespace {
 //! LASP-2 forward in precision P over `splits`, one thread per rank (the fused schedule: lead,
 //! scan of the rest, correction by X): the outputs and final states, widened to double.
 template <class P>
-outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, la::exchange ex) {
+outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, lasp2::exchange ex) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   const index_t T = p.T, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
@@ -185,17 +192,18 @@ outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, l
                       mk(v.data() + from * H * dv, {n, H, dv})};
     if (!p.init.empty()) x.initial_state = mk(init.data(), {docs, H, dk, dv});
     std::vector<A> f(fin.size(), A(0));
-    const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
+    const lasp2::options opt{.chunked = {.chunk = 16, .scale = p.scale}, .exchange = ex};
     const loom::openmp b{.threads = 1};
     const auto ov = mk(o.data() + from * H * dv, {n, H, dv});
     const auto fv = mk(f.data(), {docs, H, dk, dv});
+    const auto pl = lasp2::make_plan<P>(b, comm, docs_of(p.cu), from, {n, H, dk, dv}, opt);
+    loom::workspace_buffer ws(pl.forward_workspace_bytes());
     if (p.mode == gating::none)
-      la::lasp2_forward<P>(comm, b, la::no_decay{}, x, ov, p.cu, from, fv, {}, opt);
+      lasp2::forward(b, comm, pl, la::no_decay{}, x, ov, fv, {}, ws.span());
     else if (p.mode == gating::fixed)
-      la::lasp2_forward<P>(comm, b, la::fixed_decay<A>{mk(hlg.data(), {H})}, x, ov, p.cu, from, fv, {}, opt);
+      lasp2::forward(b, comm, pl, la::fixed_decay<A>{mk(hlg.data(), {H})}, x, ov, fv, {}, ws.span());
     else
-      la::lasp2_forward<P>(comm, b, la::scalar_gate<A>{mk(lg.data() + from * H, {n, H})}, x, ov, p.cu, from, fv, {},
-                           opt);
+      lasp2::forward(b, comm, pl, la::scalar_gate<A>{mk(lg.data() + from * H, {n, H})}, x, ov, fv, {}, ws.span());
     std::lock_guard lk(mu);
     for (std::size_t i = 0; i < fin.size(); ++i) fin[i] += f[i];
   });
@@ -206,7 +214,7 @@ outputs lasp2_forward_in(const problem& p, const std::vector<index_t>& splits, l
 }
 
 template <class P>
-void check_long_document(const problem& p0, const std::vector<index_t>& splits, la::exchange ex,
+void check_long_document(const problem& p0, const std::vector<index_t>& splits, lasp2::exchange ex,
                          const std::string& what) {
   const problem p = rounded<P>(p0);
   const auto want = loom::test::la::oracle(p);
@@ -224,7 +232,7 @@ TEST_CASE("linear_attention::lasp2 with a document longer than the slices matche
           "[linear_attention][lasp2][lead]") {
   const int P = GENERATE(2, 3, 4);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
-  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
   const bool packed = GENERATE(false, true);
   const index_t T = 16 * 24, chunk = 16;
   // One document over every rank, or a long one between two short ones (with initial states).
@@ -261,7 +269,7 @@ TEST_CASE("linear_attention::lasp2 is bitwise exact on small integers without de
   const auto d_o = ints(T * 2, 5);
   const auto dfin = ints(3 * 6, 6);
   const auto want = single(p, d_o, dfin, 7);
-  const auto got = lasp2(p, even_splits(T, P, 7), d_o, dfin, la::exchange::all_gather);
+  const auto got = run_lasp2(p, even_splits(T, P, 7), d_o, dfin, lasp2::exchange::all_gather);
   CHECK(got.o == want.o);
   CHECK(got.fin == want.fin);
   CHECK(got.dq == want.dq);
@@ -310,117 +318,135 @@ void require_error(F&& f, loom::errc code, const std::string& fragment) {
 
 TEST_CASE("linear_attention: every rejection names the argument", "[linear_attention][errors]") {
   const index_t T = 10, H = 2, d = 3;
-  std::vector<float> q(T * H * d), o(T * H * d), lg(T * H, -0.1f), hl(H, -0.1f), ws(1 << 16);
-  const la::operands<loom::fp32> x{mk(static_cast<const float*>(q.data()), {T, H, d}),
-                                   mk(static_cast<const float*>(q.data()), {T, H, d}),
-                                   mk(static_cast<const float*>(q.data()), {T, H, d})};
+  std::vector<float> q(T * H * d), o(T * H * d), lg(T * H, -0.1f), hl(H, -0.1f);
+  const la::operands x{mk(static_cast<const float*>(q.data()), {T, H, d}),
+                       mk(static_cast<const float*>(q.data()), {T, H, d}),
+                       mk(static_cast<const float*>(q.data()), {T, H, d})};
   const auto ov = mk(o.data(), {T, H, d});
   const loom::serial b;
   auto fwd = [&](std::vector<index_t> cu, la::options opt = {}) {
-    la::forward<loom::fp32>(b, la::no_decay{}, x, ov, cu, {}, opt);
+    la::forward(b, docs_of(cu), la::no_decay{}, x, ov, {}, opt);
   };
   using loom::errc;
   require_error([&] { fwd({0, 5, 10}, {.chunk = 0}); }, errc::invalid_argument, "options.chunk must be > 0");
-  require_error([&] { fwd({1, 10}); }, errc::invalid_argument, "cu_seqlens[0] == 0");
-  require_error([&] { fwd({0, 6, 5, 10}); }, errc::invalid_argument, "non-decreasing");
-  require_error([&] { fwd({0, 12, 10}); }, errc::invalid_argument, "out of range");
-  require_error([&] { fwd({0, 5, 9}); }, errc::shape_mismatch, "q: expected extents");
-  require_error([&] { fwd({0}); }, errc::invalid_argument, "at least 2 offsets");
-  require_error([&] { fwd({}); }, errc::invalid_argument, "at least 2 offsets");
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::no_decay{}, x, mk(o.data(), {T, H, 1}), std::vector<index_t>{0, T});
+        fwd({0, 5, 10}, {.head_group = 9});
+      },
+      errc::invalid_argument, "options.head_group must be in [0, 8]");
+  require_error([&] { fwd({1, 10}); }, errc::invalid_argument, "cu_seqlens[0] must be 0");
+  require_error([&] { fwd({0, 6, 5, 10}); }, errc::invalid_argument, "must be non-decreasing");
+  require_error([&] { fwd({0, 12, 10}); }, errc::invalid_argument, "must be non-decreasing");
+  require_error([&] { fwd({0, 5, 9}); }, errc::invalid_argument, "must equal the token count 10");
+  require_error([&] { fwd({}); }, errc::invalid_argument, "at least one offset");
+  {  // int32 offsets go through the same validation
+    const std::vector<std::int32_t> bad32{0, 4, 3, 10};
+    require_error([&] { la::forward(b, std::span<const std::int32_t>(bad32), la::no_decay{}, x, ov); },
+                  errc::invalid_argument, "must be non-decreasing");
+  }
+  require_error(
+      [&] {
+        la::forward(b, docs_of({0, T}), la::no_decay{}, x, mk(o.data(), {T, H, 1}));
       },
       errc::shape_mismatch, "o: expected extents");
   std::vector<float> bad = hl;
   bad[1] = 0.5f;
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov,
-                                std::vector<index_t>{0, T});
+        la::forward(b, docs_of({0, T}), la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov);
       },
       errc::invalid_argument, "fixed_decay.log_decay[1]");
   bad[1] = std::nanf("");
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov,
-                                std::vector<index_t>{0, T});
+        la::forward(b, docs_of({0, T}), la::fixed_decay<float>{mk(static_cast<const float*>(bad.data()), {H})}, x, ov);
       },
       errc::invalid_argument, "not NaN");
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::fixed_decay<float>{mk(static_cast<const float*>(hl.data()), {1})}, x, ov,
-                                std::vector<index_t>{0, T});
+        la::forward(b, docs_of({0, T}), la::fixed_decay<float>{mk(static_cast<const float*>(hl.data()), {1})}, x, ov);
       },
       errc::shape_mismatch, "fixed_decay.log_decay: expected extents");
   lg[7] = std::numeric_limits<float>::infinity();
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::scalar_gate<float>{mk(static_cast<const float*>(lg.data()), {T, H})}, x, ov,
-                                std::vector<index_t>{0, T});
+        la::forward(b, docs_of({0, T}), la::scalar_gate<float>{mk(static_cast<const float*>(lg.data()), {T, H})}, x,
+                    ov);
       },
       errc::invalid_argument, "scalar_gate.log_gate(3, 1)");
   std::vector<float> st(H * d * d);
   require_error(
       [&] {
-        la::forward<loom::fp32>(b, la::no_decay{}, x, ov, std::vector<index_t>{0, T}, mk(st.data(), {2, H, d, d}));
+        la::forward(b, docs_of({0, T}), la::no_decay{}, x, ov, mk(st.data(), {2, H, d, d}));
       },
       errc::shape_mismatch, "final_state: expected extents");
-  const auto pl = la::make_plan<loom::fp32>(b, std::vector<index_t>{0, T}, H, d, d);
+  const auto pl = la::make_plan(b, docs_of({0, T}), {T, H, d, d});
   std::vector<std::byte> small(16);
   require_error([&] { la::forward(b, pl, la::no_decay{}, x, ov, {}, std::span<std::byte>(small)); },
-                errc::invalid_argument, "workspace: expected at least");
+                errc::invalid_argument, "linear_attention::forward: workspace must hold at least");
   require_error(
       [&] {
-        (void)la::make_plan<loom::fp32>(b, std::vector<index_t>{0, T}, H, 0, d);
+        (void)la::make_plan(b, docs_of({0, T}), {T, H, 0, d});
       },
       errc::invalid_argument, "dk and dv must be > 0");
   // Backward: a gate gradient for a gating without gates.
   std::vector<float> g1(q.size()), g2(q.size()), g3(q.size()), dl(T * H);
-  la::gradients<loom::fp32> gr{mk(g1.data(), {T, H, d}), mk(g2.data(), {T, H, d}), mk(g3.data(), {T, H, d}),
-                               mk(dl.data(), {T, H})};
+  const la::gradients gr{mk(g1.data(), {T, H, d}), mk(g2.data(), {T, H, d}), mk(g3.data(), {T, H, d}),
+                         mk(dl.data(), {T, H})};
   require_error(
       [&] {
-        la::backward<loom::fp32>(b, la::no_decay{}, x, mk(static_cast<const float*>(o.data()), {T, H, d}),
-                                 std::vector<index_t>{0, T}, {}, gr);
+        la::backward(b, docs_of({0, T}), la::no_decay{}, x, mk(static_cast<const float*>(o.data()), {T, H, d}), {}, gr);
       },
       errc::invalid_argument, "d_log_gate: expected an empty view");
-  // LASP-2: a slice outside the sequence, and rank 0 not starting at 0.
+  // LASP-2: a slice outside the sequence, rank 0 not starting at 0, several ranks without offsets.
   require_error(
       [&] {
         loom::comm::run_local(1, [&](loom::comm::local& comm) {
-          la::lasp2_forward<loom::fp32>(comm, loom::openmp{.threads = 1}, la::no_decay{}, x, ov,
-                                        std::vector<index_t>{0, T + 5}, 0);
+          lasp2::forward(loom::openmp{.threads = 1}, comm, docs_of({0, T + 5}), 0, la::no_decay{}, x, ov);
         });
       },
       errc::invalid_argument, "last rank's slice to end at token");
   require_error(
       [&] {
         loom::comm::run_local(1, [&](loom::comm::local& comm) {
-          la::lasp2_forward<loom::fp32>(comm, loom::openmp{.threads = 1}, la::no_decay{}, x, ov,
-                                        std::vector<index_t>{0, T}, 3);
+          lasp2::forward(loom::openmp{.threads = 1}, comm, docs_of({0, T}), 3, la::no_decay{}, x, ov);
         });
       },
       errc::invalid_argument, "token_begin");
+  require_error(
+      [&] {
+        loom::comm::run_local(2, [&](loom::comm::local& comm) {
+          (void)lasp2::make_plan(loom::openmp{.threads = 1}, comm, {}, comm.rank() * 5, {5, H, d, d});
+        });
+      },
+      errc::invalid_argument, "lasp2::make_plan: docs must hold the global document offsets");
 }
 
 namespace {
 
 //! LASP-2 forward and backward in fp32 over `splits`, `calls` times with different inputs (call c
-//! scales q, k, v and d_o by 1 + c / 4 and shifts them by c / 8): with one workspace per rank built
-//! once (`reuse`) or with the forms that build one per call. Every call's outputs, concatenated.
-std::vector<float> lasp2_calls(const problem& p, const std::vector<index_t>& splits, la::exchange ex, int calls,
+//! scales q, k, v and d_o by 1 + c / 4 and shifts them by c / 8): with one plan and one workspace
+//! per rank made once (`reuse`; the communicator wrapped in test::uncounted and every plan-taking
+//! call checked to allocate nothing on the rank's thread) or with the convenience forms, which
+//! plan per call. Every call's outputs, concatenated.
+std::vector<float> lasp2_calls(const problem& p, const std::vector<index_t>& splits, lasp2::exchange ex, int calls,
                                bool reuse) {
   const index_t H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
   const int P = static_cast<int>(splits.size()) - 1;
   std::vector<std::vector<float>> per(static_cast<std::size_t>(P));
-  loom::comm::run_local(P, [&](loom::comm::local& comm) {
+  std::vector<int> allocating(static_cast<std::size_t>(P), 0);
+  loom::comm::run_local(P, [&](loom::comm::local& comm_) {
+    loom::test::uncounted<loom::comm::local> comm(comm_);
     const auto r = static_cast<std::size_t>(comm.rank());
     const index_t from = splits[r], n = splits[r + 1] - from;
     const loom::openmp b{.threads = 1};
-    const la::lasp2_options opt{.chunked = {.chunk = 16, .scale = static_cast<double>(p.scale)}, .exchange = ex};
-    std::optional<la::lasp2_workspace<loom::fp32, loom::comm::local>> ws;
-    if (reuse) ws.emplace(comm, b, p.cu, from, n, H, dk, dv, opt);
+    const lasp2::options opt{.chunked = {.chunk = 16, .scale = static_cast<double>(p.scale)}, .exchange = ex};
+    std::optional<lasp2::plan<loom::fp32>> pl;
+    std::optional<loom::workspace_buffer> ws;
+    if (reuse) {
+      pl.emplace(lasp2::make_plan(b, comm, docs_of(p.cu), from, {n, H, dk, dv}, opt));
+      ws.emplace(pl->workspace_bytes());
+    }
     const std::vector<float> lg(p.lg.begin() + from * H, p.lg.begin() + (from + n) * H);
     const std::vector<float> init(p.init.begin(), p.init.end());
     auto& out = per[r];
@@ -448,16 +474,23 @@ std::vector<float> lasp2_calls(const problem& p, const std::vector<index_t>& spl
       const auto dfv = mk(static_cast<const float*>(dfin.data()), {docs, H, dk, dv});
       const auto xcv = mk(static_cast<const float*>(xin.data()), {H, dk, dv});
       if (reuse) {
-        la::lasp2_forward(comm, b, *ws, gate, x, ov, fv, xv);
-        la::lasp2_backward(comm, b, *ws, gate, x, dov_v, dfv, xcv, gr);
+        const auto counted = loom::test::count_allocations([&] {
+          lasp2::forward(b, comm, *pl, gate, x, ov, fv, xv, ws->span());
+          lasp2::backward(b, comm, *pl, gate, x, dov_v, dfv, xcv, gr, ws->span());
+        });
+        if (counted.heap != 0 || counted.temporaries != 0) allocating[r] = 1;
       } else {
-        la::lasp2_forward<loom::fp32>(comm, b, gate, x, ov, p.cu, from, fv, xv, opt);
-        la::lasp2_backward<loom::fp32>(comm, b, gate, x, dov_v, p.cu, from, dfv, xcv, gr, opt);
+        lasp2::forward(b, comm, docs_of(p.cu), from, gate, x, ov, fv, xv, opt);
+        lasp2::backward(b, comm, docs_of(p.cu), from, gate, x, dov_v, dfv, xcv, gr, opt);
       }
       for (const auto* part : {&o, &fin, &xin, &dq, &dkk, &dvv, &dlg, &dinit})
         out.insert(out.end(), part->begin(), part->end());
     }
   });
+  for (int r = 0; r < P; ++r) {
+    INFO("rank " << r);
+    CHECK(allocating[static_cast<std::size_t>(r)] == 0);  // nothing allocated on any rank's thread
+  }
   std::vector<float> all;
   for (const auto& x : per) all.insert(all.end(), x.begin(), x.end());
   return all;
@@ -465,10 +498,10 @@ std::vector<float> lasp2_calls(const problem& p, const std::vector<index_t>& spl
 
 }  // namespace
 
-TEST_CASE("linear_attention::lasp2 with a reused workspace gives the same bits as without",
+TEST_CASE("linear_attention::lasp2 with one plan reused allocates nothing and gives the bits of fresh plans",
           "[linear_attention][lasp2][workspace]") {
   const int P = GENERATE(1, 2, 3);
-  const auto ex = GENERATE(la::exchange::all_gather, la::exchange::posted);
+  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
   const bool packed = GENERATE(false, true);
   const index_t T = 16 * 12;
   const std::vector<index_t> cu = packed ? std::vector<index_t>{0, 5, 150, 150, 192} : std::vector<index_t>{0, T};
@@ -487,17 +520,80 @@ TEST_CASE("linear_attention::lasp2 with a reused workspace gives the same bits a
   }
 }
 
-TEST_CASE("linear_attention::lasp2 rejects a workspace used with other shapes", "[linear_attention][errors]") {
+TEST_CASE("linear_attention::lasp2: make_plan(b, comm, ...) agrees once; N calls with one plan repeat no agreement",
+          "[linear_attention][lasp2][plan]") {
+  const index_t T = 60, H = 2, d = 3;
+  const std::vector<std::int32_t> cu32{0, 25, 25, T};  // int32 offsets
+  std::vector<float> q(static_cast<std::size_t>(T * H * d), 0.25f);
+  loom::comm::run_local(3, [&](loom::comm::local& inner) {
+    loom::comm::counting<loom::comm::local> comm(inner);
+    const loom::openmp b{.threads = 1};
+    const index_t from = 20 * comm.rank(), n = 20;
+    const auto pl = lasp2::make_plan(b, comm, std::span<const std::int32_t>(cu32), from, {n, H, d, d});
+    const auto after_plan = comm.counts().collectives.load();
+    CHECK(after_plan == 1);  // the agreement
+    CHECK(pl.rank() == comm.rank());
+    CHECK(pl.ranks() == 3);
+    CHECK(pl.docs() == 3);
+    loom::workspace_buffer ws(pl.workspace_bytes());
+    const la::operands x{mk(static_cast<const float*>(q.data()) + from * H * d, {n, H, d}),
+                         mk(static_cast<const float*>(q.data()) + from * H * d, {n, H, d}),
+                         mk(static_cast<const float*>(q.data()) + from * H * d, {n, H, d})};
+    std::vector<float> o(static_cast<std::size_t>(n * H * d));
+    constexpr int calls = 4;
+    for (int c = 0; c < calls; ++c)
+      lasp2::forward(b, comm, pl, la::no_decay{}, x, mk(o.data(), {n, H, d}), {}, {}, ws.span());
+    CHECK(comm.counts().collectives.load() == after_plan + calls);  // one exchange per call, no agreement
+  });
+}
+
+TEST_CASE("linear_attention::lasp2: one plan shared by two threads gives the bits of fresh plans",
+          "[linear_attention][lasp2][plan]") {
+  // Two independent groups of 2 ranks (one per thread pair) share each rank's const plan.
+  const index_t T = 64, H = 2, dk = 8, dv = 4;
+  const auto p = loom::test::la::make_problem(T, H, dk, dv, gating::scalar, {0, 20, T}, true, 81);
+  const std::vector<float> q(p.q.begin(), p.q.end()), k(p.k.begin(), p.k.end()), v(p.v.begin(), p.v.end()),
+      lg(p.lg.begin(), p.lg.end());
+  const std::vector<index_t> splits{0, 40, T};
+  auto forward_on = [&](auto& comm, const lasp2::plan<loom::fp32>& pl, std::vector<float>& o) {
+    const index_t from = splits[static_cast<std::size_t>(comm.rank())], n = pl.tokens();
+    const la::operands x{mk(q.data() + from * H * dk, {n, H, dk}), mk(k.data() + from * H * dk, {n, H, dk}),
+                         mk(v.data() + from * H * dv, {n, H, dv})};
+    loom::workspace_buffer ws(pl.forward_workspace_bytes());
+    o.assign(static_cast<std::size_t>(n * H * dv), 0.f);
+    lasp2::forward(loom::serial{}, comm, pl, la::scalar_gate<float>{mk(lg.data() + from * H, {n, H})}, x,
+                   mk(o.data(), {n, H, dv}), {}, {}, ws.span());
+  };
+  std::vector<std::vector<float>> fresh(2), shared_a(2), shared_b(2);
+  loom::comm::run_local(2, [&](loom::comm::local& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const auto pl =
+        lasp2::make_plan(loom::serial{}, comm, docs_of(p.cu), splits[r], {splits[r + 1] - splits[r], H, dk, dv});
+    forward_on(comm, pl, fresh[r]);
+    // Split into two communicators of the same size and rank and run one forward on each from two threads.
+    auto ca = comm.split(0, comm.rank()), cb = comm.split(0, comm.rank());
+    std::thread t([&] { forward_on(cb, pl, shared_b[r]); });
+    forward_on(ca, pl, shared_a[r]);
+    t.join();
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    CHECK(shared_a[r] == fresh[r]);
+    CHECK(shared_b[r] == fresh[r]);
+  }
+}
+
+TEST_CASE("linear_attention::lasp2 rejects views and workspaces that do not fit the plan",
+          "[linear_attention][errors]") {
   const index_t T = 10, H = 2, d = 3;
-  using W = la::lasp2_workspace<loom::fp32, loom::comm::local>;
   std::vector<float> q(T * H * d, 0.5f), o(T * H * d), st(2 * H * d * d), xin(H * d * d);
   const std::vector<index_t> cu{0, 4, T};
   using loom::errc;
   loom::comm::run_local(2, [&](loom::comm::local& comm) {
     const loom::openmp b{.threads = 1};
     const index_t from = comm.rank() == 0 ? 0 : 6, n = comm.rank() == 0 ? 6 : 4;
-    W ws(comm, b, cu, from, n, H, d, d);
-    W fwd_only(comm, b, cu, from, n, H, d, d, {}, la::lasp2_passes::forward);
+    const auto pl = lasp2::make_plan(b, comm, docs_of(cu), from, {n, H, d, d});
+    loom::workspace_buffer ws(pl.workspace_bytes() + loom::workspace_alignment);
+    const auto wsp = ws.span().first(pl.workspace_bytes());
     auto ops = [&](index_t t, index_t h, index_t dk, index_t dv) {
       return la::operands<loom::fp32>{mk(static_cast<const float*>(q.data()), {t, h, dk}),
                                       mk(static_cast<const float*>(q.data()), {t, h, dk}),
@@ -505,81 +601,92 @@ TEST_CASE("linear_attention::lasp2 rejects a workspace used with other shapes", 
     };
     const auto good = ops(n, H, d, d);
     const auto ov = mk(o.data(), {n, H, d});
-    auto fwd = [&](W& w, const la::operands<loom::fp32>& x, loom::tensor_view<float, 3> out,
-                   loom::tensor_view<float, 4> fin = {}) {
-      la::lasp2_forward(comm, b, w, la::no_decay{}, x, out, fin);
+    // Every rank passes the same kind of bad argument, so every rank throws before the exchange.
+    auto fwd = [&](const la::operands<loom::fp32>& x, loom::tensor_view<float, 3> out,
+                   loom::tensor_view<float, 4> fin = {}, std::span<std::byte> w = {}) {
+      lasp2::forward(b, comm, pl, la::no_decay{}, x, out, fin, {}, w.empty() ? wsp : w);
     };
     require_error(
         [&] {
-          fwd(ws, ops(n + 1, H, d, d), mk(o.data(), {n + 1, H, d}));
+          fwd(ops(n + 1, H, d, d), mk(o.data(), {n + 1, H, d}));
         },
         errc::shape_mismatch,
-        "on rank 0: q (the workspace's [slice tokens, heads, dk]): expected extents [6, 2, 3]");  // every rank
+        "lasp2::forward: q (the plan's [slice tokens, heads, dk]) must be [" + std::to_string(n) + ", 2, 3]");
     require_error(
         [&] {
-          fwd(ws, ops(n, 1, d, d), mk(o.data(), {n, 1, d}));
+          fwd(ops(n, 1, d, d), mk(o.data(), {n, 1, d}));
         },
-        errc::shape_mismatch, "q (the workspace's [slice tokens, heads, dk]): expected extents");
-    require_error([&] { fwd(ws, ops(n, H, 2, d), ov); }, errc::shape_mismatch,
-                  "q (the workspace's [slice tokens, heads, dk]): expected extents");
+        errc::shape_mismatch, "q (the plan's [slice tokens, heads, dk]) must be");
     require_error(
         [&] {
-          fwd(ws, ops(n, H, d, 2), mk(o.data(), {n, H, 2}));
+          fwd(ops(n, H, d, 2), mk(o.data(), {n, H, 2}));
         },
-        errc::shape_mismatch, "v (the workspace's [slice tokens, heads, dv]): expected extents");
+        errc::shape_mismatch, "v (the plan's [slice tokens, heads, dv]) must be");
     require_error(
         [&] {
-          fwd(ws, good, mk(o.data(), {n, H, 2}));
+          fwd(good, mk(o.data(), {n, H, 2}));
         },
-        errc::shape_mismatch, "o (the workspace's [slice tokens, heads, dv]): expected extents");
+        errc::shape_mismatch, "o (the plan's [slice tokens, heads, dv]) must be");
     require_error(
         [&] {
-          fwd(ws, good, ov, mk(st.data(), {1, H, d, d}));
+          fwd(good, ov, mk(st.data(), {1, H, d, d}));
         },
         errc::shape_mismatch, "final_state: expected extents [2, 2, 3, 3]");
     auto with_init = good;
     with_init.initial_state = mk(static_cast<const float*>(st.data()), {1, H, d, d});
-    require_error([&] { fwd(ws, with_init, ov); }, errc::shape_mismatch,
-                  "initial_state (the workspace's [docs, heads, dk, dv]): expected extents [2, 2, 3, 3]");
+    require_error([&] { fwd(with_init, ov); }, errc::shape_mismatch,
+                  "initial_state (the plan's [docs, heads, dk, dv]) must be [2, 2, 3, 3]");
     require_error(
         [&] {
-          la::lasp2_forward(comm, b, ws, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, 2}));
+          lasp2::forward(b, comm, pl, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, 2}), wsp);
         },
-        errc::shape_mismatch, "incoming_state: expected extents");
+        errc::shape_mismatch, "incoming_state must be");
+    // Workspaces: too small (the forward's size for the backward too), misaligned.
+    require_error([&] { fwd(good, ov, {}, ws.span().first(pl.forward_workspace_bytes() - 1)); }, errc::invalid_argument,
+                  "lasp2::forward: workspace must hold at least");
+    require_error([&] { fwd(good, ov, {}, ws.span().subspan(8, pl.forward_workspace_bytes())); },
+                  errc::invalid_argument, "lasp2::forward: workspace must start on a 64-byte boundary");
     std::vector<float> g1(q.size()), g2(q.size()), g3(q.size());
     const la::gradients<loom::fp32> gr{mk(g1.data(), {n, H, d}), mk(g2.data(), {n, H, d}), mk(g3.data(), {n, H, d})};
     const auto dov = mk(static_cast<const float*>(o.data()), {n, H, d});
     const auto xc = mk(static_cast<const float*>(xin.data()), {H, d, d});
-    require_error([&] { la::lasp2_backward(comm, b, fwd_only, la::no_decay{}, good, dov, {}, xc, gr); },
-                  errc::invalid_argument, "workspace: built with lasp2_passes::forward");
+    REQUIRE(pl.forward_workspace_bytes() < pl.backward_workspace_bytes());
     require_error(
         [&] {
-          la::lasp2_backward(comm, b, ws, la::no_decay{}, good, mk(static_cast<const float*>(o.data()), {n, H, 2}), {},
-                             xc, gr);
+          lasp2::backward(b, comm, pl, la::no_decay{}, good, dov, {}, xc, gr,
+                          ws.span().first(pl.forward_workspace_bytes()));
         },
-        errc::shape_mismatch, "d_o (the workspace's [slice tokens, heads, dv]): expected extents");
-    // The same workspace on another rank, or with another rank count.
+        errc::invalid_argument, "lasp2::backward: workspace must hold at least");
+    require_error(
+        [&] {
+          lasp2::backward(b, comm, pl, la::no_decay{}, good, mk(static_cast<const float*>(o.data()), {n, H, 2}), {}, xc,
+                          gr, wsp);
+        },
+        errc::shape_mismatch, "d_o (the plan's [slice tokens, heads, dv]) must be");
+    // The same plan on another rank count.
     require_error(
         [&] {
           auto sub = comm.split(comm.rank(), 0);  // a communicator of one rank
-          la::lasp2_forward(sub, b, ws, la::no_decay{}, good, ov);
+          lasp2::forward(b, sub, pl, la::no_decay{}, good, ov, {}, {}, wsp);
         },
-        errc::invalid_argument,
-        "workspace: built for rank " + std::to_string(comm.rank()) + " of 2, used on rank 0 of 1");
+        errc::invalid_argument, "plan: made for rank " + std::to_string(comm.rank()) + " of 2, used on rank 0 of 1");
     // Every rank took part in no exchange above; the valid calls run together.
-    la::lasp2_forward(comm, b, ws, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, d}));
-    la::lasp2_backward(comm, b, ws, la::no_decay{}, good, dov, {}, xc, gr);
+    lasp2::forward(b, comm, pl, la::no_decay{}, good, ov, {}, mk(xin.data(), {H, d, d}), wsp);
+    lasp2::backward(b, comm, pl, la::no_decay{}, good, dov, {}, xc, gr, wsp);
   });
-  // Built for a slice outside the sequence, or for rank 0 not starting at 0.
+  // Made for a slice outside the sequence, or for rank 0 not starting at 0: every rank throws.
   require_error(
       [&] {
-        loom::comm::run_local(1, [&](loom::comm::local& comm) { W ws(comm, loom::serial{}, cu, 0, T + 1, H, d, d); });
+        loom::comm::run_local(1, [&](loom::comm::local& comm) {
+          (void)lasp2::make_plan(loom::serial{}, comm, docs_of(cu), 0, {T + 1, H, d, d});
+        });
       },
       errc::invalid_argument, "token_begin: expected the slice");
   require_error(
       [&] {
         loom::comm::run_local(2, [&](loom::comm::local& comm) {
-          W ws(comm, loom::serial{}, cu, comm.rank() == 0 ? 1 : 6, comm.rank() == 0 ? 5 : 4, H, d, d);
+          (void)lasp2::make_plan(loom::serial{}, comm, docs_of(cu), comm.rank() == 0 ? 1 : 6,
+                                 {comm.rank() == 0 ? 5 : 4, H, d, d});
         });
       },
       errc::invalid_argument, "expected rank 0 to start at token 0");

@@ -7,9 +7,16 @@
 //! with g from the gating tag (no_decay, fixed_decay, scalar_gate; see types.hpp). Packed "THD"
 //! layout; documents delimited by cu_seqlens, the state reset at each document's start.
 //!
-//!   auto pl = linear_attention::make_plan<loom::fp32>(backend, cu_seqlens, H, dk, dv, {.chunk = 64});
-//!   std::vector<std::byte> ws(pl.forward_workspace_bytes());
-//!   linear_attention::forward(backend, pl, no_decay{}, {q, k, v}, o, final_state, ws);
+//!   auto plan = linear_attention::make_plan(b, docs, {.tokens = T, .heads = H, .dk = dk, .dv = dv}, {.chunk = 64});
+//!   loom::workspace_buffer ws(plan.forward_workspace_bytes());
+//!   linear_attention::forward(b, plan, no_decay{}, x, o, final_state, ws.span());   // no allocation
+//!   linear_attention::forward(b, docs, no_decay{}, x, o);                           // convenience
+//!
+//! docs: loom::segments over int32 or int64 host offsets (empty: one document). Precision: the
+//! operands' policy (la::operands x{q, k, v} deduces it from the element types; see types.hpp);
+//! the plan form requires a plan of that precision (plan.hpp).
+//! Completion: host backends complete on return; on device backends the plan forms are
+//! stream-ordered on the backend's stream (no host sync) and the convenience forms fence.
 //!
 //! Algorithm (three launches of loom::for_each_index): (1) per (chunk, head) the chunk's own state
 //! contribution; (2) per (document, head) the sequential pass over the chunk states; (3) per
@@ -20,7 +27,10 @@
 
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
+#include <loom/core/segments.hpp>
+#include <loom/core/workspace.hpp>
 #include <loom/linear_attention/detail/driver.hpp>
+#include <loom/linear_attention/plan.hpp>
 #include <loom/linear_attention/types.hpp>
 
 #include <cstddef>
@@ -28,11 +38,12 @@
 
 namespace loom::linear_attention {
 
-//! Runs the forward pass with a caller's workspace (at least plan.forward_workspace_bytes(),
-//! aligned to alignof(std::max_align_t)). o: [T, H, dv]; final_state: [docs, H, dk, dv] in Accum,
-//! or empty. No allocation.
+//! Runs the forward pass with a caller's workspace (at least plan.forward_workspace_bytes(), in
+//! the backend's memory space, aligned to loom::workspace_alignment). x: the plan's [T, H, dk]
+//! q, k and [T, H, dv] v, initial_state [docs, H, dk, dv] in Accum or empty; o: [T, H, dv];
+//! final_state: [docs, H, dk, dv] in Accum, or empty. Allocates nothing; no fence.
 //! @throws loom::error(shape_mismatch) for an operand whose extents do not fit the plan,
-//!         loom::error(invalid_argument) for a bad gate value or a too-small workspace.
+//!         loom::error(invalid_argument) for a bad gate value or a too-small or misaligned workspace.
 template <backend B, precision_policy P, class Gating, memory_space Space>
 void forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
              tensor_view<typename P::storage_type, 3, Space> o,
@@ -42,22 +53,23 @@ void forward(const B& b, const plan<P>& pl, const Gating& gating, const operands
   detail::run_forward(b, pl, gating, x, o, final_state, workspace);
 }
 
-//! Convenience form: plans and allocates the workspace (host backends; cuda through
-//! loom::temporary_buffer). cu_seqlens: host offsets, size docs + 1, from 0 to T, non-decreasing.
-//! @throws loom::error(invalid_argument) for bad cu_seqlens or options, and as forward above.
-template <precision_policy P, backend B, class Gating, memory_space Space>
-void forward(const B& b, const Gating& gating, const operands<P, Space>& x,
-             tensor_view<typename P::storage_type, 3, Space> o, std::span<const index_t> cu_seqlens,
+//! Convenience form: make_plan (precision of the operands, tokens of q), a loom::temporary_buffer
+//! workspace, the plan form, fence.
+//! @throws loom::error(invalid_argument) for bad offsets or options, and as forward above.
+template <backend B, class Gating, precision_policy P, memory_space Space>
+void forward(const B& b, const segments<host_memory>& docs, const Gating& gating, const operands<P, Space>& x,
+             tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state = {}, const options& opt = {}) {
-  const auto pl = make_plan<P>(b, cu_seqlens, x.q.extent(1), x.q.extent(2), x.v.extent(2), opt);
+  const auto pl = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
   temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.forward_workspace_bytes()));
-  forward(b, pl, gating, x, o, final_state, std::span<std::byte>(ws.data(), pl.forward_workspace_bytes()));
+  forward(b, pl, gating, x, o, final_state, ws.bytes());
   fence(b);
 }
 
 //! The backward pass: given dO [T, H, dv] and optionally d final state [docs, H, dk, dv], writes
 //! the gradients of q, k, v, of the log-gates (scalar_gate) and of the initial state. Recomputes
-//! the chunk states (no saved activations). Workspace: plan.backward_workspace_bytes().
+//! the chunk states (no saved activations). Workspace: plan.backward_workspace_bytes(). Allocates
+//! nothing; no fence.
 //! @throws as forward; loom::error(invalid_argument) when d_log_gate is given for a gating other
 //!         than scalar_gate or missing for scalar_gate.
 template <backend B, precision_policy P, class Gating, memory_space Space>
@@ -70,15 +82,15 @@ void backward(const B& b, const plan<P>& pl, const Gating& gating, const operand
   detail::run_backward(b, pl, gating, x, d_o, d_final_state, g, workspace);
 }
 
-//! Convenience form of backward: plans and allocates the workspace.
-template <precision_policy P, backend B, class Gating, memory_space Space>
-void backward(const B& b, const Gating& gating, const operands<P, Space>& x,
-              tensor_view<const typename P::storage_type, 3, Space> d_o, std::span<const index_t> cu_seqlens,
+//! Convenience form of backward: make_plan, a temporary workspace, the plan form, fence.
+template <backend B, class Gating, precision_policy P, memory_space Space>
+void backward(const B& b, const segments<host_memory>& docs, const Gating& gating, const operands<P, Space>& x,
+              tensor_view<const typename P::storage_type, 3, Space> d_o,
               tensor_view<const typename P::accum_type, 4, Space> d_final_state, const gradients<P, Space>& g,
               const options& opt = {}) {
-  const auto pl = make_plan<P>(b, cu_seqlens, x.q.extent(1), x.q.extent(2), x.v.extent(2), opt);
+  const auto pl = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
   temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.backward_workspace_bytes()));
-  backward(b, pl, gating, x, d_o, d_final_state, g, std::span<std::byte>(ws.data(), pl.backward_workspace_bytes()));
+  backward(b, pl, gating, x, d_o, d_final_state, g, ws.bytes());
   fence(b);
 }
 

@@ -17,20 +17,41 @@
 //! Communication per rank per pass: one all_gather of H (1 + dk dv) + 1 values of Accum per rank,
 //! i.e. each rank sends (H (1 + dk dv) + 1) sizeof(Accum) bytes and receives P times that,
 //! independent of T.
-//! Collective checks: before any state moves, every rank's checks and its call (cu_seqlens, shapes,
-//! chunk, scale, exchange) go through one agreement (comm/agreement.hpp), and the ranks' slices
-//! must tile [0, T) in rank order: otherwise every rank throws the same loom::error. The
-//! agreement costs one all_gather of comm::agreement_bytes per rank per call.
+//!
+//!   auto plan = lasp2::make_plan(b, comm, docs, token_begin, {.tokens = T_r, .heads = H, .dk = dk, .dv = dv},
+//!                                {.chunked = {.chunk = 64}});        // the agreement: once
+//!   loom::workspace_buffer ws(plan.workspace_bytes());               // forward_ / backward_workspace_bytes()
+//!   for (each layer) {
+//!     lasp2::forward(b, comm, plan, gating, x, o, final_state, incoming_state, ws.span());
+//!     lasp2::backward(b, comm, plan, gating, x, d_o, d_final_state, incoming_state, g, ws.span());
+//!   }
+//!
+//! Collective checks: make_plan runs every rank's checks of the shapes, documents and options and
+//! one agreement (comm/agreement.hpp): the ranks must be given the same documents, shapes, chunk,
+//! scale and exchange, and their slices must tile [0, T) in rank order; otherwise every rank
+//! throws the same loom::error. The agreement costs one all_gather of comm::agreement_bytes per
+//! rank, once per plan. A plan-taking call checks its views against the plan on this rank only,
+//! before any communication: a rank whose views do not match throws a loom::error at once, and
+//! the other ranks, waiting in the exchange, get the communicator's timeout error. The
+//! convenience forms run those view checks inside make_plan's agreement, so there every rank
+//! throws the same error.
+//! Precision: the plan's (make_plan<P>, default loom::fp32: float accumulation; see plan.hpp);
+//! the convenience forms deduce it from the operands. Host memory spaces only; host backends.
 //! Deterministic: the fold runs in rank order on every rank.
 
+#include <loom/backend/temporary.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/core/segments.hpp>
+#include <loom/core/workspace.hpp>
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/detail/lasp2_impl.hpp>
 
-#include <optional>
+#include <cstddef>
+#include <span>
+#include <string_view>
 
-namespace loom::linear_attention {
+namespace loom::linear_attention::lasp2 {
 
 //! How the state exchange is issued.
 enum class exchange {
@@ -39,174 +60,202 @@ enum class exchange {
 };
 
 //! Options of LASP-2: the chunked options plus the exchange.
-struct lasp2_options {
-  options chunked{};
-  linear_attention::exchange exchange = exchange::all_gather;
-};
-
-//! Which passes a lasp2_workspace serves. The backward needs the most memory (the chunk adjoints,
-//! [chunks of the slice, H, dk, dv]), so a forward-only workspace leaves it out.
-enum class lasp2_passes {
-  forward,               //!< lasp2_forward only
-  forward_and_backward,  //!< lasp2_forward and lasp2_backward
-};
-
-//! One rank's LASP-2 plan and workspace: the slice, the chunk plan of the slice and every buffer a
-//! call needs (local states, the exchange's send / receive buffers and requests, the fused
-//! schedule's scratch, the kernels' workspace), built once from the shapes and reused by every
-//! lasp2_forward / lasp2_backward given it (e.g. layer after layer, step after step): such calls
-//! allocate nothing. Host memory; holds no reference to the communicator (any communicator of
-//! the same size, used on the same rank, will do). Not shared between threads or ranks: one per
-//! rank, used by one call at a time. Move-only.
-//!
-//!   lasp2_workspace<fp32, comm::local> ws(comm, b, cu_seqlens, token_begin, T_r, H, dk, dv, opt);
-//!   for (each layer) lasp2_forward(comm, b, ws, gating, x, o, final_state, incoming_state);
-template <precision_policy P, comm::communicator C>
-class lasp2_workspace {
- public:
-  //! Plans rank comm.rank() of comm.size() holding tokens [token_begin, token_begin + tokens) of
-  //! the packed sequence `cu_seqlens` (copied), H heads, key / value widths dk, dv, on backend b.
-  //! @throws loom::error(invalid_argument) as lasp2_forward's argument checks and make_plan.
-  template <backend B>
-  lasp2_workspace(const C& comm, const B& b, std::span<const index_t> cu_seqlens, index_t token_begin, index_t tokens,
-                  index_t heads, index_t dk, index_t dv, const lasp2_options& opt = {},
-                  lasp2_passes passes = lasp2_passes::forward_and_backward)
-      : w_(comm.rank(), comm.size(), b, cu_seqlens, token_begin, tokens, heads, dk, dv, opt.chunked,
-           opt.exchange == exchange::posted, passes == lasp2_passes::forward_and_backward) {
-    static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2_workspace: host backends only");
-  }
-  int rank() const { return w_.rank; }
-  int ranks() const { return w_.ranks; }
-  index_t token_begin() const { return w_.begin; }
-  index_t tokens() const { return w_.tokens; }
-  index_t heads() const { return w_.heads; }
-  index_t dk() const { return w_.dk; }
-  index_t dv() const { return w_.dv; }
-  index_t docs() const { return w_.docs; }
-  bool serves_backward() const { return w_.backward; }
-  //! The chunk plan of this rank's slice.
-  const plan<P>& slice_plan() const { return w_.pl; }
-
- private:
-  friend struct detail::lasp2_access;
-  detail::lasp2_work<P, C> w_;
+struct options {
+  linear_attention::options chunked{};
+  lasp2::exchange exchange = exchange::all_gather;
 };
 
 namespace detail {
-//! What the ranks of a LASP-2 call must agree on; the slice travels as the local numbers.
-template <class P, class C>
-comm::signature lasp2_signature(const lasp2_work<P, C>& w) {
-  return comm::signature{}
-      .add("the shapes (heads, dk, dv)", w.heads, w.dk, w.dv)
-      .add_range("cu_seqlens", std::span<const index_t>(w.cu))
-      .add("the chunk, the scale and the exchange", w.pl.chunk, w.pl.scale, w.posted_exchange)
-      .local(static_cast<std::uint64_t>(w.begin), static_cast<std::uint64_t>(w.begin + w.tokens));
-}
-
-//! One agreement over `check()` (this rank's checks; returns its workspace's internals), then the
-//! slices of the ranks must follow each other: rank q + 1 begins where rank q ends.
-template <class C, class Check>
-void lasp2_agree(C& comm, std::string_view call, Check&& check) {
-  const auto slices = comm::agree(comm, call, [&] { return lasp2_signature(check()); });
-  for (std::size_t q = 1; q < slices.size(); ++q)
-    LOOM_EXPECTS(slices[q][0] == slices[q - 1][1], errc::invalid_argument, call,
-                 ": the slices must tile the sequence in rank order: rank ", q - 1, " ends at token ", slices[q - 1][1],
-                 ", rank ", q, " begins at ", slices[q][0]);
-}
+struct access;
 }  // namespace detail
 
-//! LASP-2 forward on this rank's slice with a workspace built for it (no allocation). x.q/k/v and
-//! o: [T_r, H, d] of the workspace's slice; gating on the slice's tokens; x.initial_state and
-//! final_state: the GLOBAL [docs, H, dk, dv] (or empty); incoming_state as below.
-//! @throws loom::error(invalid_argument) when comm's size or rank is not the workspace's,
-//!         (shape_mismatch) when q, k, v, o or a state does not have the workspace's extents
-//!         (the message names the argument and the expected extents); as chunked forward.
-template <precision_policy P, comm::communicator C, backend B, class Gating>
-void lasp2_forward(C& comm, const B& b, lasp2_workspace<P, C>& ws, const Gating& gating,
-                   const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
-                   tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
-                   tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {}) {
-  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2_forward: host backends only");
-  auto& w = detail::lasp2_access::work(ws);
-  detail::lasp2_agree(
-      comm, "lasp2_forward", [&]() -> const auto& {
-        detail::check_forward_call(comm, w, gating, x, o, final_state, incoming_state);
-        return w;
-      });
-  detail::lasp2_forward_impl<P>(comm, b, w, gating, x, o, final_state, incoming_state);
+//! One rank's LASP-2 plan: its slice, the chunk plan of the slice, the agreed call and the layout of
+//! every buffer a call needs (local states, the exchange's message, receive buffer and requests,
+//! the fused schedule's scratch, the kernels' workspace), made once by make_plan and reused by
+//! every forward / backward given it (layer after layer, step after step): such calls allocate
+//! nothing and repeat no agreement. Immutable; holds no reference to the communicator (any
+//! communicator of the same size, used on the same rank, will do). Shareable between threads for
+//! reading; each call needs its own workspace.
+template <precision_policy P = fp32>
+class plan {
+ public:
+  using precision = P;
+  using accum_type = typename P::accum_type;
+
+  int rank() const noexcept { return c_.rank; }
+  int ranks() const noexcept { return c_.ranks; }
+  index_t token_begin() const noexcept { return c_.begin; }
+  index_t tokens() const noexcept { return c_.tokens; }  //!< T_r, the slice's tokens
+  index_t heads() const noexcept { return c_.heads; }
+  index_t dk() const noexcept { return c_.dk; }
+  index_t dv() const noexcept { return c_.dv; }
+  index_t docs() const noexcept { return c_.docs; }  //!< documents of the whole sequence
+  lasp2::exchange exchange() const noexcept {
+    return c_.posted_exchange ? lasp2::exchange::posted : lasp2::exchange::all_gather;
+  }
+  //! The chunk plan of this rank's slice.
+  const linear_attention::plan<P>& slice_plan() const noexcept { return c_.pl; }
+  //! Bytes of workspace forward needs.
+  std::size_t forward_workspace_bytes() const noexcept { return c_.fwd.bytes; }
+  //! Bytes of workspace backward needs.
+  std::size_t backward_workspace_bytes() const noexcept { return c_.bwd.bytes; }
+  //! Bytes of a workspace that serves both passes.
+  std::size_t workspace_bytes() const noexcept { return c_.fwd.bytes > c_.bwd.bytes ? c_.fwd.bytes : c_.bwd.bytes; }
+
+ private:
+  friend struct detail::access;
+  linear_attention::detail::lasp2_core<P> c_;
+};
+
+namespace detail {
+
+struct access {
+  template <class P>
+  static const linear_attention::detail::lasp2_core<P>& core(const plan<P>& p) noexcept {
+    return p.c_;
+  }
+
+  //! make_plan with `check(core)` run on this rank inside the agreement (the convenience forms
+  //! check their views there).
+  template <class P, class B, class C, class Check>
+  static plan<P> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
+                      const shape& slice, const options& opt, std::string_view call, Check&& check) {
+    static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::make_plan: host backends only");
+    static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
+    plan<P> p;
+    auto& c = p.c_;
+    const auto slices = comm::agree(comm, call, [&] {
+      LOOM_EXPECTS(!docs_in.implicit() || comm.size() == 1, errc::invalid_argument, call,
+                   ": docs must hold the global document offsets (at least {0, T}) when there are several ranks");
+      const index_t total = docs_in.implicit() ? token_begin + slice.tokens : docs_in[docs_in.count()];
+      const segments<host_memory> docs = check_segments(docs_in, total, call);
+      LOOM_EXPECTS(opt.chunked.chunk > 0, errc::invalid_argument, call, ": options.chunk must be > 0, got ",
+                   opt.chunked.chunk);
+      c.rank = comm.rank();
+      c.ranks = comm.size();
+      c.begin = token_begin;
+      c.tokens = slice.tokens;
+      c.heads = slice.heads;
+      c.dk = slice.dk;
+      c.dv = slice.dv;
+      c.sz = slice.dk * slice.dv;
+      c.docs = docs.count();
+      c.posted_exchange = opt.exchange == exchange::posted;
+      c.request_bytes = sizeof(typename C::request);
+      c.cu.resize(static_cast<std::size_t>(c.docs) + 1);
+      for (index_t d = 0; d <= c.docs; ++d) c.cu[static_cast<std::size_t>(d)] = docs[d];
+      c.s = linear_attention::detail::make_slice(c.cu, token_begin, slice.tokens, c.rank, c.ranks);
+      c.pl = linear_attention::make_plan<P>(b, segments<host_memory>(std::span<const index_t>(c.s.local_cu)),
+                                            {slice.tokens, slice.heads, slice.dk, slice.dv}, opt.chunked);
+      c.fwd = c.make_layout(false);
+      c.bwd = c.make_layout(true);
+      check(c);
+      return comm::signature{}
+          .add("the shapes (heads, dk, dv)", c.heads, c.dk, c.dv)
+          .add_range("cu_seqlens", std::span<const index_t>(c.cu))
+          .add("the chunk, the scale and the exchange", c.pl.chunk(), c.pl.scale(), c.posted_exchange)
+          .local(static_cast<std::uint64_t>(c.begin), static_cast<std::uint64_t>(c.begin + c.tokens));
+    });
+    for (std::size_t q = 1; q < slices.size(); ++q)
+      LOOM_EXPECTS(slices[q][0] == slices[q - 1][1], errc::invalid_argument, call,
+                   ": the slices must tile the sequence in rank order: rank ", q - 1, " ends at token ",
+                   slices[q - 1][1], ", rank ", q, " begins at ", slices[q][0]);
+    return p;
+  }
+};
+
+}  // namespace detail
+
+//! Plans LASP-2 for rank comm.rank() of comm.size() holding tokens [token_begin, token_begin +
+//! slice.tokens) of the packed sequence `docs` (GLOBAL offsets, int32 or int64, host memory;
+//! empty: one document), slice.heads heads, key / value widths slice.dk, slice.dv, on backend b,
+//! in precision P (default loom::fp32). Collective: every rank of comm calls it.
+//! @throws loom::error on every rank (the same one) when a rank's arguments are invalid
+//!         (invalid_argument: offsets, a slice outside [0, T), rank 0 not starting at 0, the last
+//!         rank not ending at T, options as linear_attention::make_plan) or the ranks disagree
+//!         (documents, shapes, chunk, scale, exchange; slices that do not tile [0, T)).
+//! Communication: one agreement (an all_gather of comm::agreement_bytes per rank).
+template <precision_policy P = fp32, backend B, comm::communicator C>
+plan<P> make_plan(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const shape& slice,
+                  const options& opt = {}) {
+  return detail::access::make<P>(b, comm, docs, token_begin, slice, opt, "lasp2::make_plan", [](const auto&) {});
 }
 
-//! LASP-2 backward with a workspace built for this slice with lasp2_passes::forward_and_backward
-//! (no allocation); arguments as the form below without cu_seqlens, token_begin and options.
-//! @throws loom::error(invalid_argument) for a forward-only workspace or another comm size / rank,
-//!         (shape_mismatch) for extents that are not the workspace's; as the form below.
-template <precision_policy P, comm::communicator C, backend B, class Gating>
-void lasp2_backward(C& comm, const B& b, lasp2_workspace<P, C>& ws, const Gating& gating,
-                    const operands<P, host_memory>& x, tensor_view<const typename P::storage_type, 3, host_memory> d_o,
-                    tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
-                    tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
-                    const gradients<P, host_memory>& g) {
-  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2_backward: host backends only");
-  auto& w = detail::lasp2_access::work(ws);
-  detail::lasp2_agree(
-      comm, "lasp2_backward", [&]() -> const auto& {
-        detail::check_backward_call(comm, w, gating, x, d_o, d_final_state, incoming_state, g);
-        return w;
-      });
-  detail::lasp2_backward_impl<P>(comm, b, w, gating, x, d_o, d_final_state, incoming_state, g);
+//! LASP-2 forward on this rank's slice with a caller's workspace (at least
+//! plan.forward_workspace_bytes(), aligned to loom::workspace_alignment). x.q/k/v and o: the
+//! plan's [T_r, H, d]; gating as in chunked.hpp on the slice's tokens; x.initial_state and
+//! final_state: the GLOBAL [docs, H, dk, dv] (or empty): every rank reads the first, and writes the
+//! final state of the documents whose last token it holds (an empty document: the rank whose slice
+//! holds its offset, or the last rank). incoming_state [H, dk, dv] (or empty) receives the state
+//! entering the slice: keep it for backward. Allocates nothing; no agreement.
+//! @throws loom::error on this rank only (see the file comment): (invalid_argument) when comm's
+//!         size or rank is not the plan's, for a bad gate value or a too-small or misaligned
+//!         workspace; (shape_mismatch) when q, k, v, o or a state does not have the plan's extents
+//!         (the message names the argument); comm errors of the communicator.
+//! Communication: one all_gather (or the same volume posted) of H (1 + dk dv) + 1 Accum values
+//! per rank.
+template <backend B, comm::communicator C, precision_policy P, class Gating>
+void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, host_memory>& x,
+             tensor_view<typename P::storage_type, 3, host_memory> o,
+             tensor_view<typename P::accum_type, 4, host_memory> final_state,
+             tensor_view<typename P::accum_type, 3, host_memory> incoming_state, std::span<std::byte> workspace) {
+  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::forward: host backends only");
+  linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
+                                                  incoming_state, workspace);
 }
 
-//! LASP-2 forward on this rank's slice. x.q/k/v and o: [T_r, H, d] of the slice; gating as in
-//! chunked.hpp on the slice's tokens; x.initial_state and final_state: the GLOBAL [docs, H, dk, dv]
-//! (or empty): every rank reads the first, and writes the final state of the documents whose last
-//! token it holds (an empty document: the rank whose slice holds its offset, or the last rank).
-//! incoming_state [H, dk, dv] (or empty) receives the state entering the slice: save it for
-//! lasp2_backward. Host memory spaces; builds a lasp2_workspace for the call (allocates: for
-//! repeated calls build one and pass it to the form above).
-//! @throws loom::error as chunked forward, and (invalid_argument) for a slice outside [0, T), rank 0
-//!         not starting at 0 or the last rank not ending at T; comm errors of the communicator.
-//! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank, and the agreement.
-template <precision_policy P, comm::communicator C, backend B, class Gating>
-void lasp2_forward(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
-                   tensor_view<typename P::storage_type, 3, host_memory> o, std::span<const index_t> cu_seqlens,
-                   index_t token_begin, tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
-                   tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {},
-                   const lasp2_options& opt = {}) {
-  std::optional<lasp2_workspace<P, C>> ws;
-  detail::lasp2_agree(
-      comm, "lasp2_forward", [&]() -> const auto& {
-        ws.emplace(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2), opt,
-                   lasp2_passes::forward);
-        auto& w = detail::lasp2_access::work(*ws);
-        detail::check_forward_call(comm, w, gating, x, o, final_state, incoming_state);
-        return w;
-      });
-  detail::lasp2_forward_impl<P>(comm, b, detail::lasp2_access::work(*ws), gating, x, o, final_state, incoming_state);
+//! LASP-2 backward with a caller's workspace (at least plan.backward_workspace_bytes()). d_o:
+//! [T_r, H, dv]; d_final_state: GLOBAL [docs, H, dk, dv] or empty (each rank reads the documents it
+//! owns); incoming_state: what forward returned on this rank (required when the slice continues a
+//! document from an earlier rank). g.dq/dk/dv/d_log_gate: the slice's; g.d_initial_state: GLOBAL,
+//! written for the documents whose first token this rank holds. Allocates nothing; no agreement.
+//! @throws as forward.
+//! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank.
+template <backend B, comm::communicator C, precision_policy P, class Gating>
+void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, host_memory>& x,
+              tensor_view<const typename P::storage_type, 3, host_memory> d_o,
+              tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
+              tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
+              const gradients<P, host_memory>& g, std::span<std::byte> workspace) {
+  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::backward: host backends only");
+  linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
+                                                   incoming_state, g, workspace);
 }
 
-//! LASP-2 backward on this rank's slice. d_o: [T_r, H, dv]; d_final_state: GLOBAL [docs, H, dk, dv]
-//! or empty (each rank reads the documents it owns); incoming_state: what lasp2_forward returned
-//! on this rank. g.dq/dk/dv/d_log_gate: the slice's; g.d_initial_state: GLOBAL, written for the
-//! documents whose first token this rank holds. Builds a lasp2_workspace for the call.
-//! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank, and the agreement.
-template <precision_policy P, comm::communicator C, backend B, class Gating>
-void lasp2_backward(C& comm, const B& b, const Gating& gating, const operands<P, host_memory>& x,
-                    tensor_view<const typename P::storage_type, 3, host_memory> d_o,
-                    std::span<const index_t> cu_seqlens, index_t token_begin,
-                    tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
-                    tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
-                    const gradients<P, host_memory>& g, const lasp2_options& opt = {}) {
-  std::optional<lasp2_workspace<P, C>> ws;
-  detail::lasp2_agree(
-      comm, "lasp2_backward", [&]() -> const auto& {
-        ws.emplace(comm, b, cu_seqlens, token_begin, x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2), opt,
-                   lasp2_passes::forward_and_backward);
-        auto& w = detail::lasp2_access::work(*ws);
-        detail::check_backward_call(comm, w, gating, x, d_o, d_final_state, incoming_state, g);
-        return w;
-      });
-  detail::lasp2_backward_impl<P>(comm, b, detail::lasp2_access::work(*ws), gating, x, d_o, d_final_state,
-                                 incoming_state, g);
+//! Convenience form of forward: make_plan (the precision and slice of the operands; this call's
+//! view checks inside its agreement), a loom::temporary_buffer workspace, the plan form.
+//! @throws as make_plan and the plan form, on every rank.
+//! Communication: the agreement and the exchange.
+template <backend B, comm::communicator C, class Gating, precision_policy P>
+void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
+             const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
+             tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
+             tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {}, const options& opt = {}) {
+  const auto pl =
+      detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
+                              opt, "lasp2::forward", [&](const auto& core) {
+                                linear_attention::detail::check_forward_call(comm, core, gating, x, o, final_state,
+                                                                             incoming_state, "lasp2::forward");
+                              });
+  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.forward_workspace_bytes()));
+  forward(b, comm, pl, gating, x, o, final_state, incoming_state, ws.bytes());
 }
 
-}  // namespace loom::linear_attention
+//! Convenience form of backward (as forward's).
+template <backend B, comm::communicator C, class Gating, precision_policy P>
+void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
+              const operands<P, host_memory>& x, tensor_view<const typename P::storage_type, 3, host_memory> d_o,
+              tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
+              tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
+              const gradients<P, host_memory>& g, const options& opt = {}) {
+  const auto pl =
+      detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
+                              opt, "lasp2::backward", [&](const auto& core) {
+                                linear_attention::detail::check_backward_call(comm, core, gating, x, d_o, d_final_state,
+                                                                              incoming_state, g, "lasp2::backward");
+                              });
+  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.backward_workspace_bytes()));
+  backward(b, comm, pl, gating, x, d_o, d_final_state, incoming_state, g, ws.bytes());
+}
+
+}  // namespace loom::linear_attention::lasp2

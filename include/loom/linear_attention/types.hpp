@@ -39,10 +39,15 @@ struct options {
   index_t chunk = 64;             //!< C, tokens per chunk (> 0); need not divide anything
   std::optional<double> scale{};  //!< the output scale; default 1 / sqrt(dk)
   index_t lanes = 0;              //!< parallel work slots (0: 4 x the backend's concurrency)
+  std::optional<bool> fused{};    //!< the forward's schedule (plan::fused()); default: chosen by make_plan
+  index_t head_group = 0;         //!< heads per forward work item, 1 .. 8 (0: chosen by make_plan)
 };
 
 //! The inputs of a pass, in the memory space of the backend. q, k: [T, H, dk]; v: [T, H, dv];
 //! initial_state: [docs, H, dk, dv] in Accum or empty (a zero state).
+//! The precision is deduced from the element types (loom::default_precision of q's element type,
+//! or precision<S, A> when an initial state of Accum A is given), or named:
+//! operands<loom::bf16>{q, k, v}.
 template <precision_policy P, memory_space Space = host_memory>
 struct operands {
   using S = typename P::storage_type;
@@ -50,6 +55,12 @@ struct operands {
   tensor_view<const S, 3, Space> q, k, v;
   tensor_view<const A, 4, Space> initial_state{};
 };
+template <class S, memory_space Space>
+operands(tensor_view<const S, 3, Space>, tensor_view<const S, 3, Space>, tensor_view<const S, 3, Space>)
+    -> operands<default_precision<S>, Space>;
+template <class S, class A, memory_space Space>
+operands(tensor_view<const S, 3, Space>, tensor_view<const S, 3, Space>, tensor_view<const S, 3, Space>,
+         tensor_view<const A, 4, Space>) -> operands<precision<S, A>, Space>;
 
 //! Outputs of the backward pass. dq, dk: [T, H, dk]; dv: [T, H, dv]; d_log_gate: [T, H] for
 //! scalar_gate (must be empty otherwise); d_initial_state: [docs, H, dk, dv] or empty (not asked).
@@ -61,5 +72,14 @@ struct gradients {
   tensor_view<A, 2, Space> d_log_gate{};
   tensor_view<A, 4, Space> d_initial_state{};
 };
+template <class S, memory_space Space>
+gradients(tensor_view<S, 3, Space>, tensor_view<S, 3, Space>, tensor_view<S, 3, Space>)
+    -> gradients<default_precision<S>, Space>;
+template <class S, class A, memory_space Space>
+gradients(tensor_view<S, 3, Space>, tensor_view<S, 3, Space>, tensor_view<S, 3, Space>, tensor_view<A, 2, Space>)
+    -> gradients<precision<S, A>, Space>;
+template <class S, class A, memory_space Space>
+gradients(tensor_view<S, 3, Space>, tensor_view<S, 3, Space>, tensor_view<S, 3, Space>, tensor_view<A, 2, Space>,
+          tensor_view<A, 4, Space>) -> gradients<precision<S, A>, Space>;
 
 }  // namespace loom::linear_attention

@@ -1,13 +1,14 @@
 #pragma once
 
 //! @file
-//! The plan (chunk table, sizes, workspace layout) and the drivers that validate and launch the
-//! kernels of forward_kernels.hpp / backward_kernels.hpp with loom::for_each_index.
+//! The drivers that validate a call against its plan (plan.hpp) and launch the kernels of
+//! forward_kernels.hpp / backward_kernels.hpp with loom::for_each_index.
 
 #include <loom/backend/parallel.hpp>
 #include <loom/linear_attention/detail/backward_kernels.hpp>
 #include <loom/linear_attention/detail/checks.hpp>
 #include <loom/linear_attention/detail/layout.hpp>
+#include <loom/linear_attention/plan.hpp>
 #include <loom/linear_attention/types.hpp>
 
 #include <algorithm>
@@ -21,125 +22,6 @@
 #include <vector>
 
 namespace loom::linear_attention {
-
-//! A plan: the chunk table of one cu_seqlens, the sizes and the lane count. Host object; cheap
-//! to reuse for every layer and step with the same document lengths. Make it with make_plan.
-template <precision_policy P>
-struct plan {
-  using accum_type = typename P::accum_type;
-  index_t tokens = 0, heads = 0, dk = 0, dv = 0, docs = 0, chunk = 0, lanes = 1;
-  accum_type scale = accum_type(1);
-  //! The forward runs per (document, head), the state kept in the lane's scratch, instead of in
-  //! three launches over (chunk, head) items with a chunk-state buffer. make_plan chooses it when
-  //! the (document, head) items balance over the backend's threads; both give the same bits. Set
-  //! it before asking for the workspace size (the fused forward needs no chunk-state buffer).
-  bool fused = false;
-  //! Heads per forward work item (1 .. max_head_group; their rows are loaded together).
-  index_t head_group = 1;
-  index_t head_groups() const { return (heads + head_group - 1) / head_group; }
-  detail::chunk_table table;
-  std::vector<index_t> cu;
-
-  index_t chunks() const { return static_cast<index_t>(table.chunks.size()); }
-
-  //! The workspace blocks, carved from `base` (null: sizes only). The chunk table and offsets are
-  //! copied into the workspace only where the backend's memory is not host-accessible; their blocks
-  //! are reserved on every backend so that one size serves every memory space.
-  struct blocks {
-    detail::chunk_info* chunks;
-    index_t *doc_chunk, *cu;
-    accum_type *states, *log_decay, *cum, *scratch, *adj, *db, *fin;
-    std::size_t bytes;
-  };
-  blocks carve(std::byte* base, bool backward) const {
-    detail::carver c(base);
-    blocks w{};
-    w.chunks = c.take<detail::chunk_info>(chunks());
-    w.doc_chunk = c.take<index_t>(docs + 1);
-    w.cu = c.take<index_t>(docs + 1);
-    const index_t sz = dk * dv;
-    const bool buffered = backward || !fused;
-    w.states = c.take<accum_type>(buffered ? chunks() * heads * sz : 0);
-    w.log_decay = c.take<accum_type>(buffered ? chunks() * heads : 0);
-    w.cum = c.take<accum_type>(buffered ? chunks() * heads : 0);
-    w.scratch = c.take<accum_type>(lanes * detail::lane_floats(chunk, dk, dv, head_group));
-    if (backward) {
-      w.adj = c.take<accum_type>(chunks() * heads * sz);
-      w.db = c.take<accum_type>(tokens * heads);
-      w.fin = c.take<accum_type>(docs * heads * sz);
-    }
-    w.bytes = c.used();
-    return w;
-  }
-  //! Bytes of workspace forward needs (the same on every backend).
-  std::size_t forward_workspace_bytes() const { return carve(nullptr, false).bytes; }
-  //! Bytes of workspace backward needs.
-  std::size_t backward_workspace_bytes() const { return carve(nullptr, true).bytes; }
-};
-
-//! Plans chunked linear attention for documents `cu_seqlens` (host, size docs + 1, 0 .. T,
-//! non-decreasing), H heads, key width dk and value width dv on backend b.
-//! @throws loom::error(invalid_argument) for bad cu_seqlens, chunk <= 0, a non-positive width,
-//!         a negative head count or a non-finite scale.
-template <precision_policy P, backend B>
-plan<P> make_plan(const B& b, std::span<const index_t> cu_seqlens, index_t heads, index_t dk, index_t dv,
-                  const options& opt = {}) {
-  LOOM_EXPECTS(heads >= 0, errc::invalid_argument, "heads must be >= 0, got ", heads);
-  LOOM_EXPECTS(dk > 0 && dv > 0, errc::invalid_argument, "dk and dv must be > 0, got dk = ", dk, ", dv = ", dv);
-  LOOM_EXPECTS(opt.lanes >= 0, errc::invalid_argument, "options.lanes must be >= 0, got ", opt.lanes);
-  const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(dk));
-  LOOM_EXPECTS(std::isfinite(scale), errc::invalid_argument, "options.scale must be finite, got ", scale);
-  LOOM_EXPECTS(!cu_seqlens.empty(), errc::invalid_argument,
-               "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
-  plan<P> p;
-  p.tokens = cu_seqlens.back();
-  LOOM_EXPECTS(p.tokens >= 0, errc::invalid_argument, "cu_seqlens: expected the last offset >= 0, got ", p.tokens);
-  p.table = detail::make_chunk_table(cu_seqlens, p.tokens, opt.chunk, "cu_seqlens");
-  p.heads = heads;
-  p.dk = dk;
-  p.dv = dv;
-  p.docs = static_cast<index_t>(cu_seqlens.size()) - 1;
-  p.chunk = opt.chunk;
-  p.lanes = opt.lanes > 0 ? opt.lanes : 4 * static_cast<index_t>(backend_traits<B>::concurrency(b));
-  if (p.lanes < 1) p.lanes = 1;
-  // Head groups: the largest that leaves every thread 4 (chunk, group) items. Fused (per document
-  // and head group) with the group whose items, dealt round-robin to the lanes and the lanes in
-  // contiguous blocks to the threads, load the busiest thread least (ties: the larger group),
-  // provided that is at most 1.25 x the mean; always on one thread.
-  const index_t threads = static_cast<index_t>(backend_traits<B>::concurrency(b)) > 1
-                              ? static_cast<index_t>(backend_traits<B>::concurrency(b))
-                              : 1;
-  const index_t gmax = heads < detail::max_head_group ? (heads > 1 ? heads : 1) : detail::max_head_group;
-  p.head_group = gmax;
-  while (p.head_group > 1 && p.chunks() * p.head_groups() < 4 * threads) --p.head_group;
-  if (threads == 1 && heads > 0 && p.docs > 0) {
-    p.fused = true;
-    p.head_group = gmax;
-  }
-  index_t best = -1;
-  for (index_t g = gmax; g >= 1 && threads > 1 && heads > 0 && p.docs > 0; --g) {
-    const index_t groups = (heads + g - 1) / g, items = p.docs * groups;
-    const index_t lanes = items < p.lanes ? items : p.lanes;
-    if (lanes < threads) continue;
-    std::vector<index_t> load(static_cast<std::size_t>(threads), 0);
-    for (index_t it = 0; it < items; ++it) {
-      const index_t d = it / groups, h0 = it % groups * g;
-      load[static_cast<std::size_t>(it % lanes * threads / lanes)] +=
-          (cu_seqlens[static_cast<std::size_t>(d) + 1] - cu_seqlens[static_cast<std::size_t>(d)]) *
-          (h0 + g < heads ? g : heads - h0);
-    }
-    index_t most = 0;
-    for (index_t x : load) most = x > most ? x : most;
-    if (4 * most * threads <= 5 * p.tokens * heads && (best < 0 || most < best)) {
-      best = most;
-      p.fused = true;
-      p.head_group = g;
-    }
-  }
-  p.scale = static_cast<typename P::accum_type>(scale);
-  p.cu.assign(cu_seqlens.begin(), cu_seqlens.end());
-  return p;
-}
 
 namespace detail {
 
@@ -157,47 +39,78 @@ void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
   }
 }
 
-//! Validates the workspace and builds the kernels' problem over it.
+//! The workspace blocks of one pass. The chunk table and offsets are copied into the workspace
+//! only where the backend's memory is not host-accessible; their blocks are reserved on every
+//! backend so that one size serves every memory space.
+template <class A>
+struct blocks {
+  chunk_info* chunks = nullptr;
+  index_t *doc_chunk = nullptr, *cu = nullptr;
+  A *states = nullptr, *log_decay = nullptr, *cum = nullptr, *scratch = nullptr, *adj = nullptr, *db = nullptr,
+    *fin = nullptr;
+};
+
+//! Checks the caller's workspace (size and alignment) and carves the pass's blocks from it.
+template <class P>
+blocks<typename P::accum_type> carve(const plan<P>& pl, std::span<std::byte> ws, bool backward, std::string_view call) {
+  using A = typename P::accum_type;
+  const pass_layout& l = plan_access::layout(pl, backward);
+  check_workspace(ws, l.bytes, call);
+  const workspace_carver c(ws);
+  blocks<A> w;
+  w.chunks = c.at<chunk_info>(l.chunks);
+  w.doc_chunk = c.at<index_t>(l.doc_chunk);
+  w.cu = c.at<index_t>(l.cu);
+  w.states = c.at<A>(l.states);
+  w.log_decay = c.at<A>(l.log_decay);
+  w.cum = c.at<A>(l.cum);
+  w.scratch = c.at<A>(l.scratch);
+  if (backward) {
+    w.adj = c.at<A>(l.adj);
+    w.db = c.at<A>(l.db);
+    w.fin = c.at<A>(l.fin);
+  }
+  return w;
+}
+
+//! Validates the operands and the workspace and builds the kernels' problem over it.
 template <class B, class P, class Gating, class Space>
 auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
-           bool backward) {
+           bool backward, std::string_view call) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  check_operands(x, pl.tokens, pl.heads, pl.dk, pl.dv, pl.docs);
-  const auto need = pl.carve(nullptr, backward).bytes;
-  LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, "workspace: expected at least ", need, " bytes, got ",
-               ws.size());
-  LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
-               "workspace: expected an address aligned to ", alignof(std::max_align_t), " bytes");
-  auto w = pl.carve(ws.data(), backward);
+  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
+  auto w = carve(pl, ws, backward, call);
   problem<S, A, Space> p;
   p.q = x.q;
   p.k = x.k;
   p.v = x.v;
-  p.gate = check_gating<A, Space>(gating, pl.tokens, pl.heads);
+  p.gate = check_gating<A, Space>(gating, pl.tokens(), pl.heads());
   if constexpr (Space::host_accessible) {
-    p.chunks = pl.table.chunks.data();
-    p.doc_chunk = pl.table.doc_chunk.data();
-    w.cu = const_cast<index_t*>(pl.cu.data());
+    p.chunks = plan_access::table(pl).chunks.data();
+    p.doc_chunk = plan_access::table(pl).doc_chunk.data();
+    w.cu = const_cast<index_t*>(pl.offsets().data());
   } else {
-    upload(b, w.chunks, pl.table.chunks.data(), sizeof(chunk_info) * pl.table.chunks.size());
-    upload(b, w.doc_chunk, pl.table.doc_chunk.data(), sizeof(index_t) * pl.table.doc_chunk.size());
-    upload(b, w.cu, pl.cu.data(), sizeof(index_t) * pl.cu.size());
+    upload(b, w.chunks, plan_access::table(pl).chunks.data(),
+           sizeof(chunk_info) * plan_access::table(pl).chunks.size());
+    upload(b, w.doc_chunk, plan_access::table(pl).doc_chunk.data(),
+           sizeof(index_t) * plan_access::table(pl).doc_chunk.size());
+    upload(b, w.cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
     p.chunks = w.chunks;
     p.doc_chunk = w.doc_chunk;
   }
   p.n_chunks = pl.chunks();
-  p.docs = pl.docs;
-  p.heads = pl.heads;
-  p.dk = pl.dk;
-  p.dv = pl.dv;
-  p.c = pl.chunk;
-  p.scale = pl.scale;
+  p.docs = pl.docs();
+  p.heads = pl.heads();
+  p.dk = pl.dk();
+  p.dv = pl.dv();
+  p.c = pl.chunk();
+  p.scale = pl.scale();
   p.states = w.states;
   p.log_decay = w.log_decay;
   p.scratch = w.scratch;
-  p.lane_stride = lane_floats(pl.chunk, pl.dk, pl.dv, pl.head_group);
-  p.group = pl.head_group;
+  p.lane_stride = lane_floats(pl.chunk(), pl.dk(), pl.dv(), pl.head_group());
+  p.group = pl.head_group();
   p.groups = pl.head_groups();
   return std::pair{p, w};
 }
@@ -217,19 +130,19 @@ void run_forward(const B& b, const plan<P>& pl, const Gating& gating, const oper
                  std::span<std::byte> ws) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  auto [p, w] = setup(b, pl, gating, x, ws, false);
-  expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
-  check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
-  const index_t chunk_items = pl.chunks() * pl.head_groups(), doc_items = pl.docs * pl.heads;
+  auto [p, w] = setup(b, pl, gating, x, ws, false, "linear_attention::forward");
+  expect_extents(o, {pl.tokens(), pl.heads(), pl.dv()}, "o");
+  check_state_out(fin, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "final_state");
+  const index_t chunk_items = pl.chunks() * pl.head_groups(), doc_items = pl.docs() * pl.heads();
   A* fin_p = present(fin) ? fin.data() : nullptr;
-  if (pl.fused) {
-    launch(b, fused_kernel<S, A, Space>{p, o, x.initial_state.data(), fin_p, 0, pl.docs}, pl.docs * pl.head_groups(),
-           pl.lanes);
+  if (pl.fused()) {
+    launch(b, fused_kernel<S, A, Space>{p, o, x.initial_state.data(), fin_p, 0, pl.docs()},
+           pl.docs() * pl.head_groups(), pl.lanes());
     return;
   }
-  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes);
-  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, nullptr}, doc_items, pl.lanes);
-  launch(b, output_kernel<S, A, Space>{p, o, 0, pl.chunks()}, chunk_items, pl.lanes);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, chunk_items, pl.lanes());
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin_p, nullptr}, doc_items, pl.lanes());
+  launch(b, output_kernel<S, A, Space>{p, o, 0, pl.chunks()}, chunk_items, pl.lanes());
 }
 
 //! How a LASP-2 rank runs its slice (a fused plan): `needs_x`, a state X enters document 0 (it
@@ -259,21 +172,10 @@ inline index_t incoming_lead(index_t n, incoming_roles r, bool correctable) {
 
 //! The host buffers of run_forward_incoming with a fused plan (the state after the lead, the state
 //! entering the rest, the scan's end state: [H, dk, dv] each; per chunk of document 0 and head its
-//! log-decay and its start's: [n, H]), sized once from the plan and kept by the caller.
+//! log-decay and its start's: [n, H]), carved from the caller's LASP-2 workspace.
 template <class A>
 struct incoming_scratch {
-  std::vector<A> mid, start, tail, lg, cum;
-  incoming_scratch() = default;
-  template <class P>
-  explicit incoming_scratch(const plan<P>& pl) {
-    const auto states = static_cast<std::size_t>(pl.heads * pl.dk * pl.dv);
-    const auto n = static_cast<std::size_t>(pl.docs > 0 ? pl.table.doc_chunk[1] * pl.heads : 0);
-    mid.assign(states, A(0));
-    start.assign(states, A(0));
-    tail.assign(states, A(0));
-    lg.assign(n, A(0));
-    cum.assign(n, A(0));
-  }
+  std::span<A> mid, start, tail, lg, cum;
 };
 
 //! The forward with a state X entering document 0 from outside (LASP-2). post() is called once
@@ -296,28 +198,28 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
                           tensor_view<typename P::storage_type, 3, Space> o,
                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
                           typename P::accum_type* end_state, incoming_roles roles,
-                          incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish) {
+                          const incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  auto [p, w] = setup(b, pl, gating, x, ws, false);
-  expect_extents(o, {pl.tokens, pl.heads, pl.dv}, "o");
-  check_state_out(fin, pl.docs, pl.heads, pl.dk, pl.dv, "final_state");
-  const index_t groups = pl.head_groups(), doc_items = pl.docs * pl.heads, H = pl.heads, sz = pl.dk * pl.dv;
+  auto [p, w] = setup(b, pl, gating, x, ws, false, "lasp2::forward");
+  expect_extents(o, {pl.tokens(), pl.heads(), pl.dv()}, "o");
+  check_state_out(fin, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "final_state");
+  const index_t groups = pl.head_groups(), doc_items = pl.docs() * pl.heads(), H = pl.heads(), sz = pl.dk() * pl.dv();
   A* fin_p = present(fin) ? fin.data() : nullptr;
   const A* init = x.initial_state.data();
-  if (pl.fused && pl.docs > 0) {
+  if (pl.fused() && pl.docs() > 0) {
     static_assert(Space::host_accessible, "run_forward_incoming: the fused schedule runs on host memory");
     LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
-    const index_t docs = pl.docs, n = pl.table.doc_chunk[1];
+    const index_t docs = pl.docs(), n = plan_access::table(pl).doc_chunk[1];
     LOOM_EXPECTS(sc.mid.size() == static_cast<std::size_t>(H * sz) && sc.lg.size() == static_cast<std::size_t>(n * H),
                  errc::invalid_argument, "run_forward_incoming: scratch sized for another plan");
-    std::vector<A>&mid = sc.mid, &start = sc.start, &lg = sc.lg, &cum = sc.cum;
+    const std::span<A> mid = sc.mid, start = sc.start, lg = sc.lg, cum = sc.cum;
     std::fill(mid.begin(), mid.end(), A(0));
     auto state_of = [&](index_t h) -> const A* { return init ? init + h * sz : nullptr; };  // document 0's
     if (docs > 1) {
       // Documents 1.. do not depend on X; document 0 does not when nothing enters it.
       const index_t d0 = roles.needs_x ? 1 : 0;
-      launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, d0, docs}, (docs - d0) * groups, pl.lanes);
+      launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, d0, docs}, (docs - d0) * groups, pl.lanes());
       fence(b);
       if (roles.publish) std::copy_n(fin_p + (docs - 1) * H * sz, H * sz, end_state);
       post();
@@ -325,7 +227,7 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
       if (!roles.needs_x) return true;
       for (index_t h = 0; h < H; ++h)
         for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (xin ? xin[h * sz + e] : A(0));
-      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1}, groups, pl.lanes);
+      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1}, groups, pl.lanes());
       return true;
     }
     const index_t m = incoming_lead(n, roles, std::is_same_v<S, A>);
@@ -334,8 +236,8 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     for (index_t c = 0; c < n; ++c)
       for (index_t h = 0; h < H; ++h) {
         A acc = A(0);
-        for (index_t t = pl.table.chunks[static_cast<std::size_t>(c)].begin;
-             t < pl.table.chunks[static_cast<std::size_t>(c)].end; ++t)
+        for (index_t t = plan_access::table(pl).chunks[static_cast<std::size_t>(c)].begin;
+             t < plan_access::table(pl).chunks[static_cast<std::size_t>(c)].end; ++t)
           acc += p.gate(t, h);
         lg[c * H + h] = acc;
         cum[c * H + h] = c == 0 ? A(0) : cum[(c - 1) * H + h] + lg[(c - 1) * H + h];
@@ -345,14 +247,14 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
       for (index_t k = c; k < n; ++k) acc += lg[k * H + h];
       return exp_acc(acc);
     };
-    if (m > 0) launch(b, fused_kernel<S, A, Space>{p, o, init, mid.data(), 0, 1, 0, m}, groups, pl.lanes);
+    if (m > 0) launch(b, fused_kernel<S, A, Space>{p, o, init, mid.data(), 0, 1, 0, m}, groups, pl.lanes());
     fence(b);
     auto s_m = [&](index_t h) -> const A* { return m > 0 ? mid.data() + h * sz : state_of(h); };
     if (roles.publish) {
-      std::vector<A>& tail = sc.tail;
+      const std::span<A> tail = sc.tail;
       std::fill(tail.begin(), tail.end(), A(0));
       if (m < n)
-        launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes);
+        launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes());
       fence(b);
       for (index_t h = 0; h < H; ++h) {
         const A a = decay_from(m, h), *sm = s_m(h);
@@ -368,23 +270,23 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     }
     if (xin && m > 0)
       launch(b, incoming_kernel<S, A, Space>{p, o, xin, p.gate.log_gate ? cum.data() : nullptr, 0, m}, m * groups,
-             pl.lanes);
+             pl.lanes());
     if (m < n)
-      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1, m, n}, groups, pl.lanes);
+      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1, m, n}, groups, pl.lanes());
     else
       std::copy(start.begin(), start.end(), fin_p);
     return true;
   }
-  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes);
-  launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes());
+  launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes());
   fence(b);
-  if (roles.publish && pl.docs > 0) std::copy_n(fin_p + (pl.docs - 1) * H * sz, H * sz, end_state);
+  if (roles.publish && pl.docs() > 0) std::copy_n(fin_p + (pl.docs() - 1) * H * sz, H * sz, end_state);
   post();
-  const index_t split = pl.docs > 0 ? pl.table.doc_chunk[1] : 0;
-  launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes);
+  const index_t split = pl.docs() > 0 ? plan_access::table(pl).doc_chunk[1] : 0;
+  launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes());
   fence(b);
   const A* incoming = finish();
-  launch(b, output_kernel<S, A, Space>{p, o, 0, split, incoming, w.cum}, split * groups, pl.lanes);
+  launch(b, output_kernel<S, A, Space>{p, o, 0, split, incoming, w.cum}, split * groups, pl.lanes());
   return false;
 }
 
@@ -392,37 +294,38 @@ template <class B, class P, class Gating, class Space>
 void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                   tensor_view<const typename P::storage_type, 3, Space> d_o,
                   tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& g,
-                  std::span<std::byte> ws, typename P::accum_type* fin_out = nullptr) {
+                  std::span<std::byte> ws, typename P::accum_type* fin_out = nullptr,
+                  std::string_view call = "linear_attention::backward") {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  auto [p, w] = setup(b, pl, gating, x, ws, true);
-  expect_extents(d_o, {pl.tokens, pl.heads, pl.dv}, "d_o");
-  if (present(dfin)) expect_extents(dfin, {pl.docs, pl.heads, pl.dk, pl.dv}, "d_final_state");
+  auto [p, w] = setup(b, pl, gating, x, ws, true, call);
+  expect_extents(d_o, {pl.tokens(), pl.heads(), pl.dv()}, "d_o");
+  if (present(dfin)) expect_extents(dfin, {pl.docs(), pl.heads(), pl.dk(), pl.dv()}, "d_final_state");
   if (present(dfin))
     LOOM_EXPECTS(dfin.is_contiguous(), errc::shape_mismatch, "d_final_state: expected a contiguous view");
-  expect_extents(g.dq, {pl.tokens, pl.heads, pl.dk}, "dq");
-  expect_extents(g.dk, {pl.tokens, pl.heads, pl.dk}, "dk");
-  expect_extents(g.dv, {pl.tokens, pl.heads, pl.dv}, "dv");
-  check_state_out(g.d_initial_state, pl.docs, pl.heads, pl.dk, pl.dv, "d_initial_state");
+  expect_extents(g.dq, {pl.tokens(), pl.heads(), pl.dk()}, "dq");
+  expect_extents(g.dk, {pl.tokens(), pl.heads(), pl.dk()}, "dk");
+  expect_extents(g.dv, {pl.tokens(), pl.heads(), pl.dv()}, "dv");
+  check_state_out(g.d_initial_state, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "d_initial_state");
   constexpr bool gated = is_scalar_gate<Gating>;
   if constexpr (gated)
-    expect_extents(g.d_log_gate, {pl.tokens, pl.heads}, "d_log_gate");
+    expect_extents(g.d_log_gate, {pl.tokens(), pl.heads()}, "d_log_gate");
   else
     LOOM_EXPECTS(!present(g.d_log_gate), errc::invalid_argument,
                  "d_log_gate: expected an empty view (only scalar_gate has a gate gradient)");
-  const index_t chunk_items = pl.chunks() * pl.heads, doc_items = pl.docs * pl.heads;
+  const index_t chunk_items = pl.chunks() * pl.heads(), doc_items = pl.docs() * pl.heads();
   const bool with_fin = gated && present(dfin);
-  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * pl.head_groups(), pl.lanes);
+  launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * pl.head_groups(), pl.lanes());
   A* fin = fin_out ? fin_out : with_fin ? w.fin : nullptr;
-  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin, nullptr}, doc_items, pl.lanes);
-  launch(b, adjoint_chunk_kernel<S, A, Space>{p, d_o, w.adj}, chunk_items, pl.lanes);
-  launch(b, adjoint_pass_kernel<S, A, Space>{p, w.adj, dfin.data(), g.d_initial_state.data()}, doc_items, pl.lanes);
+  launch(b, state_pass_kernel<S, A, Space>{p, x.initial_state.data(), fin, nullptr}, doc_items, pl.lanes());
+  launch(b, adjoint_chunk_kernel<S, A, Space>{p, d_o, w.adj}, chunk_items, pl.lanes());
+  launch(b, adjoint_pass_kernel<S, A, Space>{p, w.adj, dfin.data(), g.d_initial_state.data()}, doc_items, pl.lanes());
   launch(b, gradient_kernel<S, A, Space>{p, d_o, g.dq, g.dk, g.dv, w.adj, gated ? w.db : nullptr}, chunk_items,
-         pl.lanes);
+         pl.lanes());
   if constexpr (gated)
     if (doc_items > 0)
       for_each_index(b, doc_items,
-                     gate_gradient_kernel<A, Space>{w.cu, pl.docs, pl.heads, pl.dk * pl.dv, w.db,
+                     gate_gradient_kernel<A, Space>{w.cu, pl.docs(), pl.heads(), pl.dk() * pl.dv(), w.db,
                                                     with_fin ? fin : nullptr, dfin.data(), g.d_log_gate});
 }
 

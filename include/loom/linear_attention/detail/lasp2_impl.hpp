@@ -6,6 +6,7 @@
 //! document of the slice by the incoming state / incoming state gradient.
 
 #include <loom/comm/communicator.hpp>
+#include <loom/core/workspace.hpp>
 #include <loom/linear_attention/detail/driver.hpp>
 #include <loom/linear_attention/detail/slice.hpp>
 
@@ -13,35 +14,44 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
+#include <new>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace loom::linear_attention::detail {
 
 //! Per head (a, M), and one reset flag, in one message of H (1 + dk dv) + 1 values; issued as one
-//! all_gather or posted. Holds the send / receive buffers and the requests across calls (no
-//! communicator kept). A rank's element is the map X -> a X + M of its slice; reset = 1 when a
-//! document starts inside the slice: the map is then the constant M, and fold() selects M instead of
-//! forming 0 X + M (0 * NaN is NaN: a non-finite state of one document would reach the next).
+//! all_gather or posted. Works in buffers carved from the caller's workspace: the message, the
+//! receive buffer of every rank's message and (posted) 2 (P - 1) request slots, in which the
+//! requests are constructed by post() and destroyed by finish() or the destructor. A rank's element
+//! is the map X -> a X + M of its slice; reset = 1 when a document starts inside the slice: the map
+//! is then the constant M, and fold() selects M instead of forming 0 X + M (0 * NaN is NaN: a
+//! non-finite state of one document would reach the next).
 template <class C, class A>
 class state_exchange {
  public:
-  state_exchange() = default;
-  state_exchange(index_t heads, index_t sz, int ranks, bool posted)
-      : heads_(heads), sz_(sz), m_(static_cast<std::size_t>(heads * (1 + sz) + 1)), posted_(posted) {
-    send_.assign(m_, A(0));
-    recv_.assign(m_ * static_cast<std::size_t>(ranks), A(0));
-    if (posted_) reqs_.reserve(2 * static_cast<std::size_t>(ranks - 1));
-  }
+  using request = typename C::request;
+  state_exchange(index_t heads, index_t sz, int ranks, bool posted, A* send, A* recv, void* reqs)
+      : heads_(heads),
+        sz_(sz),
+        m_(static_cast<std::size_t>(heads * (1 + sz) + 1)),
+        ranks_(ranks),
+        posted_(posted),
+        send_(send),
+        recv_(recv),
+        reqs_(static_cast<request*>(reqs)) {}
+  state_exchange(const state_exchange&) = delete;
+  state_exchange& operator=(const state_exchange&) = delete;
+  ~state_exchange() { destroy(); }
   //! The message, zeroed: a [H], M [H, dk, dv], reset.
-  void clear() { std::fill(send_.begin(), send_.end(), A(0)); }
-  A* a() { return send_.data(); }
-  A* m(index_t heads) { return send_.data() + heads; }
+  void clear() { std::fill(send_, send_ + m_, A(0)); }
+  A* a() { return send_; }
+  A* m(index_t heads) { return send_ + heads; }
   void set_reset(bool r) { send_[m_ - 1] = r ? A(1) : A(0); }
   //! x [H, dk, dv] <- rank q's element applied to x: M_q when q resets, else a_q x + M_q.
   void fold(int q, A* x) const {
-    const A* blk = recv_.data() + m_ * static_cast<std::size_t>(q);
+    const A* blk = recv_ + m_ * static_cast<std::size_t>(q);
     const bool reset = blk[m_ - 1] != A(0);
     for (index_t h = 0; h < heads_; ++h) {
       const A* mq = blk + heads_ + h * sz_;
@@ -54,37 +64,44 @@ class state_exchange {
   }
   void post(C& comm) {
     if (!posted_) return;
-    reqs_.clear();
     const int me = comm.rank();
-    std::copy(send_.begin(), send_.end(), recv_.begin() + static_cast<std::ptrdiff_t>(m_ * me));
-    for (int q = 0; q < comm.size(); ++q) {
+    std::copy(send_, send_ + m_, recv_ + m_ * static_cast<std::size_t>(me));
+    for (int q = 0; q < ranks_; ++q) {
       if (q == me) continue;
-      reqs_.push_back(comm.isend(std::span<const A>(send_.data(), m_), q, tag));
-      reqs_.push_back(comm.irecv(std::span<A>(recv_.data() + m_ * static_cast<std::size_t>(q), m_), q, tag));
+      new (reqs_ + n_) request(comm.isend(std::span<const A>(send_, m_), q, tag));
+      ++n_;
+      new (reqs_ + n_) request(comm.irecv(std::span<A>(recv_ + m_ * static_cast<std::size_t>(q), m_), q, tag));
+      ++n_;
     }
   }
   //! Completes the exchange; fold() then reads rank q's message.
   void finish(C& comm) {
     if (posted_) {
-      comm::wait_all(comm, std::span<typename C::request>(reqs_));
-      reqs_.clear();
+      comm::wait_all(comm, std::span<request>(reqs_, n_));
+      destroy();
     } else {
-      comm.all_gather(std::span<const A>(send_.data(), m_), std::span<A>(recv_.data(), recv_.size()));
+      comm.all_gather(std::span<const A>(send_, m_), std::span<A>(recv_, m_ * static_cast<std::size_t>(ranks_)));
     }
   }
 
  private:
+  void destroy() noexcept {
+    for (std::size_t i = 0; i < n_; ++i) reqs_[i].~request();
+    n_ = 0;
+  }
   static constexpr int tag = 7301;
   index_t heads_ = 0, sz_ = 0;
   std::size_t m_ = 0;
+  int ranks_ = 1;
   bool posted_ = false;
-  std::vector<A> send_, recv_;
-  std::vector<typename C::request> reqs_;
+  A *send_, *recv_;
+  request* reqs_;
+  std::size_t n_ = 0;
 };
 
 template <class T, std::size_t R>
-tensor_view<T, R, host_memory> view_of(std::vector<std::remove_const_t<T>>& v, std::array<index_t, R> e) {
-  return tensor_view<T, R, host_memory>(v.data(), e);
+tensor_view<T, R, host_memory> view_of(std::remove_const_t<T>* v, std::array<index_t, R> e) {
+  return tensor_view<T, R, host_memory>(v, e);
 }
 
 template <class A>
@@ -99,136 +116,164 @@ void copy_state(const A* src, A* dst, index_t sz) {
   for (index_t x = 0; x < sz; ++x) dst[x] = src ? src[x] : A(0);
 }
 
-//! Everything one rank's LASP-2 calls reuse: the validated shapes, the slice, the plan of the
-//! slice, and every per-call buffer (local initial / final states and their gradients, the incoming
-//! state and adjoint, the exchange, the fused schedule's scratch, the kernels' workspace). Built
-//! once; lasp2_workspace (lasp2.hpp) is its public face.
-template <class P, class C>
-struct lasp2_work {
+//! Byte offsets of one pass's buffers in a LASP-2 workspace (loom::workspace_layout): local initial
+//! / final states and their gradients [segments, H, dk, dv], the incoming state and adjoint
+//! [H, dk, dv], the fused schedule's scratch, the exchange's message, receive buffer and request
+//! slots, and the slice plan's workspace.
+struct lasp2_layout {
+  std::size_t init_loc = 0, fin_loc = 0, xin = 0, dfin_loc = 0, dinit_loc = 0, y = 0, mid = 0, start = 0, tail = 0,
+              lg = 0, cum = 0, send = 0, recv = 0, reqs = 0, kernels = 0, kernel_bytes = 0, bytes = 0;
+};
+
+//! What a LASP-2 plan derives from the shapes, the documents and the slice (built once, in
+//! make_plan; lasp2::plan is its public face).
+template <class P>
+struct lasp2_core {
   using A = typename P::accum_type;
   int rank = 0, ranks = 1;
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
-  bool backward = false, posted_exchange = false;
+  bool posted_exchange = false;
+  std::size_t request_bytes = 0;  //!< sizeof the requests of the communicator given to make_plan
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
-  std::vector<A> init_loc, fin_loc, xin, dfin_loc, dinit_loc, y;
-  incoming_scratch<A> inc;
-  state_exchange<C, A> ex;
-  std::unique_ptr<std::byte[]> store;
-  std::span<std::byte> bytes;  //!< the kernels' workspace, 64-byte aligned, forward and backward alike
+  lasp2_layout fwd, bwd;
 
-  template <class B>
-  lasp2_work(int rank_, int ranks_, const B& b, std::span<const index_t> cu_, index_t begin_, index_t tokens_,
-             index_t heads_, index_t dk_, index_t dv_, const options& opt, bool posted, bool backward_)
-      : rank(rank_),
-        ranks(ranks_),
-        begin(begin_),
-        tokens(tokens_),
-        heads(heads_),
-        dk(dk_),
-        dv(dv_),
-        sz(dk_ * dv_),
-        backward(backward_),
-        posted_exchange(posted) {
-    LOOM_EXPECTS(!cu_.empty(), errc::invalid_argument, "cu_seqlens: expected at least 2 offsets (docs + 1), got 0");
-    (void)make_chunk_table(cu_, cu_.back(), opt.chunk, "cu_seqlens");
-    docs = static_cast<index_t>(cu_.size()) - 1;
-    cu.assign(cu_.begin(), cu_.end());
-    s = make_slice(cu_, begin, tokens, rank, ranks);
-    pl = make_plan<P>(b, s.local_cu, heads, dk, dv, opt);
-    const auto states = static_cast<std::size_t>(s.segments() * heads * sz), one = static_cast<std::size_t>(heads * sz);
-    init_loc.assign(states, A(0));
-    fin_loc.assign(states, A(0));
-    xin.assign(one, A(0));
-    if (backward) {
-      dfin_loc.assign(states, A(0));
-      dinit_loc.assign(states, A(0));
-      y.assign(one, A(0));
-    }
-    if (ranks > 1) inc = incoming_scratch<A>(pl);
-    ex = state_exchange<C, A>(heads, sz, ranks, posted);
-    std::size_t need = pl.forward_workspace_bytes();
-    if (backward) need = std::max(need, pl.backward_workspace_bytes());
-    store.reset(new std::byte[need + 64]);
-    const auto at = (reinterpret_cast<std::uintptr_t>(store.get()) + 63) / 64 * 64;
-    bytes = std::span<std::byte>(store.get() + (at - reinterpret_cast<std::uintptr_t>(store.get())), need);
+  lasp2_layout make_layout(bool backward) const {
+    workspace_layout l;
+    lasp2_layout w;
+    const index_t states = s.segments() * heads * sz, one = heads * sz;
+    const index_t n = ranks > 1 && pl.docs() > 0 ? plan_access::table(pl).doc_chunk[1] * heads : 0;
+    const index_t msg = heads * (1 + sz) + 1;
+    w.init_loc = l.add<A>(states);
+    w.fin_loc = l.add<A>(states);
+    w.xin = l.add<A>(one);
+    w.dfin_loc = l.add<A>(backward ? states : 0);
+    w.dinit_loc = l.add<A>(backward ? states : 0);
+    w.y = l.add<A>(backward ? one : 0);
+    w.mid = l.add<A>(backward || ranks == 1 ? 0 : one);
+    w.start = l.add<A>(backward || ranks == 1 ? 0 : one);
+    w.tail = l.add<A>(backward || ranks == 1 ? 0 : one);
+    w.lg = l.add<A>(backward ? 0 : n);
+    w.cum = l.add<A>(backward ? 0 : n);
+    w.send = l.add<A>(msg);
+    w.recv = l.add<A>(msg * ranks);
+    w.reqs = l.add<std::byte>(
+        posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
+    w.kernel_bytes = backward ? pl.backward_workspace_bytes() : pl.forward_workspace_bytes();
+    w.kernels = l.add<std::byte>(static_cast<index_t>(w.kernel_bytes));
+    w.bytes = l.bytes();
+    return w;
   }
 
-  //! Checks that a call matches what the workspace was built for.
-  template <class Ops>
-  void check_use(const C& comm, const Ops& x, const char* call) const {
-    LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
-                 ": workspace: built for rank ", rank, " of ", ranks, ", used on rank ", comm.rank(), " of ",
-                 comm.size());
-    expect_extents(x.q, {tokens, heads, dk}, "q (the workspace's [slice tokens, heads, dk])");
-    expect_extents(x.k, {tokens, heads, dk}, "k (the workspace's [slice tokens, heads, dk])");
-    expect_extents(x.v, {tokens, heads, dv}, "v (the workspace's [slice tokens, heads, dv])");
+  //! Checks that a call matches what the plan was made for (on this rank only).
+  template <class C, class Ops>
+  void check_use(const C& comm, const Ops& x, std::string_view call) const {
+    LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call, ": plan: made for rank ",
+                 rank, " of ", ranks, ", used on rank ", comm.rank(), " of ", comm.size());
+    LOOM_EXPECTS(!posted_exchange || sizeof(typename C::request) <= request_bytes, errc::invalid_argument, call,
+                 ": plan: made for a communicator whose requests take ", request_bytes, " bytes, used with one of ",
+                 sizeof(typename C::request));
+    expect_extents(x.q, {tokens, heads, dk}, call, "q (the plan's [slice tokens, heads, dk])");
+    expect_extents(x.k, {tokens, heads, dk}, call, "k (the plan's [slice tokens, heads, dk])");
+    expect_extents(x.v, {tokens, heads, dv}, call, "v (the plan's [slice tokens, heads, dv])");
     if (present(x.initial_state))
-      expect_extents(x.initial_state, {docs, heads, dk, dv}, "initial_state (the workspace's [docs, heads, dk, dv])");
+      expect_extents(x.initial_state, {docs, heads, dk, dv}, call, "initial_state (the plan's [docs, heads, dk, dv])");
   }
 };
 
-//! Every check of one forward call on this rank, run before the cross-rank agreement; the
-//! implementation relies on it.
-template <class P, class C, class Gating>
-void check_forward_call(const C& comm, const lasp2_work<P, C>& w, const Gating& gating,
-                        const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
-                        tensor_view<typename P::accum_type, 4, host_memory> fin,
-                        tensor_view<typename P::accum_type, 3, host_memory> incoming) {
-  w.check_use(comm, x, "lasp2_forward");
-  (void)check_gating<typename P::accum_type, host_memory>(gating, w.tokens, w.heads);
-  expect_extents(o, {w.tokens, w.heads, w.dv}, "o (the workspace's [slice tokens, heads, dv])");
-  check_state_out(fin, w.docs, w.heads, w.dk, w.dv, "final_state");
-  if (present(incoming)) expect_extents(incoming, {w.heads, w.dk, w.dv}, "incoming_state");
+//! One call's buffers, carved from the caller's workspace at the pass's layout.
+template <class A>
+struct lasp2_buffers {
+  A *init_loc, *fin_loc, *xin, *dfin_loc, *dinit_loc, *y, *send, *recv;
+  void* reqs;
+  incoming_scratch<A> inc;
+  std::span<std::byte> kernels;
+};
+
+template <class P>
+lasp2_buffers<typename P::accum_type> carve_lasp2(const lasp2_core<P>& c, std::span<std::byte> ws, bool backward,
+                                                  std::string_view call) {
+  using A = typename P::accum_type;
+  const lasp2_layout& l = backward ? c.bwd : c.fwd;
+  check_workspace(ws, l.bytes, call);
+  const workspace_carver k(ws);
+  lasp2_buffers<A> b{};
+  b.init_loc = k.at<A>(l.init_loc);
+  b.fin_loc = k.at<A>(l.fin_loc);
+  b.xin = k.at<A>(l.xin);
+  b.dfin_loc = k.at<A>(l.dfin_loc);
+  b.dinit_loc = k.at<A>(l.dinit_loc);
+  b.y = k.at<A>(l.y);
+  b.send = k.at<A>(l.send);
+  b.recv = k.at<A>(l.recv);
+  b.reqs = k.at<std::byte>(l.reqs);
+  if (!backward && c.ranks > 1) {
+    const auto one = static_cast<std::size_t>(c.heads * c.sz);
+    const auto n = static_cast<std::size_t>(c.pl.docs() > 0 ? plan_access::table(c.pl).doc_chunk[1] * c.heads : 0);
+    b.inc = {{k.at<A>(l.mid), one},
+             {k.at<A>(l.start), one},
+             {k.at<A>(l.tail), one},
+             {k.at<A>(l.lg), n},
+             {k.at<A>(l.cum), n}};
+  }
+  b.kernels = ws.subspan(l.kernels, l.kernel_bytes);
+  return b;
 }
 
-//! Access to lasp2_workspace's internals for the implementation.
-struct lasp2_access {
-  template <class W>
-  static auto& work(W& w) {
-    return w.w_;
-  }
-};
+//! Every check of one forward call on this rank (local: no communication).
+template <class P, class C, class Gating>
+void check_forward_call(const C& comm, const lasp2_core<P>& w, const Gating& gating, const operands<P, host_memory>& x,
+                        tensor_view<typename P::storage_type, 3, host_memory> o,
+                        tensor_view<typename P::accum_type, 4, host_memory> fin,
+                        tensor_view<typename P::accum_type, 3, host_memory> incoming, std::string_view call) {
+  w.check_use(comm, x, call);
+  (void)check_gating<typename P::accum_type, host_memory>(gating, w.tokens, w.heads);
+  expect_extents(o, {w.tokens, w.heads, w.dv}, call, "o (the plan's [slice tokens, heads, dv])");
+  check_state_out(fin, w.docs, w.heads, w.dk, w.dv, "final_state");
+  if (present(incoming)) expect_extents(incoming, {w.heads, w.dk, w.dv}, call, "incoming_state");
+}
 
 template <class P, class C, class B, class Gating>
-void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& gating,
+void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gating& gating,
                         const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
                         tensor_view<typename P::accum_type, 4, host_memory> fin,
-                        tensor_view<typename P::accum_type, 3, host_memory> incoming) {
+                        tensor_view<typename P::accum_type, 3, host_memory> incoming, std::span<std::byte> ws) {
   using A = typename P::accum_type;
-  // The arguments were checked by check_forward_call before the agreement (lasp2.hpp).
+  constexpr std::string_view call = "lasp2::forward";
+  check_forward_call(comm, w, gating, x, o, fin, incoming, call);
+  auto buf = carve_lasp2(w, ws, false, call);
   const gate_ref<A> gate = check_gating<A, host_memory>(gating, w.tokens, w.heads);
   const auto& s = w.s;
   const auto& cu = w.cu;
   const index_t H = w.heads, sz = w.sz, segs = s.segments();
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
-  auto& init_loc = w.init_loc;
-  auto& fin_loc = w.fin_loc;
-  auto& xin = w.xin;
-  std::fill(fin_loc.begin(), fin_loc.end(), A(0));
-  std::fill(xin.begin(), xin.end(), A(0));
+  A* init_loc = buf.init_loc;
+  A* fin_loc = buf.fin_loc;
+  A* xin = buf.xin;
+  std::fill(fin_loc, fin_loc + segs * H * sz, A(0));
+  std::fill(xin, xin + H * sz, A(0));
   for (index_t g = 0; g < segs; ++g)
     for (index_t h = 0; h < H; ++h) {
       const index_t d = s.seg_doc[static_cast<std::size_t>(g)];
       const bool zero = !init || d < 0 || (g == 0 && s.continues_left);
-      copy_state(zero ? nullptr : init + (d * H + h) * sz, init_loc.data() + (g * H + h) * sz, sz);
+      copy_state(zero ? nullptr : init + (d * H + h) * sz, init_loc + (g * H + h) * sz, sz);
     }
   operands<P, host_memory> xl{x.q, x.k, x.v, view_of<const A, 4>(init_loc, {segs, H, w.dk, w.dv})};
   bool with_x = false;  // the final state of segment 0 includes X
   if (comm.size() == 1) {
     // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
     // when the plan says so, without a chunk-state buffer).
-    run_forward(b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), w.bytes);
+    run_forward(b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), buf.kernels);
   } else {
-    auto& ex = w.ex;
+    state_exchange<C, A> ex(H, sz, w.ranks, w.posted_exchange, buf.send, buf.recv, buf.reqs);
     ex.clear();
     const bool reset = !(s.continues_left && segs == 1) && w.tokens > 0;
     // Only later ranks fold this rank's element; the last rank's is never read (it sends a = 1,
     // M = 0 and skips computing its end state before the exchange).
     const incoming_roles roles{s.continues_left, comm.rank() + 1 < comm.size()};
     with_x = run_forward_incoming(
-        b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), w.bytes, ex.m(H), roles, w.inc,
+        b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), buf.kernels, ex.m(H), roles, buf.inc,
         [&] {
           for (index_t h = 0; h < H; ++h)
             ex.a()[h] = !roles.publish ? A(1) : reset ? A(0) : exp_acc(log_gate_sum(gate, 0, w.tokens, h));
@@ -238,17 +283,17 @@ void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& 
         [&]() -> const A* {
           ex.finish(comm);
           // X = fold over the ranks before this one, in rank order.
-          for (int q = 0; q < comm.rank(); ++q) ex.fold(q, xin.data());
-          return s.continues_left ? static_cast<const A*>(xin.data()) : nullptr;
+          for (int q = 0; q < comm.rank(); ++q) ex.fold(q, xin);
+          return s.continues_left ? static_cast<const A*>(xin) : nullptr;
         });
   }
-  if (present(incoming)) std::copy(xin.begin(), xin.end(), incoming.data());
+  if (present(incoming)) std::copy(xin, xin + H * sz, incoming.data());
   if (s.continues_left && !with_x) {
     const index_t n0 = s.local_cu[1];
     for (index_t h = 0; h < H; ++h) {
       const A decay = exp_acc(log_gate_sum(gate, 0, n0, h));
-      A* f0 = fin_loc.data() + h * sz;
-      const A* X = xin.data() + h * sz;
+      A* f0 = fin_loc + h * sz;
+      const A* X = xin + h * sz;
       for (index_t e = 0; e < sz; ++e) f0[e] += decay * X[e];
     }
   }
@@ -256,7 +301,7 @@ void lasp2_forward_impl(C& comm, const B& b, lasp2_work<P, C>& w, const Gating& 
   for (index_t g = 0; g < segs; ++g) {
     const index_t d = s.seg_doc[static_cast<std::size_t>(g)];
     if (d >= 0 && s.begin + s.local_cu[static_cast<std::size_t>(g) + 1] == cu[static_cast<std::size_t>(d) + 1])
-      std::copy_n(fin_loc.data() + g * H * sz, H * sz, fin.data() + d * H * sz);
+      std::copy_n(fin_loc + g * H * sz, H * sz, fin.data() + d * H * sz);
   }
   for (index_t d : s.owned_final)
     if (cu[static_cast<std::size_t>(d)] == cu[static_cast<std::size_t>(d) + 1])

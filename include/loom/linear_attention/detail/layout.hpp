@@ -27,20 +27,8 @@ struct chunk_table {
   std::vector<index_t> doc_chunk;
 };
 
-//! Validates cu_seqlens against `tokens` (naming `name` in the message) and cuts the chunks.
-inline chunk_table make_chunk_table(std::span<const index_t> cu, index_t tokens, index_t chunk, const char* name) {
-  LOOM_EXPECTS(chunk > 0, errc::invalid_argument, "options.chunk must be > 0, got ", chunk);
-  LOOM_EXPECTS(cu.size() >= 2, errc::invalid_argument, name, ": expected at least 2 offsets (docs + 1), got ",
-               cu.size());
-  LOOM_EXPECTS(cu[0] == 0, errc::invalid_argument, name, ": expected cu_seqlens[0] == 0, got ", cu[0]);
-  for (std::size_t d = 1; d < cu.size(); ++d) {
-    LOOM_EXPECTS(cu[d] >= cu[d - 1], errc::invalid_argument, name, ": expected non-decreasing offsets, got cu_seqlens[",
-                 d, "] = ", cu[d], " < cu_seqlens[", d - 1, "] = ", cu[d - 1]);
-    LOOM_EXPECTS(cu[d] <= tokens, errc::invalid_argument, name, ": offset cu_seqlens[", d, "] = ", cu[d],
-                 " is out of range: expected <= ", tokens, " tokens");
-  }
-  LOOM_EXPECTS(cu.back() == tokens, errc::invalid_argument, name, ": expected the last offset to equal the ", tokens,
-               " tokens, got ", cu.back());
+//! Cuts the chunks of documents `cu` (validated by loom::check_segments; chunk > 0).
+inline chunk_table make_chunk_table(std::span<const index_t> cu, index_t chunk) {
   chunk_table t;
   const index_t docs = static_cast<index_t>(cu.size()) - 1;
   t.doc_chunk.reserve(static_cast<std::size_t>(docs) + 1);
@@ -87,22 +75,5 @@ inline index_t lane_floats(index_t c, index_t dk, index_t dv, index_t group = 1)
       (c * dk * 2 + c * dv * 2 + c * c + c) + (c * dv * 3 + c * dk * 3 + c * c + c * dk + 2 * dv * dk) + c + dk * dv;
   return round_up(fwd > bwd ? fwd : bwd, tile_cols);
 }
-
-//! A bump allocator over a caller's workspace; every block is 64-byte aligned.
-class carver {
- public:
-  explicit carver(std::byte* base) : base_(base) {}
-  template <class T>
-  T* take(index_t count) {
-    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
-    used_ += (sizeof(T) * static_cast<std::size_t>(count) + 63) / 64 * 64;
-    return p;
-  }
-  std::size_t used() const { return used_; }
-
- private:
-  std::byte* base_;
-  std::size_t used_ = 0;
-};
 
 }  // namespace loom::linear_attention::detail
