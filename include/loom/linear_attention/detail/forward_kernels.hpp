@@ -371,6 +371,29 @@ struct chunk_steps {
       }
     }
   }
+
+  //! The states of heads h0 .. h0 + g of document d from `init` [docs, H, dk, dv] (null: zero).
+  LOOM_HD void start_states(const A* init, index_t d, index_t h0, index_t g) const {
+    for (index_t s = 0; s < g; ++s)
+      set_state(s, init ? init + (d * p.heads + h0 + s) * p.dk * p.dv : nullptr, nullptr, A(0));
+  }
+
+  //! Slot s's state after a chunk of decay a (1 when mode is 0): S = a S + L.
+  LOOM_HD void advance(index_t s, int mode, A log_decay) const {
+    const A a = mode != 0 ? exp_acc(log_decay) : A(1);
+    A* s0 = l.s0(s);
+    for (index_t x = 0, tile = l.kp * l.vp; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
+  }
+
+  //! Writes the states of heads h0 .. h0 + g to document d of `fin` [docs, H, dk, dv] (null: none).
+  LOOM_HD void store_states(A* fin, index_t d, index_t h0, index_t g) const {
+    if (!fin) return;
+    for (index_t s = 0; s < g; ++s) {
+      A* out = fin + (d * p.heads + h0 + s) * p.dk * p.dv;
+      for (index_t dd = 0; dd < p.dk; ++dd)
+        for (index_t e = 0; e < p.dv; ++e) out[dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
+    }
+  }
 };
 
 //! Phase 1, per (chunk, head group): L and the chunk's log-decay. Independent of every incoming
@@ -489,14 +512,11 @@ struct state_scan_kernel {
     int mode[max_head_group];
     A before[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
     for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
       const index_t d = item / p.groups, h0 = item % p.groups * p.group;
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
-      for (index_t s = 0; s < g; ++s) {
-        st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
-        before[s] = A(0);
-      }
+      st.start_states(init, d, h0, g);
+      for (index_t s = 0; s < g; ++s) before[s] = A(0);
       const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
       for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
         const chunk_info ch = p.chunks[ci];
@@ -517,15 +537,10 @@ struct state_scan_kernel {
             before[s] += lg;
           }
           st.chunk_state(n, s, mode[s]);
-          const A a = mode[s] != 0 ? exp_acc(lg) : A(1);
-          for (index_t x = 0; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
+          st.advance(s, mode[s], lg);
         }
       }
-      if (fin)
-        for (index_t s = 0; s < g; ++s)
-          for (index_t dd = 0; dd < p.dk; ++dd)
-            for (index_t e = 0; e < p.dv; ++e)
-              fin[(d * p.heads + h0 + s) * sz + dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
+      st.store_states(fin, d, h0, g);
     }
   }
 };
@@ -545,12 +560,10 @@ struct fused_kernel {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    const index_t sz = p.dk * p.dv, tile = l.kp * l.vp;
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
       const index_t d = first + item / p.groups, h0 = item % p.groups * p.group;
       const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
-      for (index_t s = 0; s < g; ++s)
-        st.set_state(s, init ? init + (d * p.heads + h0 + s) * sz : nullptr, nullptr, A(0));
+      st.start_states(init, d, h0, g);
       const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
       for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
         const chunk_info ch = p.chunks[ci];
@@ -561,17 +574,11 @@ struct fused_kernel {
           st.scores(ch, s, mode[s]);
           st.output(n, s);
           st.chunk_state(n, s, mode[s]);
-          const A a = mode[s] != 0 ? exp_acc(st.chunk_log_decay(n, s, mode[s])) : A(1);
-          A* s0 = l.s0(s);
-          for (index_t x = 0; x < tile; ++x) s0[x] = decay_add(a, s0[x], l.lt[x]);
+          st.advance(s, mode[s], st.chunk_log_decay(n, s, mode[s]));
         }
         st.write(ch, h0, g, o);
       }
-      if (fin)
-        for (index_t s = 0; s < g; ++s)
-          for (index_t dd = 0; dd < p.dk; ++dd)
-            for (index_t e = 0; e < p.dv; ++e)
-              fin[(d * p.heads + h0 + s) * sz + dd * p.dv + e] = l.s0(s)[dd * l.vp + e];
+      st.store_states(fin, d, h0, g);
     }
   }
 };
