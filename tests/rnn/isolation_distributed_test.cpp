@@ -39,13 +39,13 @@ struct rnn_result {
 };
 
 template <class Cell>
-rnn_result run(const Cell& c, const rnn_problem& p, const std::vector<index_t>& cut, lr::options<> opt) {
+rnn_result run(const Cell& c, const rnn_problem& p, const std::vector<index_t>& cut, lr::options opt) {
   const int ranks = static_cast<int>(cut.size()) - 1;
   const index_t d = p.d, m = p.m;
   rnn_result r{std::vector<double>(static_cast<std::size_t>(p.n * d)), std::vector<double>(p.x.size()),
                std::vector<double>(p.h0.size()), std::vector<lr::report>(static_cast<std::size_t>(ranks)),
                std::vector<std::string>(static_cast<std::size_t>(ranks))};
-  opt.cu_seqlens = view<const index_t, 1>(p.off.data(), {p.segs + 1});
+  const loom::segments<> docs(view<const index_t, 1>(p.off.data(), {p.segs + 1}));
   opt.check_inputs = false;
   loom::comm::run_local(ranks, [&](loom::comm::local& comm) {
     const auto q = static_cast<std::size_t>(comm.rank());
@@ -54,11 +54,11 @@ rnn_result run(const Cell& c, const rnn_problem& p, const std::vector<index_t>& 
     try {
       const view<const double, 2> xv(p.x.data() + b * m, {e - b, m}), h0v(p.h0.data(), {p.segs, d});
       r.reps[q] =
-          lr::newton_solve(loom::serial{}, comm, c, xv, h0v, view<double, 2>(r.h.data() + b * d, {e - b, d}), opt);
+          lr::forward(loom::serial{}, comm, c, xv, h0v, view<double, 2>(r.h.data() + b * d, {e - b, d}), docs, opt);
       lr::backward(loom::serial{}, comm, c, xv, h0v, view<const double, 2>(r.h.data() + b * d, {e - b, d}),
                    view<const double, 2>(p.g.data() + b * d, {e - b, d}),
                    view<double, 2>(r.dx.data() + b * m, {e - b, m}), view<double, 2>(dh0.data(), {p.segs, d}),
-                   view<double, 1>(dth.data(), {c.param_size()}), opt);
+                   view<double, 1>(dth.data(), {c.param_size()}), docs, opt);
       if (q == 0) r.dh0 = dh0;  // complete on every rank
     } catch (const std::exception& ex) {
       r.errors[q] = ex.what();
@@ -80,7 +80,7 @@ void isolation(const Cell& c, const std::string& what) {
   clean.h0 = lt::uniform<double>(clean.segs * clean.d, -0.5, 0.5, 82);
   clean.g = lt::uniform<double>(n * clean.d, -1, 1, 83);
   const index_t d = clean.d, m = clean.m;
-  lr::options<> opt;
+  lr::options opt;
   opt.abs_tol = 1e-10;
   opt.rel_tol = 0;
   auto row_doc = [&](index_t r) { return lp::doc_of(clean.off, r); };

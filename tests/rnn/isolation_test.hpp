@@ -57,20 +57,20 @@ struct rnn_result {
 
 //! newton_solve, then backward at its solution (input checks off).
 template <class Make>
-rnn_result run(Make make, const rnn_problem& p, index_t d_arg, lr::options<space> opt) {
+rnn_result run(Make make, const rnn_problem& p, index_t d_arg, lr::options opt) {
   const auto b = make_backend();
   buffer<double> theta(p.theta), x(p.x), h0(p.h0), g(p.g), h(static_cast<std::size_t>(p.n * p.d)), dx(p.x.size()),
       dh0(p.h0.size()), dth(static_cast<std::size_t>(p.np));
   buffer<index_t> off(p.off);
-  opt.cu_seqlens = view<const index_t, 1>(off.data(), {p.segs + 1});
+  const loom::segments<space> docs(view<const index_t, 1>(off.data(), {p.segs + 1}));
   opt.check_inputs = false;
   const auto c = make(static_cast<const double*>(theta.data()), d_arg);
   const view<const double, 2> xv(x.data(), {p.n, p.m}), h0v(h0.data(), {p.segs, p.d});
   rnn_result r;
-  r.rep = lr::newton_solve(b, c, xv, h0v, view<double, 2>(h.data(), {p.n, p.d}), opt);
+  r.rep = lr::forward(b, c, xv, h0v, view<double, 2>(h.data(), {p.n, p.d}), docs, opt);
   lr::backward(b, c, xv, h0v, view<const double, 2>(h.data(), {p.n, p.d}), view<const double, 2>(g.data(), {p.n, p.d}),
                view<double, 2>(dx.data(), {p.n, p.m}), view<double, 2>(dh0.data(), {p.segs, p.d}),
-               view<double, 1>(dth.data(), {p.np}), opt);
+               view<double, 1>(dth.data(), {p.np}), docs, opt);
   r.h = h.to_host(), r.dx = dx.to_host(), r.dh0 = dh0.to_host(), r.dth = dth.to_host();
   return r;
 }
@@ -91,7 +91,7 @@ enum class input { x, h0, dh };
 template <class Make>
 void isolation(Make make, index_t d_arg, double scale, lr::method meth, const std::string& what) {
   const rnn_problem clean = make_problem(make, 240, d_arg, scale, 90);
-  lr::options<space> opt;
+  lr::options opt;
   opt.solver = meth;
   opt.abs_tol = 1e-10;
   opt.rel_tol = 0;

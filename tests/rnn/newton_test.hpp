@@ -4,7 +4,9 @@
 
 #include <loom/rnn/newton.hpp>
 
+#include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -12,8 +14,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 using loom::index_t;
@@ -158,16 +162,20 @@ struct solved {
 };
 
 template <class MakeCell>
-solved<MakeCell> solve(MakeCell make, const problem& p, lr::options<space> opt, index_t d_arg,
+solved<MakeCell> solve(MakeCell make, const problem& p, lr::options opt, index_t d_arg,
                        const std::vector<double>* warm = nullptr) {
   buffer<double> theta(p.theta), x(p.x), h0(p.h0),
       h(warm ? *warm : std::vector<double>(static_cast<std::size_t>(p.n * p.d)));
   buffer<index_t> off(p.offsets);
   const auto c = make(static_cast<const double*>(theta.data()), d_arg);
-  if (!p.offsets.empty()) opt.cu_seqlens = view<const index_t, 1>(off.data(), {static_cast<index_t>(p.offsets.size())});
+  const loom::segments<space> docs =
+      p.offsets.empty()
+          ? loom::segments<space>{}
+          : loom::segments<space>(view<const index_t, 1>(off.data(), {static_cast<index_t>(p.offsets.size())}));
   solved<MakeCell> r;
-  r.rep = lr::newton_solve(make_backend(), c, view<const double, 2>(x.data(), {p.n, p.m}),
-                           view<const double, 2>(h0.data(), {p.segs, p.d}), view<double, 2>(h.data(), {p.n, p.d}), opt);
+  r.rep =
+      lr::forward(make_backend(), c, view<const double, 2>(x.data(), {p.n, p.m}),
+                  view<const double, 2>(h0.data(), {p.segs, p.d}), view<double, 2>(h.data(), {p.n, p.d}), docs, opt);
   r.h = h.to_host();
   return r;
 }
@@ -183,7 +191,7 @@ template <class MakeCell>
 void check_against_loop(MakeCell make, index_t n, index_t d, bool packed, lr::method meth, double scale,
                         const std::string& what) {
   const problem p = make_problem(make, n, d, packed, scale, 100 + static_cast<std::uint64_t>(n * 7 + d));
-  lr::options<space> opt;
+  lr::options opt;
   opt.solver = meth;
   opt.abs_tol = 1e-11;
   opt.rel_tol = 0;
@@ -227,7 +235,7 @@ TEST_CASE("rnn: quasi-Newton, damped and Picard reach the same solution" LOOM_BA
 TEST_CASE("rnn: a linear cell converges in one iteration" LOOM_BACKEND_TAG, "[rnn]") {
   if constexpr (space::host_accessible) {
     const problem p = make_problem(make_linear, 1000, 7, true, 1.0, 7);
-    lr::options<space> opt;
+    lr::options opt;
     opt.abs_tol = 1e-12;
     opt.rel_tol = 1e-12;
     const auto r = solve(make_linear, p, opt, 7);
@@ -248,7 +256,7 @@ TEST_CASE("rnn: full Newton is exact on the first i steps after i iterations (ch
     const auto want = sequential(sine_cell{}, p);
     auto make = [](const double*, index_t) { return sine_cell{}; };
     for (int i = 1; i <= 32; ++i) {
-      lr::options<space> opt;
+      lr::options opt;
       opt.max_iterations = i;
       opt.abs_tol = 1e-200;
       opt.rel_tol = 0;
@@ -265,7 +273,7 @@ TEST_CASE("rnn: full Newton is exact on the first i steps after i iterations (ch
 TEST_CASE("rnn: ParaGRU with moderate weights converges to 1e-6 in a few iterations" LOOM_BACKEND_TAG, "[rnn]") {
   if constexpr (space::host_accessible) {
     const problem p = make_problem(make_gru, 4096, 16, false, 1.0, 11);
-    lr::options<space> opt;
+    lr::options opt;
     opt.abs_tol = 1e-6;
     opt.rel_tol = 0;
     for (auto meth : {lr::method::newton, lr::method::quasi_newton}) {
@@ -290,7 +298,7 @@ TEST_CASE("rnn: a chaotic, badly scaled cell falls back and returns the sequenti
     // far more than a handful of iterations.
     const problem p = make_problem(make_rnn, 2000, 8, true, 3.0, 13);
     const auto want = sequential(lr::tanh_rnn<double>{p.theta.data(), 8}, p);
-    lr::options<space> opt;
+    lr::options opt;
     opt.max_iterations = 3;
     opt.fallback_iterations = 3;
     opt.abs_tol = 1e-10;
@@ -327,7 +335,7 @@ TEST_CASE("rnn: converged sequences stop early; warm start" LOOM_BACKEND_TAG, "[
   if constexpr (space::host_accessible) {
     // One easy sequence (tiny weights would converge at once) next to long ones: all match.
     const problem p = make_problem(make_gru, 3000, 4, true, 1.0, 19);
-    lr::options<space> opt;
+    lr::options opt;
     opt.abs_tol = 1e-12;
     opt.rel_tol = 0;
     const auto r = solve(make_gru, p, opt, 4);
@@ -384,14 +392,16 @@ void check_gradients(MakeCell make, index_t n, index_t d_arg, double scale, cons
   buffer<double> theta(p.theta), x(p.x), h0(p.h0), h(sequential(make(p.theta.data(), d_arg), p)), g(w), dx(p.x.size()),
       dh0(p.h0.size()), dth(p.theta.size());
   buffer<index_t> off(p.offsets);
-  lr::options<space> opt;
-  opt.cu_seqlens = view<const index_t, 1>(off.data(), {static_cast<index_t>(p.offsets.size())});
+  lr::options opt;
+  const std::vector<std::int32_t> off32(p.offsets.begin(), p.offsets.end());
+  buffer<std::int32_t> o32(off32);  // int32 offsets here, int64 in solve()
+  const loom::segments<space> docs(view<const std::int32_t, 1>(o32.data(), {static_cast<index_t>(off32.size())}));
   const auto c = make(static_cast<const double*>(theta.data()), d_arg);
   lr::backward(make_backend(), c, view<const double, 2>(x.data(), {p.n, p.m}),
                view<const double, 2>(h0.data(), {p.segs, p.d}), view<const double, 2>(h.data(), {p.n, p.d}),
                view<const double, 2>(g.data(), {p.n, p.d}), view<double, 2>(dx.data(), {p.n, p.m}),
                view<double, 2>(dh0.data(), {p.segs, p.d}),
-               view<double, 1>(dth.data(), {static_cast<index_t>(p.theta.size())}), opt);
+               view<double, 1>(dth.data(), {static_cast<index_t>(p.theta.size())}), docs, opt);
   if constexpr (space::host_accessible) {
     std::vector<double> bx, bh0, bth;
     bptt(make(p.theta.data(), d_arg), p, h.to_host(), w, bx, bh0, bth);
@@ -456,55 +466,58 @@ TEST_CASE("rnn: rejections" LOOM_BACKEND_TAG, "[rnn][errors]") {
       CHECK_THAT(e.what(), Catch::Contains(needle));
     }
   };
-  lr::options<space> opt;
+  lr::options opt;
   expect(
       [&] {
-        lr::newton_solve(b, c, view<const double, 2>(x.data(), {p.n, p.m - 1}), h0v, hv, opt);
+        lr::forward(b, c, view<const double, 2>(x.data(), {p.n, p.m - 1}), h0v, hv, opt);
       },
       loom::errc::shape_mismatch, "x must be [10, 9]");
   expect(
       [&] {
-        lr::newton_solve(b, c, xv, h0v, view<double, 2>(h.data(), {p.n - 1, p.d}), opt);
+        lr::forward(b, c, xv, h0v, view<double, 2>(h.data(), {p.n - 1, p.d}), opt);
       },
       loom::errc::shape_mismatch, "h must be [10, 3]");
   expect(
       [&] {
-        lr::newton_solve(b, c, xv, view<const double, 2>(h0.data(), {2, p.d}), hv, opt);
+        lr::forward(b, c, xv, view<const double, 2>(h0.data(), {2, p.d}), hv, opt);
       },
       loom::errc::shape_mismatch, "h0 must be [1, 3]");
   expect(
       [&] {
-        lr::newton_solve(b, c, view<const double, 2>(bad_x.data(), {p.n, p.m}), h0v, hv, opt);
+        lr::forward(b, c, view<const double, 2>(bad_x.data(), {p.n, p.m}), h0v, hv, opt);
       },
       loom::errc::invalid_argument, "x holds non-finite values");
   {
     auto o = opt;
     o.max_iterations = -1;
-    expect([&] { lr::newton_solve(b, c, xv, h0v, hv, o); }, loom::errc::invalid_argument,
-           "max_iterations must be >= 0");
+    expect([&] { lr::forward(b, c, xv, h0v, hv, o); }, loom::errc::invalid_argument, "max_iterations must be >= 0");
     o = opt;
     o.abs_tol = 0;
     o.rel_tol = 0;
-    expect([&] { lr::newton_solve(b, c, xv, h0v, hv, o); }, loom::errc::invalid_argument, "not both 0");
+    expect([&] { lr::forward(b, c, xv, h0v, hv, o); }, loom::errc::invalid_argument, "not both 0");
   }
   {  // a block-diagonal<2> cell whose state size is odd cannot exist: LSTM state is 2u; a user
      // cell declaring block_diagonal<2> with d = 3 is rejected
     buffer<double> x3(std::vector<double>(30, 0.0));
     expect(
         [&] {
-          lr::newton_solve(b, odd_block{}, view<const double, 2>(x3.data(), {10, 3}), h0v, hv, opt);
+          lr::forward(b, odd_block{}, view<const double, 2>(x3.data(), {10, 3}), h0v, hv, opt);
         },
         loom::errc::invalid_argument, "declares block_diagonal<2> but its state size 3");
   }
   if constexpr (space::host_accessible) {
     const std::vector<index_t> bad_off{0, 4, 3, 10}, short_off{0, 4, 9};
     auto o = opt;
-    o.cu_seqlens = view<const index_t, 1>(bad_off.data(), {4});
-    expect([&] { lr::newton_solve(b, c, xv, view<const double, 2>{}, hv, o); }, loom::errc::invalid_argument,
-           "non-decreasing");
-    o.cu_seqlens = view<const index_t, 1>(short_off.data(), {3});
-    expect([&] { lr::newton_solve(b, c, xv, view<const double, 2>{}, hv, o); }, loom::errc::shape_mismatch,
-           "must end at the sequence length 10");
+    expect(
+        [&] {
+          lr::forward(b, c, xv, view<const double, 2>{}, hv, loom::segments{std::span<const index_t>(bad_off)}, o);
+        },
+        loom::errc::invalid_argument, "non-decreasing");
+    expect(
+        [&] {
+          lr::forward(b, c, xv, view<const double, 2>{}, hv, loom::segments{std::span<const index_t>(short_off)}, o);
+        },
+        loom::errc::invalid_argument, "must equal the token count 10");
     // a declared structure that does not match the cell (with verify_jacobian)
     const std::vector<double> x3(30, 0.1);
     std::vector<double> h3(30);
@@ -512,9 +525,116 @@ TEST_CASE("rnn: rejections" LOOM_BACKEND_TAG, "[rnn][errors]") {
     o.verify_jacobian = true;
     expect(
         [&] {
-          lr::newton_solve(b, mislabelled_cell{}, view<const double, 2>(x3.data(), {10, 3}), view<const double, 2>{},
-                           view<double, 2>(h3.data(), {10, 3}), o);
+          lr::forward(b, mislabelled_cell{}, view<const double, 2>(x3.data(), {10, 3}), view<const double, 2>{},
+                      view<double, 2>(h3.data(), {10, 3}), o);
         },
         loom::errc::invalid_argument, "declared Jacobian (structure diagonal) does not match");
   }
+}
+
+namespace {
+
+// A workspace in the memory space of the backend under test, on loom::workspace_alignment.
+class workspace {
+ public:
+  explicit workspace(std::size_t bytes) : bytes_(bytes), buf_(bytes + loom::workspace_alignment) {}
+  std::span<std::byte> span(std::size_t shift = 0) const {
+    const auto p = reinterpret_cast<std::uintptr_t>(buf_.data());
+    const auto a = (p + loom::workspace_alignment - 1) / loom::workspace_alignment * loom::workspace_alignment;
+    return {buf_.data() + (a - p) + shift, bytes_};
+  }
+
+ private:
+  std::size_t bytes_;
+  buffer<std::byte> buf_;
+};
+
+bool same_bits(const std::vector<double>& a, const std::vector<double>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(double) * a.size()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "rnn plans: no allocation per call, reuse across calls and threads, int32 and int64 offsets, workspace "
+    "rejections" LOOM_BACKEND_TAG,
+    "[rnn][plan]") {
+  const problem p = make_problem(make_gru, 1021, 5, true, 1.0, 77);
+  const auto w = lt::uniform<double>(p.n * p.d, -1, 1, 78);
+  buffer<double> theta(p.theta), x(p.x), h0(p.h0), g(w);
+  buffer<index_t> off(p.offsets);
+  buffer<std::int32_t> off32(std::vector<std::int32_t>(p.offsets.begin(), p.offsets.end()));
+  const auto c = make_gru(static_cast<const double*>(theta.data()), 5);
+  const auto b = make_backend();
+  const view<const double, 2> xv(x.data(), {p.n, p.m}), h0v(h0.data(), {p.segs, p.d}), gv(g.data(), {p.n, p.d});
+  const auto no = static_cast<index_t>(p.offsets.size());
+  lr::options opt;
+  opt.abs_tol = 1e-10;
+  opt.rel_tol = 0;
+  // references: the convenience forms (fresh plans), int64 offsets
+  const loom::segments<space> docs64(view<const index_t, 1>(off.data(), {no}));
+  const loom::segments<space> docs32(view<const std::int32_t, 1>(off32.data(), {no}));
+  buffer<double> href(static_cast<std::size_t>(p.n * p.d)), dxref(p.x.size()), dh0ref(p.h0.size()),
+      dthref(p.theta.size());
+  const auto rep_ref = lr::forward(b, c, xv, h0v, view<double, 2>(href.data(), {p.n, p.d}), docs64, opt);
+  REQUIRE(rep_ref.all_converged());
+  const view<const double, 2> hrv(href.data(), {p.n, p.d});
+  lr::backward(b, c, xv, h0v, hrv, gv, view<double, 2>(dxref.data(), {p.n, p.m}),
+               view<double, 2>(dh0ref.data(), {p.segs, p.d}),
+               view<double, 1>(dthref.data(), {static_cast<index_t>(p.theta.size())}), docs64, opt);
+  const auto want_h = href.to_host(), want_dx = dxref.to_host(), want_dth = dthref.to_host();
+  // one plan (int32 offsets), three calls: nothing allocated, the same bits
+  const auto plan = lr::make_plan(b, c, p.n, docs32, opt);
+  REQUIRE(plan.sequences() == p.segs);
+  const workspace ws(plan.workspace_bytes());
+  lr::report rep(plan);
+  buffer<double> h(static_cast<std::size_t>(p.n * p.d)), dx(p.x.size()), dh0(p.h0.size()), dth(p.theta.size());
+  for (int call = 0; call < 3; ++call) {
+    const auto count = lt::count_allocations([&] {
+      lr::forward(b, plan, c, xv, h0v, view<double, 2>(h.data(), {p.n, p.d}), rep, ws.span());
+      lr::backward(b, plan, c, xv, h0v, view<const double, 2>(h.data(), {p.n, p.d}), gv,
+                   view<double, 2>(dx.data(), {p.n, p.m}), view<double, 2>(dh0.data(), {p.segs, p.d}),
+                   view<double, 1>(dth.data(), {static_cast<index_t>(p.theta.size())}), ws.span());
+    });
+    CHECK(count.heap == 0);
+    CHECK(count.temporaries == 0);
+    CHECK(rep.iterations == rep_ref.iterations);
+    CHECK(rep.residual_history == rep_ref.residual_history);
+    REQUIRE(same_bits(h.to_host(), want_h));
+    REQUIRE(same_bits(dx.to_host(), want_dx));
+    REQUIRE(same_bits(dth.to_host(), want_dth));
+  }
+  // two threads share the plan, each with its own workspace, report and output
+  if constexpr (space::host_accessible) {
+    std::vector<double> got[2];
+    std::thread t[2];
+    for (int k = 0; k < 2; ++k)
+      t[k] = std::thread([&, k] {
+        const workspace mine(plan.workspace_bytes());
+        lr::report r(plan);
+        std::vector<double> hk(static_cast<std::size_t>(p.n * p.d));
+        lr::forward(b, plan, c, xv, h0v, loom::tensor_view<double, 2>(hk.data(), {p.n, p.d}), r, mine.span());
+        got[k] = hk;
+      });
+    for (auto& th : t) th.join();
+    REQUIRE(same_bits(got[0], want_h));
+    REQUIRE(same_bits(got[1], want_h));
+  }
+  // rejections: a small or misaligned workspace, a report of another plan, views off the plan
+  const view<double, 2> hv(h.data(), {p.n, p.d});
+  lt::require_loom_error([&] { lr::forward(b, plan, c, xv, h0v, hv, rep, ws.span().first(64)); },
+                         loom::errc::invalid_argument, {"rnn::forward: workspace must hold at least"});
+  const workspace ws2(plan.workspace_bytes() + 16);
+  lt::require_loom_error([&] { lr::forward(b, plan, c, xv, h0v, hv, rep, ws2.span(16)); }, loom::errc::invalid_argument,
+                         {"rnn::forward: workspace must start on a 64-byte boundary"});
+  lr::report other(lr::make_plan(b, c, p.n, loom::segments<space>{}, opt));
+  lt::require_loom_error([&] { lr::forward(b, plan, c, xv, h0v, hv, other, ws.span()); }, loom::errc::invalid_argument,
+                         {"rnn::forward: the report was not made for this plan"});
+  lt::require_loom_error([&] { lr::forward(b, plan, c, xv.slice(0, p.n - 1), h0v, hv, rep, ws.span()); },
+                         loom::errc::shape_mismatch, {"rnn::forward: x must be"});
+  const auto c4 = make_gru(static_cast<const double*>(theta.data()), 4);
+  lt::require_loom_error([&] { lr::sequential(b, plan, c4, xv, h0v, hv, ws.span()); }, loom::errc::shape_mismatch,
+                         {"rnn::sequential: the cell's sizes"});
+  lt::require_loom_error([&] { (void)lr::make_plan(b, c, -1, loom::segments<space>{}, opt); },
+                         loom::errc::invalid_argument, {"rnn::make_plan: the number of time steps must be >= 0"});
 }

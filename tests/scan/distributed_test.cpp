@@ -3,16 +3,21 @@
 // against the fp64 serial oracles of tests/scan/oracle.hpp.
 
 #include <loom/backend/serial.hpp>
+#include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/scan/distributed.hpp>
 
+#include <support/allocations.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/ranks.hpp>
 #include <support/tolerance.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -49,30 +54,35 @@ TEST_CASE("scan over ranks: non-commutative segmented scans, every variant, exac
       const bool exclusive = variant & 1, reverse = variant & 2, segmented = variant & 4;
       // The oracle: the single-rank scan (itself checked against the loop in scan_test).
       std::vector<lt::mat2> want(x.size());
-      const loom::tensor_view<const index_t, 1> off(offsets.data(), {static_cast<index_t>(offsets.size())});
+      const std::vector<std::int32_t> off32(offsets.begin(), offsets.end());
+      // int64 offsets for even P, int32 for odd P
+      const loom::segments<> docs = !segmented ? loom::segments<>{}
+                                    : p % 2    ? loom::segments<>(std::span<const std::int32_t>(off32))
+                                               : loom::segments<>(std::span<const index_t>(offsets));
       const ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, 16};
       const loom::tensor_view<const lt::mat2, 1> all(x.data(), {n});
       const loom::tensor_view<lt::mat2, 1> wv(want.data(), {n});
-      if (segmented)
-        exclusive ? ls::segmented_exclusive_scan(loom::serial{}, m, all, wv, off, init, opt)
-                  : ls::segmented_inclusive_scan(loom::serial{}, m, all, wv, off, opt);
+      if (exclusive)
+        ls::exclusive_scan(loom::serial{}, m, all, wv, init, docs, opt);
       else
-        exclusive ? ls::exclusive_scan(loom::serial{}, m, all, wv, init, opt)
-                  : ls::inclusive_scan(loom::serial{}, m, all, wv, opt);
-      std::vector<lt::mat2> got(x.size());
+        ls::inclusive_scan(loom::serial{}, m, all, wv, docs, opt);
+      std::vector<lt::mat2> got(x.size()), again(x.size());
       loom::comm::run_local(p, [&](loom::comm::local& comm) {
         const index_t b = cut[comm.rank()], e = cut[comm.rank() + 1];
         const loom::tensor_view<const lt::mat2, 1> in(x.data() + b, {e - b});
-        const loom::tensor_view<lt::mat2, 1> out(got.data() + b, {e - b});
-        if (segmented)
-          exclusive ? ls::segmented_exclusive_scan(loom::serial{}, comm, m, in, out, off, init, opt)
-                    : ls::segmented_inclusive_scan(loom::serial{}, comm, m, in, out, off, opt);
-        else
-          exclusive ? ls::exclusive_scan(loom::serial{}, comm, m, in, out, init, opt)
-                    : ls::inclusive_scan(loom::serial{}, comm, m, in, out, opt);
+        const auto plan = ls::make_plan(loom::serial{}, comm, m, e - b, docs, opt);
+        loom::workspace_buffer ws(plan.workspace_bytes());
+        for (auto* dst : {&got, &again}) {  // two calls with one plan
+          const loom::tensor_view<lt::mat2, 1> out(dst->data() + b, {e - b});
+          if (exclusive)
+            ls::exclusive_scan(loom::serial{}, comm, plan, in, out, init, ws.span());
+          else
+            ls::inclusive_scan(loom::serial{}, comm, plan, in, out, ws.span());
+        }
       });
       INFO("P = " << p << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented);
       REQUIRE(got == want);
+      REQUIRE(again == want);
     }
   }
 }
@@ -115,16 +125,20 @@ void distributed_recurrence(lt::shape s, index_t n, index_t d, int p, bool exact
     }
     const loom::tensor_view<const double, St::a_rank> av(a.data() + b * as, ext);
     const loom::tensor_view<const double, 2> bvv(bv.data() + b * d, {len, d});
-    const loom::tensor_view<const index_t, 1> off(offsets.data(), {segs + 1});
+    const std::vector<std::int32_t> off32(offsets.begin(), offsets.end());
+    const loom::segments<> docs = p % 2 ? loom::segments<>(std::span<const std::int32_t>(off32))
+                                        : loom::segments<>(std::span<const index_t>(offsets));
     const loom::tensor_view<const double, 2> iv(init.data(), {segs, d});
     std::vector<double> my_final(finals.size(), -9.0), my_dinit(finals.size(), -9.0);
     ls::options opt;
     opt.block = 5;
-    ls::linear_recurrence(loom::serial{}, comm, St{}, av, bvv, loom::tensor_view<double, 2>(h.data() + b * d, {len, d}),
-                          ls::segments<double>{off, iv, loom::tensor_view<double, 2>(my_final.data(), {segs, d})}, opt);
+    const auto plan = ls::make_plan(loom::serial{}, comm, St{}, len, d, docs, opt);
+    loom::workspace_buffer ws(plan.workspace_bytes());
+    ls::linear_recurrence(loom::serial{}, comm, plan, av, bvv, loom::tensor_view<double, 2>(h.data() + b * d, {len, d}),
+                          ls::states<double>{iv, loom::tensor_view<double, 2>(my_final.data(), {segs, d})}, ws.span());
     ls::linear_recurrence_adjoint(
-        loom::serial{}, comm, St{}, av, bvv, loom::tensor_view<double, 2>(lam.data() + b * d, {len, d}),
-        ls::adjoint_segments<double>{off, iv, loom::tensor_view<double, 2>(my_dinit.data(), {segs, d})}, opt);
+        loom::serial{}, comm, plan, av, bvv, loom::tensor_view<double, 2>(lam.data() + b * d, {len, d}),
+        ls::adjoint_states<double>{iv, loom::tensor_view<double, 2>(my_dinit.data(), {segs, d})}, ws.span());
     std::lock_guard<std::mutex> lock(mu);  // every final row is written by exactly one rank
     for (std::size_t i = 0; i < finals.size(); ++i) {
       if (my_final[i] != -9.0) finals[i] = my_final[i];
@@ -172,10 +186,9 @@ TEST_CASE("linear recurrence over ranks: no segments, an initial state, empty ra
       ls::linear_recurrence(loom::serial{}, comm, ls::diagonal{},
                             loom::tensor_view<const double, 2>(a.data() + b * d, {len, d}),
                             loom::tensor_view<const double, 2>(bv.data() + b * d, {len, d}),
-                            loom::tensor_view<double, 2>(h.data() + b * d, {len, d}),
-                            ls::segments<double>{{},
-                                                 loom::tensor_view<const double, 2>(init.data(), {1, d}),
-                                                 loom::tensor_view<double, 2>(my_fin.data(), {1, d})});
+                            loom::tensor_view<double, 2>(h.data() + b * d, {len, d}), loom::segments<>{},
+                            ls::states<double>{loom::tensor_view<const double, 2>(init.data(), {1, d}),
+                                               loom::tensor_view<double, 2>(my_fin.data(), {1, d})});
       if (cut[comm.rank() + 1] == n && len > 0) fin = my_fin;
     });
     lt::require_close(h, want.h, lt::tolerance_for<loom::fp64>(), "h");
@@ -187,11 +200,111 @@ TEST_CASE("scan over ranks: rejections", "[scan][comm][errors]") {
   // offsets that do not end at the global length (sum of the slices) are refused on every rank.
   const auto what = lt::errors_on_ranks(3, [&](loom::comm::local& comm) {
     std::vector<float> x(5, 1.0f), y(5);
-    const std::vector<index_t> off{0, 3, 14};
-    ls::segmented_inclusive_scan(
-        loom::serial{}, comm, ls::plus<float>{}, loom::tensor_view<const float, 1>(x.data(), {5}),
-        loom::tensor_view<float, 1>(y.data(), {5}), loom::tensor_view<const index_t, 1>(off.data(), {3}));
+    const std::vector<std::int32_t> off{0, 3, 14};
+    ls::inclusive_scan(loom::serial{}, comm, ls::plus<float>{}, loom::tensor_view<const float, 1>(x.data(), {5}),
+                       loom::tensor_view<float, 1>(y.data(), {5}), loom::segments{std::span<const std::int32_t>(off)});
   });
   for (const auto& w : what) INFO(w);
-  CHECK(lt::all_contain(what, "must equal the sequence length 15, got 14"));
+  CHECK(lt::all_contain(what, "must equal the token count 15, got 14"));
+  // ranks giving different documents disagree, on every rank, when the plan is made
+  const auto differ = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    const std::vector<index_t> off{0, comm.rank() == 0 ? index_t{4} : index_t{6}, 10};
+    (void)ls::make_plan(loom::serial{}, comm, ls::diagonal{}, 5, 2, loom::segments{std::span<const index_t>(off)});
+  });
+  CHECK(lt::all_contain(differ, "ranks disagree on the document offsets"));
+}
+
+TEST_CASE("scan over ranks: one agreement per plan, no allocation per call, plan reuse across threads",
+          "[scan][comm][plan]") {
+  const index_t n = 4099, d = 3;
+  const int p = 3;
+  const auto x = lt::uniform<double>(n, -1, 1, 40);
+  const auto a = lt::uniform<double>(n * d, -0.9, 0.9, 41);
+  const auto bv = lt::uniform<double>(n * d, -1, 1, 42);
+  const auto offsets = crossing_offsets(n, 43);
+  const std::vector<std::int32_t> off32(offsets.begin(), offsets.end());
+  const loom::segments<> docs(std::span<const std::int32_t>{off32});
+  const auto cut = slices(n, p, 44);
+  // references: the convenience forms (a fresh plan per call)
+  std::vector<double> want(static_cast<std::size_t>(n)), want_h(static_cast<std::size_t>(n * d));
+  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+    const index_t b = cut[comm.rank()], len = cut[comm.rank() + 1] - b;
+    ls::inclusive_scan(loom::serial{}, comm, ls::plus<double>{},
+                       loom::tensor_view<const double, 1>(x.data() + b, {len}),
+                       loom::tensor_view<double, 1>(want.data() + b, {len}), docs);
+    ls::linear_recurrence(loom::serial{}, comm, ls::diagonal{},
+                          loom::tensor_view<const double, 2>(a.data() + b * d, {len, d}),
+                          loom::tensor_view<const double, 2>(bv.data() + b * d, {len, d}),
+                          loom::tensor_view<double, 2>(want_h.data() + b * d, {len, d}), docs, ls::states<double>{});
+  });
+  const int calls = 4;
+  std::vector<double> got(want.size()), got_h(want_h.size());
+  std::vector<long long> heap(p, -1), temps(p, -1), agree_collectives(p), call_collectives(p);
+  loom::comm::run_local(p, [&](loom::comm::local& inner) {
+    loom::comm::counting<lt::uncounted<loom::comm::local>> comm{lt::uncounted<loom::comm::local>(inner)};
+    const int r = comm.rank();
+    const index_t b = cut[r], len = cut[r + 1] - b;
+    const auto plan = ls::make_plan(loom::serial{}, comm, ls::plus<double>{}, len, docs);
+    const auto rplan = ls::make_plan(loom::serial{}, comm, ls::diagonal{}, len, d, docs);
+    agree_collectives[r] = comm.counts().collectives.load();
+    loom::workspace_buffer ws(plan.workspace_bytes()), rws(rplan.workspace_bytes());
+    const loom::tensor_view<const double, 1> in(x.data() + b, {len});
+    const loom::tensor_view<double, 1> out(got.data() + b, {len});
+    const loom::tensor_view<const double, 2> av(a.data() + b * d, {len, d}), bvv(bv.data() + b * d, {len, d});
+    const loom::tensor_view<double, 2> hv(got_h.data() + b * d, {len, d});
+    const auto count = lt::count_allocations([&] {
+      for (int c = 0; c < calls; ++c) {
+        ls::inclusive_scan(loom::serial{}, comm, plan, in, out, ws.span());
+        ls::linear_recurrence(loom::serial{}, comm, rplan, av, bvv, hv, rws.span());
+      }
+    });
+    heap[r] = count.heap;
+    temps[r] = count.temporaries;
+    call_collectives[r] = comm.counts().collectives.load() - agree_collectives[r];
+  });
+  for (int r = 0; r < p; ++r) {
+    INFO("rank " << r);
+    CHECK(heap[r] == 0);
+    CHECK(temps[r] == 0);
+    CHECK(agree_collectives[r] == 2);         // one agreement per plan, nothing else
+    CHECK(call_collectives[r] == 2 * calls);  // one all_gather of aggregates per call
+  }
+  REQUIRE(std::memcmp(got.data(), want.data(), sizeof(double) * want.size()) == 0);
+  REQUIRE(std::memcmp(got_h.data(), want_h.data(), sizeof(double) * want_h.size()) == 0);
+  // Every rank's plan shared by two threads, each with its own communicator, workspace and output.
+  std::vector<double> t0(want.size()), t1(want.size());
+  loom::comm::run_local(p, [&](loom::comm::local& comm0) {
+    const int r = comm0.rank();
+    const index_t b = cut[r], len = cut[r + 1] - b;
+    const auto plan = ls::make_plan(loom::serial{}, comm0, ls::plus<double>{}, len, docs);
+    auto comm1 = comm0.split(0, r);
+    std::thread other([&] {
+      loom::workspace_buffer ws(plan.workspace_bytes());
+      ls::inclusive_scan(loom::serial{}, comm1, plan, loom::tensor_view<const double, 1>(x.data() + b, {len}),
+                         loom::tensor_view<double, 1>(t1.data() + b, {len}), ws.span());
+    });
+    loom::workspace_buffer ws(plan.workspace_bytes());
+    ls::inclusive_scan(loom::serial{}, comm0, plan, loom::tensor_view<const double, 1>(x.data() + b, {len}),
+                       loom::tensor_view<double, 1>(t0.data() + b, {len}), ws.span());
+    other.join();
+  });
+  REQUIRE(std::memcmp(t0.data(), want.data(), sizeof(double) * want.size()) == 0);
+  REQUIRE(std::memcmp(t1.data(), want.data(), sizeof(double) * want.size()) == 0);
+  // A workspace too small, or views that do not fit the plan, are refused on the calling rank.
+  loom::comm::run_local(1, [&](loom::comm::local& comm) {
+    const auto plan = ls::make_plan(loom::serial{}, comm, ls::plus<double>{}, n);
+    loom::workspace_buffer ws(plan.workspace_bytes());
+    lt::require_loom_error(
+        [&] {
+          ls::inclusive_scan(loom::serial{}, comm, plan, loom::tensor_view<const double, 1>(x.data(), {n}),
+                             loom::tensor_view<double, 1>(got.data(), {n}), ws.span().first(8));
+        },
+        loom::errc::invalid_argument, {"inclusive_scan: workspace must hold at least"});
+    lt::require_loom_error(
+        [&] {
+          ls::inclusive_scan(loom::serial{}, comm, plan, loom::tensor_view<const double, 1>(x.data(), {n - 1}),
+                             loom::tensor_view<double, 1>(got.data(), {n - 1}), ws.span());
+        },
+        loom::errc::shape_mismatch, {"inclusive_scan: in must have 4099 elements (the plan's)"});
+  });
 }

@@ -44,7 +44,7 @@ outputs<T> run(const inputs<T>& in, const std::vector<index_t>& off, const std::
   const int p = static_cast<int>(cut.size()) - 1;
   outputs<T> out{std::vector<T>(static_cast<std::size_t>(n * d)), std::vector<T>(static_cast<std::size_t>(segs * d)),
                  std::vector<T>(static_cast<std::size_t>(n * d)), std::vector<T>(static_cast<std::size_t>(segs * d))};
-  const view<const index_t, 1> ov(off.data(), {segs + 1});
+  const loom::segments<> ov(view<const index_t, 1>(off.data(), {segs + 1}));
   ls::options opt;
   opt.block = block;
   loom::comm::run_local(p, [&](loom::comm::local& comm) {
@@ -52,15 +52,14 @@ outputs<T> run(const inputs<T>& in, const std::vector<index_t>& off, const std::
     // final states and initial-state gradients: each rank writes the rows it owns into its own copy
     std::vector<T> fin(out.fin.size(), T(0)), dinit(out.dinit.size(), T(0));
     const auto av = lp::a_view<St>(in.a.data() + b * as, e - b, d);
-    ls::linear_recurrence(
-        loom::serial{}, comm, St{}, av, view<const T, 2>(in.b.data() + b * d, {e - b, d}),
-        view<T, 2>(out.h.data() + b * d, {e - b, d}),
-        ls::segments<T>{ov, view<const T, 2>(in.init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})}, opt);
+    ls::linear_recurrence(loom::serial{}, comm, St{}, av, view<const T, 2>(in.b.data() + b * d, {e - b, d}),
+                          view<T, 2>(out.h.data() + b * d, {e - b, d}), ov,
+                          ls::states<T>{view<const T, 2>(in.init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})},
+                          opt);
     ls::linear_recurrence_adjoint(
         loom::serial{}, comm, St{}, av, view<const T, 2>(in.g.data() + b * d, {e - b, d}),
-        view<T, 2>(out.lambda.data() + b * d, {e - b, d}),
-        ls::adjoint_segments<T>{ov, view<const T, 2>(in.dfin.data(), {segs, d}), view<T, 2>(dinit.data(), {segs, d})},
-        opt);
+        view<T, 2>(out.lambda.data() + b * d, {e - b, d}), ov,
+        ls::adjoint_states<T>{view<const T, 2>(in.dfin.data(), {segs, d}), view<T, 2>(dinit.data(), {segs, d})}, opt);
     // rank r owns the final state of documents ending in its slice, the gradient of those starting
     // in it (empty documents: the rank holding their position, or the last rank)
     static std::mutex mu;
@@ -143,7 +142,7 @@ TEST_CASE("isolation over ranks: segmented scans, a non-finite element in one do
           "[scan][comm][isolation]") {
   const index_t n = 20000;
   const auto off = lp::documents(n);
-  const view<const index_t, 1> ov(off.data(), {static_cast<index_t>(off.size())});
+  const loom::segments<> ov(view<const index_t, 1>(off.data(), {static_cast<index_t>(off.size())}));
   const auto clean = lt::uniform<float>(n, -1, 1, 61);
   auto row_doc = [&](index_t r) { return lp::doc_of(off, r); };
   const ls::plus<float> m;
@@ -161,9 +160,9 @@ TEST_CASE("isolation over ranks: segmented scans, a non-finite element in one do
           const view<const float, 1> in(x.data() + b, {e - b});
           const view<float, 1> o(out.data() + b, {e - b});
           if (exclusive)
-            ls::segmented_exclusive_scan(loom::serial{}, comm, m, in, o, ov, 0.5f, opt);
+            ls::exclusive_scan(loom::serial{}, comm, m, in, o, 0.5f, ov, opt);
           else
-            ls::segmented_inclusive_scan(loom::serial{}, comm, m, in, o, ov, opt);
+            ls::inclusive_scan(loom::serial{}, comm, m, in, o, ov, opt);
         });
         return out;
       };

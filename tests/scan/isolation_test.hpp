@@ -51,18 +51,17 @@ rec_outputs<T> run_recurrence(const rec_inputs<T>& in, const std::vector<index_t
       fin(static_cast<std::size_t>(segs * d)), lam(static_cast<std::size_t>(n * d)),
       dinit(static_cast<std::size_t>(segs * d)), da(static_cast<std::size_t>(n * as));
   buffer<index_t> o(off);
-  const view<const index_t, 1> ov(o.data(), {segs + 1});
+  const loom::segments<space> docs(view<const index_t, 1>(o.data(), {segs + 1}));
   ls::options opt;
   opt.block = block;
   const auto av = lp::a_view<St, space>(static_cast<const T*>(a.data()), n, d);
-  const ls::segments<T, space> seg{ov, view<const T, 2>(init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})};
-  ls::linear_recurrence(be, St{}, av, view<const T, 2>(x.data(), {n, d}), view<T, 2>(h.data(), {n, d}), seg, opt);
-  const ls::adjoint_segments<T, space> aseg{ov, view<const T, 2>(dfin.data(), {segs, d}),
-                                            view<T, 2>(dinit.data(), {segs, d})};
-  ls::linear_recurrence_adjoint(be, St{}, av, view<const T, 2>(g.data(), {n, d}), view<T, 2>(lam.data(), {n, d}), aseg,
-                                opt);
+  const ls::states<T, space> st{view<const T, 2>(init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})};
+  ls::linear_recurrence(be, St{}, av, view<const T, 2>(x.data(), {n, d}), view<T, 2>(h.data(), {n, d}), docs, st, opt);
+  const ls::adjoint_states<T, space> ast{view<const T, 2>(dfin.data(), {segs, d}), view<T, 2>(dinit.data(), {segs, d})};
+  ls::linear_recurrence_adjoint(be, St{}, av, view<const T, 2>(g.data(), {n, d}), view<T, 2>(lam.data(), {n, d}), docs,
+                                ast, opt);
   ls::transition_gradient(be, St{}, view<const T, 2>(lam.data(), {n, d}), view<const T, 2>(h.data(), {n, d}),
-                          lp::a_view<St, space>(da.data(), n, d), seg);
+                          lp::a_view<St, space>(da.data(), n, d), docs, st);
   return {h.to_host(), fin.to_host(), lam.to_host(), dinit.to_host(), da.to_host()};
 }
 
@@ -148,16 +147,16 @@ std::vector<V> run_monoid(const M& m, const std::vector<V>& x, const std::vector
   const auto n = static_cast<index_t>(x.size());
   buffer<V> in(x), out(x.size());
   buffer<index_t> o(off);
-  const view<const index_t, 1> ov(o.data(), {static_cast<index_t>(off.size())});
+  const loom::segments<space> ov(view<const index_t, 1>(o.data(), {static_cast<index_t>(off.size())}));
   ls::options opt;
   opt.block = block;
   opt.dir = reverse ? ls::direction::reverse : ls::direction::forward;
   const view<const V, 1> iv(in.data(), {n});
   const view<V, 1> outv(out.data(), {n});
   if (exclusive)
-    ls::segmented_exclusive_scan(be, m, iv, outv, ov, init, opt);
+    ls::exclusive_scan(be, m, iv, outv, init, ov, opt);
   else
-    ls::segmented_inclusive_scan(be, m, iv, outv, ov, opt);
+    ls::inclusive_scan(be, m, iv, outv, ov, opt);
   return out.to_host();
 }
 

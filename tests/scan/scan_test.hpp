@@ -5,7 +5,9 @@
 #include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
 
+#include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -14,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -22,6 +25,7 @@ using loom::index_t;
 using loom::test::backend_under_test;
 using loom::test::buffer;
 using loom::test::make_backend;
+using loom::test::require_loom_error;
 namespace ls = loom::scan;
 namespace lt = loom::test;
 
@@ -29,6 +33,36 @@ namespace {
 
 using loom::test::space;
 using loom::test::view_of;
+
+// A workspace in the memory space of the backend under test, on loom::workspace_alignment.
+class workspace {
+ public:
+  explicit workspace(std::size_t bytes) : bytes_(bytes), buf_(bytes + loom::workspace_alignment) {}
+  //! `bytes` bytes starting `shift` bytes after an aligned address.
+  std::span<std::byte> span(std::size_t shift = 0) const { return {aligned() + shift, bytes_}; }
+
+ private:
+  std::byte* aligned() const {
+    const auto p = reinterpret_cast<std::uintptr_t>(buf_.data());
+    const auto a = (p + loom::workspace_alignment - 1) / loom::workspace_alignment * loom::workspace_alignment;
+    return buf_.data() + (a - p);
+  }
+  std::size_t bytes_;
+  buffer<std::byte> buf_;
+};
+
+// Offsets as loom::segments, int64 (the buffer's own) or int32 (a narrowed copy kept in `narrow`).
+template <class Off>
+loom::segments<space> docs_of(const Off& off, std::size_t count) {
+  if (count == 0) return {};
+  return loom::segments<space>(
+      view_of<const std::remove_const_t<typename std::remove_pointer_t<decltype(off.data())>>, 1>(
+          off, {static_cast<index_t>(count)}));
+}
+
+std::vector<std::int32_t> narrowed(const std::vector<index_t>& o) {
+  return std::vector<std::int32_t>(o.begin(), o.end());
+}
 
 template <class T>
 bool same_bits(const std::vector<T>& x, const std::vector<T>& y) {
@@ -69,27 +103,22 @@ std::vector<typename M::value_type> scan_oracle(const M& m, const std::vector<ty
 template <class B, class M>
 std::vector<typename M::value_type> run_scan(const B& b, const M& m, const std::vector<typename M::value_type>& x,
                                              const std::vector<index_t>& offsets, bool exclusive, bool reverse,
-                                             typename M::value_type init, index_t block, bool reproducible = true) {
+                                             typename M::value_type init, index_t block, bool reproducible = true,
+                                             bool int32_offsets = false) {
   using T = typename M::value_type;
   const auto n = static_cast<index_t>(x.size());
   buffer<T> in(x), out(x.size());
   buffer<index_t> off(offsets);
+  buffer<std::int32_t> off32(narrowed(offsets));
   ls::options opt{reverse ? ls::direction::reverse : ls::direction::forward, block};
   opt.reproducible = reproducible;
   auto vi = view_of<const T, 1>(in, {n});
   auto vo = view_of<T, 1>(out, {n});
-  if (offsets.empty()) {
-    if (exclusive)
-      ls::exclusive_scan(b, m, vi, vo, init, opt);
-    else
-      ls::inclusive_scan(b, m, vi, vo, opt);
-  } else {
-    auto vf = view_of<const index_t, 1>(off, {static_cast<index_t>(offsets.size())});
-    if (exclusive)
-      ls::segmented_exclusive_scan(b, m, vi, vo, vf, init, opt);
-    else
-      ls::segmented_inclusive_scan(b, m, vi, vo, vf, opt);
-  }
+  const auto docs = int32_offsets ? docs_of(off32, offsets.size()) : docs_of(off, offsets.size());
+  if (exclusive)
+    ls::exclusive_scan(b, m, vi, vo, init, docs, opt);
+  else
+    ls::inclusive_scan(b, m, vi, vo, docs, opt);
   return out.to_host();
 }
 
@@ -125,6 +154,7 @@ TEST_CASE("scan: non-commutative monoid, every variant, exact" LOOM_BACKEND_TAG,
         INFO("n = " << n << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented
                     << ", block " << block);
         REQUIRE(run_scan(b, m, x, offsets, exclusive, reverse, init, block) == want);
+        if (segmented) REQUIRE(run_scan(b, m, x, offsets, exclusive, reverse, init, block, true, true) == want);
       }
       INFO("n = " << n << ", exclusive " << exclusive << ", reverse " << reverse << ", segmented " << segmented
                   << ", not reproducible");
@@ -240,26 +270,40 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
   if constexpr (space::host_accessible) {
     auto bad = [&](std::vector<index_t> o, const char* what) {
       buffer<index_t> off(o);
-      CHECK_THROWS_WITH(ls::segmented_inclusive_scan(b, ls::plus<float>{}, vi, vo,
-                                                     view_of<const index_t, 1>(off, {static_cast<index_t>(o.size())})),
-                        Catch::Contains("invalid_argument") && Catch::Contains(what));
+      CHECK_THROWS_WITH(
+          ls::inclusive_scan(b, ls::plus<float>{}, vi, vo,
+                             loom::segments<space>(view_of<const index_t, 1>(off, {static_cast<index_t>(o.size())}))),
+          Catch::Contains("invalid_argument") && Catch::Contains(what));
+      const auto o32 = narrowed(o);
+      CHECK_THROWS_WITH(
+          ls::make_plan(b, ls::plus<float>{}, 10, loom::segments<space>(std::span<const std::int32_t>(o32))),
+          Catch::Contains("scan::make_plan") && Catch::Contains(what));
     };
-    bad({1, 10}, "offsets[0] must be 0");
+    bad({1, 10}, "docs[0] must be 0");
     bad({0, 6, 4, 10}, "must be non-decreasing");
-    bad({0, 4, 12}, "must equal the sequence length 10");
-    bad({0, 4, 9}, "must equal the sequence length 10");
+    bad({0, 4, 12}, "must equal the token count 10");
+    bad({0, 4, 9}, "must equal the token count 10");
     bad({}, "at least one offset");
   }
-  // A workspace below workspace_bytes() is rejected on either path (engine or, on cuda, CUB).
-  buffer<float> small(std::vector<float>(1));
+  // A workspace below plan.workspace_bytes(), or not on loom::workspace_alignment, is rejected on
+  // either path (engine or, on cuda, CUB's temporary storage).
   for (bool reproducible : {true, false}) {
     ls::options opt;
     opt.reproducible = reproducible;
-    opt.workspace = small.data();
-    opt.workspace_bytes = sizeof(float);
-    REQUIRE(ls::workspace_bytes(b, ls::plus<float>{}, 10, opt) > sizeof(float));
-    CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, vo, opt),
-                      Catch::Contains("options.workspace_bytes must be >="));
+    const auto plan = ls::make_plan(b, ls::plus<float>{}, 10, {}, opt);
+    REQUIRE(plan.workspace_bytes() > 0);
+    REQUIRE(plan.workspace_bytes() % loom::workspace_alignment == 0);
+    const workspace ws(plan.workspace_bytes());
+    lt::require_loom_error([&] { ls::inclusive_scan(b, plan, vi, vo, ws.span().first(plan.workspace_bytes() - 1)); },
+                           loom::errc::invalid_argument,
+                           {"inclusive_scan: workspace must hold at least", "plan.workspace_bytes()"});
+    const workspace ws2(plan.workspace_bytes() + 8);
+    lt::require_loom_error([&] { ls::exclusive_scan(b, plan, vi, vo, 0.0f, ws2.span(8)); },
+                           loom::errc::invalid_argument,
+                           {"exclusive_scan: workspace must start on a 64-byte boundary"});
+    // A view that does not match the plan's length.
+    lt::require_loom_error([&] { ls::inclusive_scan(b, plan, vi.slice(0, 9), vo, ws.span()); },
+                           loom::errc::shape_mismatch, {"inclusive_scan: in must have 10 elements"});
   }
 }
 
@@ -300,9 +344,12 @@ struct rec_case {
 
 // Runs loom's recurrence (forward or adjoint) on backend b in storage T; returns rows and finals.
 template <class St, class T, class B>
-std::pair<std::vector<double>, std::vector<double>> run_recurrence(
-    const B& b, const rec_case& c, const std::vector<double>& a, const std::vector<double>& bv,
-    const std::vector<index_t>& offsets, const std::vector<double>& init, bool adjoint, index_t block) {
+std::pair<std::vector<double>, std::vector<double>> run_recurrence(const B& b, const rec_case& c,
+                                                                   const std::vector<double>& a,
+                                                                   const std::vector<double>& bv,
+                                                                   const std::vector<index_t>& offsets,
+                                                                   const std::vector<double>& init, bool adjoint,
+                                                                   index_t block, bool int32_offsets = false) {
   const index_t n = c.n, d = c.d;
   const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
   buffer<T> ab(cast_vec<T>(a)), bb(cast_vec<T>(bv)), hb(static_cast<std::size_t>(n * d)), ib(cast_vec<T>(init)),
@@ -318,18 +365,18 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence(
     else
       return view_of<const T, 4>(ab, {n, d / St::block, St::block, St::block});
   }();
-  const auto offv = offsets.empty() ? loom::tensor_view<const index_t, 1, space>{}
-                                    : view_of<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
+  buffer<std::int32_t> ob32(narrowed(offsets));
+  const auto docs = int32_offsets ? docs_of(ob32, offsets.size()) : docs_of(ob, offsets.size());
   const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view_of<const T, 2>(ib, {segs, d});
   const auto finv = view_of<T, 2>(fb, {segs, d});
   ls::options opt;
   opt.block = block;
   if (!adjoint)
-    ls::linear_recurrence(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}),
-                          ls::segments<T, space>{offv, initv, finv}, opt);
+    ls::linear_recurrence(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}), docs,
+                          ls::states<T, space>{initv, finv}, opt);
   else
-    ls::linear_recurrence_adjoint(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}),
-                                  ls::adjoint_segments<T, space>{offv, initv, finv}, opt);
+    ls::linear_recurrence_adjoint(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}), docs,
+                                  ls::adjoint_states<T, space>{initv, finv}, opt);
   return {to_double(hb.to_host()), to_double(fb.to_host())};
 }
 
@@ -496,13 +543,12 @@ TEST_CASE("recurrence: gradients of b, A and the initial state match finite diff
     const auto h = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, bv, offsets, init, false, 0).first;
     const auto adj = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, w, offsets, wf, true, 0);
     std::vector<double> da(a.size());
-    std::vector<index_t> off = offsets;
+    const auto off = narrowed(offsets);
     ls::transition_gradient(b, ls::block_diagonal<2>{}, loom::tensor_view<const double, 2>(adj.first.data(), {n, d}),
                             loom::tensor_view<const double, 2>(h.data(), {n, d}),
                             loom::tensor_view<double, 4>(da.data(), {n, d / 2, 2, 2}),
-                            ls::segments<double>{loom::tensor_view<const index_t, 1>(off.data(), {segs + 1}),
-                                                 loom::tensor_view<const double, 2>(init.data(), {segs, d}),
-                                                 {}});
+                            loom::segments{std::span<const std::int32_t>(off)},
+                            ls::states<double>{loom::tensor_view<const double, 2>(init.data(), {segs, d}), {}});
     for (std::size_t i = 0; i < bv.size(); ++i) REQUIRE(std::abs(adj.first[i] - fd(1, i)) < 1e-8);
     for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(std::abs(da[i] - fd(0, i)) < 1e-8);
     for (std::size_t i = 0; i < init.size(); ++i) REQUIRE(std::abs(adj.second[i] - fd(2, i)) < 1e-8);
@@ -532,15 +578,17 @@ TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, gappy, bv, hv),
                     Catch::Contains("A must be contiguous within a time step"));
   buffer<float> ib(std::vector<float>(2 * d));
-  CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv,
-                                          ls::segments<float, space>{{}, view_of<const float, 2>(ib, {2, d}), {}}),
-                    Catch::Contains("initial must be [1, 6] (one row per segment)"));
+  CHECK_THROWS_WITH(
+      ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv, loom::segments<space>{},
+                            ls::states<float, space>{view_of<const float, 2>(ib, {2, d}), {}}),
+      Catch::Contains("initial must be [1, 6] (one row per segment)"));
   if constexpr (space::host_accessible) {
     const std::vector<index_t> o{0, 11};
     buffer<index_t> ob(o);
-    CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv,
-                                            ls::segments<float, space>{view_of<const index_t, 1>(ob, {2}), {}, {}}),
-                      Catch::Contains("must equal the sequence length 10, got 11"));
+    CHECK_THROWS_WITH(
+        ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv, hv,
+                              loom::segments<space>(view_of<const index_t, 1>(ob, {2})), ls::states<float, space>{}),
+        Catch::Contains("must equal the token count 10, got 11"));
   }
 }
 
@@ -548,20 +596,6 @@ TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]
 // In place, overlapping views and options.block
 
 namespace {
-
-// Runs f and requires a loom::error with `code` whose message contains every part (the call and
-// the names of the arguments).
-template <class F>
-void require_loom_error(F&& f, loom::errc code, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    FAIL("no loom::error was thrown");
-  } catch (const loom::error& e) {
-    INFO(e.what());
-    CHECK(e.code() == code);
-    for (const char* p : parts) CHECK(std::string(e.what()).find(p) != std::string::npos);
-  }
-}
 
 // The inclusive scan of x in place: one buffer is both in and out.
 template <class B, class M>
@@ -577,11 +611,7 @@ std::vector<typename M::value_type> run_scan_in_place(const B& b, const M& m,
   opt.reproducible = reproducible;
   auto v = view_of<T, 1>(io, {n});
   const loom::tensor_view<const T, 1, space> vi = v;
-  if (offsets.empty())
-    ls::inclusive_scan(b, m, vi, v, opt);
-  else
-    ls::segmented_inclusive_scan(b, m, vi, v, view_of<const index_t, 1>(off, {static_cast<index_t>(offsets.size())}),
-                                 opt);
+  ls::inclusive_scan(b, m, vi, v, docs_of(off, offsets.size()), opt);
   return io.to_host();
 }
 
@@ -640,8 +670,11 @@ TEST_CASE("scan: out overlapping in without being in is rejected; interleaved vi
                      {"exclusive_scan: out and in share memory", "out must not overlap in"});
   buffer<index_t> two(std::vector<index_t>{0, n});
   require_loom_error(
-      [&] { ls::segmented_exclusive_scan(b, ls::plus<float>{}, in, same, view_of<const index_t, 1>(two, {2}), 0.0f); },
-      loom::errc::invalid_argument, {"segmented_exclusive_scan: out and in share memory", "out must not overlap in"});
+      [&] {
+        ls::exclusive_scan(b, ls::plus<float>{}, in, same, 0.0f,
+                           loom::segments<space>(view_of<const index_t, 1>(two, {2})));
+      },
+      loom::errc::invalid_argument, {"exclusive_scan: out and in share memory", "out must not overlap in"});
   // The same first element, another stride: the elements differ.
   require_loom_error(
       [&] { ls::inclusive_scan(b, ls::plus<float>{}, in, loom::tensor_view<float, 1, space>(buf.data(), {n}, {2})); },
@@ -654,15 +687,15 @@ TEST_CASE("scan: out overlapping in without being in is rejected; interleaved vi
                            loom::tensor_view<float, 1, space>(buf.data(), {n}));
       },
       loom::errc::invalid_argument, {"inclusive_scan", "out and in share memory"});
-  // Segment offsets overwritten by the output.
-  buffer<index_t> ob(std::vector<index_t>{0, 2, 4});
+  // Document offsets overwritten by the output.
+  buffer<index_t> ob(std::vector<index_t>{0, 2}), ib(std::vector<index_t>{1, 1});
   require_loom_error(
       [&] {
-        ls::segmented_inclusive_scan(b, ls::plus<index_t>{}, view_of<const index_t, 1>(ob, {2}),
-                                     loom::tensor_view<index_t, 1, space>(ob.data() + 1, {2}),
-                                     view_of<const index_t, 1>(ob, {3}));
+        ls::inclusive_scan(b, ls::plus<index_t>{}, view_of<const index_t, 1>(ib, {2}),
+                           loom::tensor_view<index_t, 1, space>(ob.data(), {2}),
+                           loom::segments<space>(view_of<const index_t, 1>(ob, {2})));
       },
-      loom::errc::invalid_argument, {"segmented_inclusive_scan", "out and in share memory"});
+      loom::errc::invalid_argument, {"inclusive_scan", "out and docs share memory"});
   // Interleaved views of one buffer share no element: the even elements scanned into the odd ones.
   std::vector<float> x(static_cast<std::size_t>(2 * n + 1), -1.0f);
   for (index_t i = 0; i < n; ++i) x[static_cast<std::size_t>(2 * i)] = static_cast<float>(i % 5);
@@ -683,20 +716,20 @@ TEST_CASE("scan: options.block < 0 is rejected" LOOM_BACKEND_TAG, "[scan][errors
   buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(10));
   ls::options opt;
   opt.block = -8;
-  const auto parts = {"options.block must be >= 0", "got -8"};
+  const std::initializer_list<std::string_view> parts = {"options.block must be >= 0", "got -8"};
   require_loom_error(
       [&] {
         ls::inclusive_scan(b, ls::plus<float>{}, view_of<const float, 1>(in, {10}), view_of<float, 1>(out, {10}), opt);
       },
       loom::errc::invalid_argument, parts);
-  require_loom_error([&] { (void)ls::workspace_bytes(b, ls::plus<float>{}, 10, opt); }, loom::errc::invalid_argument,
+  require_loom_error([&] { (void)ls::make_plan(b, ls::plus<float>{}, 10, {}, opt); }, loom::errc::invalid_argument,
                      parts);
   require_loom_error(
       [&] {
         ls::linear_recurrence(b, ls::scalar{}, view_of<const float, 1>(in, {10}), view_of<const float, 2>(in, {10, 1}),
                               view_of<float, 2>(out, {10, 1}), opt);
       },
-      loom::errc::invalid_argument, {"linear_recurrence: options.block must be >= 0", "got -8"});
+      loom::errc::invalid_argument, {"scan::make_plan: options.block must be >= 0", "got -8"});
 }
 
 namespace {
@@ -717,14 +750,12 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence_in_place(
     else
       return view_of<const T, 2>(ab, {n, d});
   }();
-  const auto offv = offsets.empty() ? loom::tensor_view<const index_t, 1, space>{}
-                                    : view_of<const index_t, 1>(ob, {static_cast<index_t>(offsets.size())});
   const auto initv = init.empty() ? loom::tensor_view<const T, 2, space>{} : view_of<const T, 2>(ib, {segs, d});
   ls::options opt;
   opt.block = block;
   const auto hv = view_of<T, 2>(io, {n, d});
-  ls::linear_recurrence(b, St{}, av, loom::tensor_view<const T, 2, space>(hv), hv,
-                        ls::segments<T, space>{offv, initv, view_of<T, 2>(fb, {segs, d})}, opt);
+  ls::linear_recurrence(b, St{}, av, loom::tensor_view<const T, 2, space>(hv), hv, docs_of(ob, offsets.size()),
+                        ls::states<T, space>{initv, view_of<T, 2>(fb, {segs, d})}, opt);
   return {to_double(io.to_host()), to_double(fb.to_host())};
 }
 
@@ -785,29 +816,28 @@ TEST_CASE("recurrence: outputs overlapping inputs are rejected, naming both" LOO
   const auto init = view_of<const float, 2>(fb, {1, d});
   require_loom_error(
       [&] {
-        ls::linear_recurrence(
-            b, ls::diagonal{}, av, bv, hv,
-            ls::segments<float, space>{{}, {}, loom::tensor_view<float, 2, space>(bb.data(), {1, d})});
+        ls::linear_recurrence(b, ls::diagonal{}, av, bv, hv, loom::segments<space>{},
+                              ls::states<float, space>{{}, loom::tensor_view<float, 2, space>(bb.data(), {1, d})});
       },
       inv, {"final_state and b share memory"});
   require_loom_error(
       [&] {
-        ls::linear_recurrence(b, ls::diagonal{}, av, bv, hv,
-                              ls::segments<float, space>{{}, init, view_of<float, 2>(fb, {1, d})});
+        ls::linear_recurrence(b, ls::diagonal{}, av, bv, hv, loom::segments<space>{},
+                              ls::states<float, space>{init, view_of<float, 2>(fb, {1, d})});
       },
       inv, {"final_state and initial share memory"});
   require_loom_error(
       [&] {
         ls::linear_recurrence(
-            b, ls::diagonal{}, av, bv, hv,
-            ls::segments<float, space>{{}, {}, loom::tensor_view<float, 2, space>(hb.data() + (n - 1) * d, {1, d})});
+            b, ls::diagonal{}, av, bv, hv, loom::segments<space>{},
+            ls::states<float, space>{{}, loom::tensor_view<float, 2, space>(hb.data() + (n - 1) * d, {1, d})});
       },
       inv, {"final_state and h share memory"});
   require_loom_error(
       [&] {
         ls::linear_recurrence(
-            b, ls::diagonal{}, av, bv, hv,
-            ls::segments<float, space>{{}, loom::tensor_view<const float, 2, space>(hb.data(), {1, d}), {}});
+            b, ls::diagonal{}, av, bv, hv, loom::segments<space>{},
+            ls::states<float, space>{loom::tensor_view<const float, 2, space>(hb.data(), {1, d}), {}});
       },
       inv, {"h and initial share memory"});
   if constexpr (space::host_accessible) {
@@ -817,8 +847,154 @@ TEST_CASE("recurrence: outputs overlapping inputs are rejected, naming both" LOO
         [&] {
           ls::transition_gradient(b, ls::diagonal{}, loom::tensor_view<const float, 2>(lam.data(), {n, d}),
                                   loom::tensor_view<const float, 2>(hh.data(), {n, d}),
-                                  loom::tensor_view<float, 2>(lam.data(), {n, d}), ls::segments<float>{});
+                                  loom::tensor_view<float, 2>(lam.data(), {n, d}));
         },
         inv, {"transition_gradient: dA and lambda share memory"});
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans: no allocation per call, reuse across calls and threads, int32 and int64 offsets
+
+TEST_CASE(
+    "scan plans: a plan-taking call allocates nothing; reuse across calls and threads is bitwise equal to fresh "
+    "plans" LOOM_BACKEND_TAG,
+    "[scan][plan]") {
+  const auto b = make_backend();
+  const index_t n = 16323;
+  const auto x = lt::uniform<float>(n, -1.0f, 1.0f, 4242);
+  const auto offsets = ragged_offsets(n, 4243);
+  buffer<float> in(x);
+  buffer<index_t> off(offsets);
+  buffer<std::int32_t> off32(narrowed(offsets));
+  const auto vi = view_of<const float, 1>(in, {n});
+  for (bool wide : {true, false})
+    for (bool reproducible : {true, false}) {
+      INFO("int64 offsets " << wide << ", reproducible " << reproducible);
+      const auto docs = wide ? docs_of(off, offsets.size()) : docs_of(off32, offsets.size());
+      ls::options opt{ls::direction::reverse, 0};
+      opt.reproducible = reproducible;
+      const auto plan = ls::make_plan(b, ls::plus<float>{}, n, docs, opt);
+      // the reference: a fresh plan per call (the convenience form)
+      buffer<float> ref(static_cast<std::size_t>(n)), ref_ex(static_cast<std::size_t>(n));
+      ls::inclusive_scan(b, ls::plus<float>{}, vi, view_of<float, 1>(ref, {n}), docs, opt);
+      ls::exclusive_scan(b, ls::plus<float>{}, vi, view_of<float, 1>(ref_ex, {n}), 0.5f, docs, opt);
+      const auto want = ref.to_host(), want_ex = ref_ex.to_host();
+      const auto oracle =
+          scan_oracle(ls::plus<double>{}, std::vector<double>(x.begin(), x.end()), offsets, false, true, 0.0);
+      for (std::size_t i = 0; i < want.size(); ++i) REQUIRE(std::abs(want[i] - oracle[i]) < 1e-3);
+      const workspace ws(plan.workspace_bytes());
+      buffer<float> out(static_cast<std::size_t>(n)), out_ex(static_cast<std::size_t>(n));
+      for (int call = 0; call < 3; ++call) {
+        const auto count = lt::count_allocations([&] {
+          ls::inclusive_scan(b, plan, vi, view_of<float, 1>(out, {n}), ws.span());
+          ls::exclusive_scan(b, plan, vi, view_of<float, 1>(out_ex, {n}), 0.5f, ws.span());
+        });
+        CHECK(count.heap == 0);
+        CHECK(count.temporaries == 0);
+        REQUIRE(same_bits(out.to_host(), want));
+        REQUIRE(same_bits(out_ex.to_host(), want_ex));
+      }
+      // two threads share the plan, each with its own workspace and output
+      if constexpr (space::host_accessible) {
+        std::vector<float> got[2];
+        std::thread t[2];
+        for (int k = 0; k < 2; ++k)
+          t[k] = std::thread([&, k] {
+            const workspace mine(plan.workspace_bytes());
+            std::vector<float> o(static_cast<std::size_t>(n));
+            for (int rep = 0; rep < 3; ++rep)
+              ls::inclusive_scan(b, plan, vi, loom::tensor_view<float, 1>(o.data(), {n}), mine.span());
+            got[k] = o;
+          });
+        for (auto& th : t) th.join();
+        REQUIRE(same_bits(got[0], want));
+        REQUIRE(same_bits(got[1], want));
+      }
+    }
+}
+
+TEST_CASE(
+    "recurrence plans: no allocation per call, reuse across calls and threads, int32 and int64 offsets, "
+    "precision override" LOOM_BACKEND_TAG,
+    "[scan][recurrence][plan]") {
+  const auto b = make_backend();
+  const index_t n = 4099, d = 4;
+  const auto a = random_transitions(lt::shape::block2, n, d, 77);
+  const auto bv = lt::uniform<double>(n * d, -1.0, 1.0, 78);
+  const auto offsets = ragged_offsets(n, 79);
+  const index_t segs = static_cast<index_t>(offsets.size()) - 1;
+  const auto init = lt::uniform<double>(segs * d, -1.0, 1.0, 80);
+  const rec_case c{lt::shape::block2, n, d, true, true};
+  using St = ls::block_diagonal<2>;
+  for (bool adjoint : {false, true}) {
+    const auto want64 = run_recurrence<St, float>(b, c, a, bv, offsets, init, adjoint, 0);
+    const auto want32 = run_recurrence<St, float>(b, c, a, bv, offsets, init, adjoint, 0, true);
+    REQUIRE(want64 == want32);
+    const auto oracle = adjoint ? lt::adjoint_oracle(lt::shape::block2, n, d, a, bv, offsets, init)
+                                : lt::forward_oracle(lt::shape::block2, n, d, a, bv, offsets, init);
+    for (std::size_t i = 0; i < oracle.h.size(); ++i) REQUIRE(std::abs(want64.first[i] - oracle.h[i]) < 1e-4);
+  }
+  buffer<float> ab(cast_vec<float>(a)), bb(cast_vec<float>(bv)), ib(cast_vec<float>(init));
+  buffer<std::int32_t> ob(narrowed(offsets));
+  const auto docs = docs_of(ob, offsets.size());
+  const auto av = view_of<const float, 4>(ab, {n, d / 2, 2, 2});
+  const auto xv = view_of<const float, 2>(bb, {n, d});
+  const auto iv = view_of<const float, 2>(ib, {segs, d});
+  const auto plan = ls::make_plan(b, St{}, n, d, docs);
+  const auto fresh = run_recurrence<St, float>(b, c, a, bv, offsets, init, false, 0);
+  const workspace ws(plan.workspace_bytes());
+  buffer<float> hb(static_cast<std::size_t>(n * d)), fb(static_cast<std::size_t>(segs * d));
+  for (int call = 0; call < 3; ++call) {
+    const auto count = lt::count_allocations([&] {
+      ls::linear_recurrence(b, plan, av, xv, view_of<float, 2>(hb, {n, d}),
+                            ls::states<float, space>{iv, view_of<float, 2>(fb, {segs, d})}, ws.span());
+    });
+    CHECK(count.heap == 0);
+    CHECK(count.temporaries == 0);
+    REQUIRE(to_double(hb.to_host()) == fresh.first);
+    REQUIRE(to_double(fb.to_host()) == fresh.second);
+  }
+  if constexpr (space::host_accessible) {
+    std::vector<float> got[2];
+    std::thread t[2];
+    for (int k = 0; k < 2; ++k)
+      t[k] = std::thread([&, k] {
+        const workspace mine(plan.workspace_bytes());
+        std::vector<float> h(static_cast<std::size_t>(n * d));
+        ls::linear_recurrence(b, plan, av, xv, loom::tensor_view<float, 2>(h.data(), {n, d}),
+                              ls::states<float, space>{iv, {}}, mine.span());
+        got[k] = h;
+      });
+    for (auto& th : t) th.join();
+    REQUIRE(to_double(got[0]) == fresh.first);
+    REQUIRE(to_double(got[1]) == fresh.first);
+  }
+  // Too small and misaligned workspaces, and views that do not fit the plan.
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(b, plan, av, xv, view_of<float, 2>(hb, {n, d}),
+                              ws.span().first(plan.workspace_bytes() - 64));
+      },
+      loom::errc::invalid_argument, {"linear_recurrence: workspace must hold at least"});
+  const workspace ws2(plan.workspace_bytes() + 32);
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence_adjoint(b, plan, av, xv, view_of<float, 2>(hb, {n, d}), ws2.span(32));
+      },
+      loom::errc::invalid_argument, {"linear_recurrence_adjoint: workspace must start on a 64-byte boundary"});
+  require_loom_error(
+      [&] {
+        ls::linear_recurrence(b, plan, av, xv, view_of<float, 2>(hb, {n, d}),
+                              ls::states<float, space>{view_of<const float, 2>(ib, {1, d}), {}}, ws.span());
+      },
+      loom::errc::shape_mismatch, {"linear_recurrence: initial must be [", "(one row per segment)"});
+  // A precision override: float storage carried in double is at least as close to the oracle.
+  const auto p64 = ls::make_plan<loom::precision<float, double>>(b, St{}, n, d, docs);
+  REQUIRE(p64.workspace_bytes() >= plan.workspace_bytes());
+  const workspace ws64(p64.workspace_bytes());
+  ls::linear_recurrence(b, p64, av, xv, view_of<float, 2>(hb, {n, d}), ls::states<float, space>{iv, {}}, ws64.span());
+  const auto oracle = lt::forward_oracle(lt::shape::block2, n, d, a, bv, offsets, init);
+  const auto h64 = to_double(hb.to_host());
+  for (std::size_t i = 0; i < oracle.h.size(); ++i) REQUIRE(std::abs(h64[i] - oracle.h[i]) < 1e-5);
 }

@@ -1,7 +1,7 @@
 #pragma once
 
 //! @file
-//! Options and report of loom::rnn::newton_solve.
+//! Options and report of loom::rnn::forward.
 
 #include <loom/core/memory_space.hpp>
 #include <loom/core/tensor_view.hpp>
@@ -56,9 +56,9 @@ constexpr std::string_view to_string(fallback_taken f) noexcept {
   return f == fallback_taken::none ? "none" : f == fallback_taken::damped ? "damped" : "sequential";
 }
 
-//! Numbers of a solve. A sequence is converged when every element of its residual
-//! r_t = h_t − f(h_{t-1}, x_t) satisfies |r| <= abs_tol + rel_tol |h|.
-template <memory_space Space = host_memory>
+//! Numbers of a solve, given to rnn::make_plan. A sequence is converged when every element of its
+//! residual r_t = h_t − f(h_{t-1}, x_t) satisfies |r| <= abs_tol + rel_tol |h|. (The documents are
+//! a loom::segments given to make_plan.)
 struct options {
   method solver = method::newton;
   int max_iterations = 50;  //!< Newton steps (linear solves) of the requested method
@@ -70,13 +70,25 @@ struct options {
   double damping = 1.0;          //!< initial μ of damped steps
   bool verify_jacobian = false;  //!< debug: compare the declared Jacobian with finite differences first
   bool check_inputs = true;      //!< reject non-finite x and h0 (one pass over each)
-  //! S + 1 offsets of packed sequences (global ones in the sequence-parallel solve); empty: one
-  //! sequence. The state resets to h0[s] at each start.
-  tensor_view<const index_t, 1, Space> cu_seqlens{};
 };
 
-//! What a solve did. Never silent: a result that is not converged says so here.
+namespace detail {
+struct report_access;
+}
+
+//! What a solve did. Never silent: a result that is not converged says so here. A report made
+//! for a plan (`rnn::report rep(plan);`) holds room for everything a solve with that plan writes
+//! (and the host-side state of the solve), so rnn::forward with a plan allocates nothing; the
+//! convenience forms return a fresh one.
 struct report {
+  report() = default;
+  //! Room for a solve with `plan` (S sequences, at most max_iterations + fallback_iterations + 2
+  //! residual_history entries).
+  template <class Plan>
+  explicit report(const Plan& plan) {
+    reserve(plan.sequences(), plan.opts().max_iterations + plan.opts().fallback_iterations + 2);
+  }
+
   method requested = method::newton;
   int iterations = 0;  //!< linear solves done (requested method + damped fallback)
   //! residual_history[i]: the largest scaled residual max |r| / (abs_tol + rel_tol |h|) over the
@@ -94,6 +106,21 @@ struct report {
       if (!c) return false;
     return true;
   }
+
+ private:
+  friend struct detail::report_access;
+  void reserve(index_t sequences, int history) {
+    const auto s = static_cast<std::size_t>(sequences > 0 ? sequences : 0);
+    residual_history.reserve(static_cast<std::size_t>(history > 0 ? history : 1));
+    converged.reserve(s);
+    residual.reserve(s);
+    ints_.resize(4 * s);
+    doubles_.resize(4 * s);
+    sequences_ = sequences;
+  }
+  index_t sequences_ = -1;
+  std::vector<int> ints_;        //!< host state of a solve: 4 arrays of S flags
+  std::vector<double> doubles_;  //!< and 4 arrays of S values
 };
 
 }  // namespace loom::rnn

@@ -4,26 +4,36 @@
 //! Scans across ranks: each rank holds a contiguous slice of one global sequence (rank 0 first)
 //! and gets the slice of the global result, for any monoid and any linear recurrence.
 //!
-//! Algorithm (for P ranks, any communicator):
-//!   1. all_gather of the P local lengths (one index each): global offsets of the slices;
-//!   2. local reduce: the aggregate of the slice (a monoid value with a segment flag, or the
+//!   auto plan = loom::scan::make_plan(b, comm, loom::scan::plus<double>{}, n_local, docs, opts);  // agrees once
+//!   loom::workspace_buffer ws(plan.workspace_bytes());
+//!   loom::scan::inclusive_scan(b, comm, plan, in, out, ws.span());     // any number of calls
+//!   auto rp = loom::scan::make_plan(b, comm, loom::scan::diagonal{}, n_local, d, docs, opts);
+//!   loom::scan::linear_recurrence(b, comm, rp, a, bv, h, loom::scan::states<double>{h0, hT}, ws2.span());
+//!
+//! make_plan (collective) runs the cross-rank agreement (comm/agreement.hpp) once: every rank's
+//! checks and its plan (combine, options, documents, state size) are compared in one all_gather of
+//! comm::agreement_bytes per rank, which also carries every rank's length (where its slice lies).
+//! A rejection or a disagreement is the same loom::error on every rank. A call then checks its
+//! views against the plan on its own rank only: a mismatch is a loom::error on that rank, while
+//! the other ranks, already in the call's all_gather, get the communicator's timeout error.
+//! Plans are immutable, reusable and shareable between threads for reading (calls on one
+//! communicator must still be issued in the same order on every rank).
+//!
+//! Algorithm of a call (P ranks, any communicator):
+//!   1. local reduce: the aggregate of the slice (a monoid value with a segment flag, or the
 //!      affine map x -> M x + v of a recurrence), by the blocked engine;
-//!   3. one all_gather of the P aggregates;
-//!   4. the carry entering the slice: the aggregates of the ranks before it (in processing order:
+//!   2. one all_gather of the P aggregates;
+//!   3. the carry entering the slice: the aggregates of the ranks before it (in processing order:
 //!      rank 0 first forward, rank P-1 first in reverse and adjoint scans) folded in order;
-//!   5. local scan from that carry.
-//! Before step 2 every rank's checks and its call (combine, options, offsets, shapes) go through
-//! one agreement (comm/agreement.hpp): a rejection or a disagreement is the same loom::error on
-//! every rank, before any aggregate moves.
-//! Communication: P * 8 bytes + P * sizeof(aggregate) bytes received per rank, plus the
-//! agreement's P * comm::agreement_bytes, independent of the sequence length (a recurrence's
-//! aggregate is a_size(d) + d accumulators and a reset flag, padded to whole 64-byte lines).
-//! Segment offsets are global (the segmentation of the whole sequence, identical on every rank),
+//!   4. local scan from that carry.
+//! Communication per call: P * sizeof(aggregate) bytes received per rank (a recurrence's aggregate
+//! is a_size(d) + d accumulators and a reset flag, padded to whole 64-byte lines), independent of
+//! the sequence length; per plan: P * comm::agreement_bytes. Nothing is allocated per call.
+//! Document offsets are global (the segmentation of the whole sequence, identical on every rank),
 //! so documents that cross rank boundaries are handled: a reset inside a slice is part of its
 //! aggregate, and a carry meeting it is replaced, never multiplied by zero. The result has the
 //! same bits for every P only when each rank's slice maps to whole blocks; for a fixed P and
-//! slicing it is bitwise
-//! reproducible.
+//! slicing it is bitwise reproducible.
 
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
@@ -38,20 +48,21 @@ namespace loom::scan {
 
 namespace detail {
 
-//! Where this rank's slice lies in the global sequence (one all_gather of the lengths).
-template <comm::communicator C>
-window slice_of(C& comm, index_t count, std::string_view call) {
-  LOOM_EXPECTS(count >= 0, errc::invalid_argument, call, ": the local length must be >= 0, got ", count);
-  const auto p = static_cast<std::size_t>(comm.size());
-  std::vector<std::int64_t> lengths(p);
-  const std::int64_t mine = count;
-  comm.all_gather(std::span<const std::int64_t>(&mine, 1), std::span<std::int64_t>(lengths));
-  window w{0, 0, count};
-  for (std::size_t q = 0; q < p; ++q) {
-    if (static_cast<int>(q) < comm.rank()) w.begin += lengths[q];
-    w.total += lengths[q];
+inline slices slices_of(const std::vector<std::array<std::uint64_t, 2>>& locals, int rank) {
+  slices s;
+  s.ranks = static_cast<int>(locals.size());
+  s.rank = rank;
+  for (int q = 0; q < s.ranks; ++q) {
+    const auto len = static_cast<index_t>(locals[static_cast<std::size_t>(q)][0]);
+    if (q < rank) {
+      s.w.begin += len;
+      if (len > 0) s.prev = q;
+    }
+    if (q == rank) s.w.count = len;
+    if (q > rank && s.next < 0 && len > 0) s.next = q;
+    s.w.total += len;
   }
-  return w;
+  return s;
 }
 
 //! ws[0..carry) = the carry entering rank `me`: init_carry of the first rank in processing
@@ -77,174 +88,226 @@ struct prefix_step {
   }
 };
 
-//! The digest of segment offsets (global, so the same on every rank); their count only when they
-//! are not host-readable.
-template <class Offsets>
-std::uint64_t offsets_digest(const Offsets* offsets) {
+//! The digest of document offsets (global, so the same on every rank); their count only when
+//! they are not host-readable.
+template <memory_space Space>
+std::uint64_t docs_digest(const loom::segments<Space>& docs) {
   comm::hasher h;
-  if (!offsets) return h.add(index_t{-1}).value();
-  h.add(offsets->extent(0));
-  if constexpr (Offsets::space::host_accessible)
-    for (index_t i = 0; i < offsets->extent(0); ++i) h.add((*offsets)(i));
+  if (docs.implicit()) return h.add(index_t{-1}).value();
+  h.add(docs.size());
+  if constexpr (Space::host_accessible)
+    for (index_t i = 0; i < docs.size(); ++i) h.add(docs[i]);
   return h.value();
 }
 
-//! The bytes of a value when they are all significant (arithmetic types, types without padding),
-//! else only its size: padding bytes may differ between ranks holding equal values.
-template <class T>
-std::uint64_t value_digest(const T& v) {
-  if constexpr (std::is_arithmetic_v<T> || std::has_unique_object_representations_v<T>)
-    return comm::hasher{}.add(v).value();
-  else
-    return comm::hasher{}.add(sizeof(T)).value();
-}
-
 //! What every rank of a cross-rank scan must agree on. `op` names the combine (the monoid or the
-//! recurrence's structure), `shape` the extents besides the sequence (state width, initial states).
-template <class T>
-comm::signature scan_signature(std::string_view op, const options& opt, bool exclusive, const T& init,
-                               std::uint64_t offsets, std::uint64_t shape) {
+//! recurrence's structure), `shape` the extents besides the sequence (state width, element size).
+inline comm::signature scan_signature(std::string_view op, const options& opt, std::uint64_t docs, std::uint64_t shape,
+                                      index_t local_length) {
   return comm::signature{}
       .add_digest("the combine (monoid or structure)", comm::hasher{}.add_string(op).value())
-      .add("the options (direction, block)", opt.dir, opt.block)
-      .add("exclusive or inclusive, and the initial value", exclusive, value_digest(init))
-      .add_digest("the segment offsets", offsets)
-      .add_digest("the shapes", shape);
+      .add("the options (direction, block, reproducible)", opt.dir, opt.block, opt.reproducible)
+      .add_digest("the document offsets", docs)
+      .add_digest("the shapes", shape)
+      .local(static_cast<std::uint64_t>(local_length));
 }
 
-//! Steps 2-5 for an engine kernel whose window has been set from `w`. `agreed(sig)` runs the
-//! cross-rank agreement once this rank's checks (the workspace's) are done, before data moves.
-template <backend B, comm::communicator C, class K, class Agreed>
-void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, bool reverse, const options& opt,
-                     std::string_view call, Agreed&& agreed, const comm::signature& sig) {
+//! The agreement of a cross-rank make_plan: this rank's checks, then every rank's signature;
+//! returns where the slices lie. Every rank gives the same docs (agreed), so checking them
+//! against the global length afterwards gives the same outcome on every rank.
+template <comm::communicator C>
+slices agree_plan(C& comm, std::string_view call, index_t n, const comm::signature& sig, const options& opt) {
+  const auto locals = comm::agree(comm, call, [&] {
+    LOOM_EXPECTS(n >= 0, errc::invalid_argument, call, ": the local length must be >= 0, got ", n);
+    check_options(opt, call);
+    return sig;
+  });
+  return slices_of(locals, comm.rank());
+}
+
+//! Steps 1-4 of a call for an engine kernel built from a cross-rank plan.
+template <backend B, comm::communicator C, class K>
+void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const cross_rank& cr, bool reverse,
+                     std::span<std::byte> ws, std::string_view call) {
   using A = typename K::agg_type;
+  LOOM_EXPECTS(comm.size() == cr.ranks && comm.rank() == cr.rank, errc::invalid_argument, call,
+               ": the plan was made for rank ", cr.rank, " of ", cr.ranks, ", called on rank ", comm.rank(), " of ",
+               comm.size());
   const index_t agg = k.agg_size;
+  const workspace_carver carve(ws);
+  A* eng = carve.at<A>(0);
+  A* own = carve.at<A>(cr.own);
+  A* gathered = carve.at<A>(cr.gathered);
+  A* prefix = carve.at<A>(cr.prefix);
   const layout lay = layout_for(k, tile_of(b, blk));
-  const index_t local = workspace_size(b, k, blk);
-  const index_t ranks = comm.size();
-  // workspace: engine state | own aggregate | P gathered aggregates | carry + temporary
-  const index_t own = local, gathered = own + agg, prefix = gathered + ranks * agg;
-  const index_t need = prefix + 2 * k.carry_size;
-  with_workspace<A>(b, opt, need, call, [&](A* ws) {
-    agreed(sig);
-    if (blk.n > 0) {
-      const A* total = run_total(b, k, blk, ws);
-      copy_step<A> cp{total, ws + own, agg};
-      for_each_index(b, 1, cp);
-    } else {
-      for_each_index(b, 1, identity_step<K>{k, ws + own});
-    }
-    fence(b);
-    comm.all_gather(std::span<const A>(ws + own, static_cast<std::size_t>(agg)),
-                    std::span<A>(ws + gathered, static_cast<std::size_t>(ranks * agg)));
-    for_each_index(b, 1,
-                   prefix_step<K>{k, ws + gathered, agg, static_cast<int>(ranks), comm.rank(), reverse, ws + prefix});
-    for_each_index(b, 1, copy_step<A>{ws + prefix, ws + lay.running(), k.carry_size});
-    run_scan(b, k, blk, ws, true);
+  if (blk.n > 0) {
+    const A* total = run_total(b, k, blk, eng);
+    for_each_index(b, 1, copy_step<A>{total, own, agg});
+  } else {
+    for_each_index(b, 1, identity_step<K>{k, own});
+  }
+  fence(b);
+  comm.all_gather(std::span<const A>(own, static_cast<std::size_t>(agg)),
+                  std::span<A>(gathered, static_cast<std::size_t>(cr.ranks * agg)));
+  for_each_index(b, 1, prefix_step<K>{k, gathered, agg, cr.ranks, cr.rank, reverse, prefix});
+  for_each_index(b, 1, copy_step<A>{prefix, eng + lay.running(), k.carry_size});
+  run_scan(b, k, blk, eng, true);
+}
+
+template <class P>
+inline constexpr bool is_cross_monoid_plan = false;
+template <class B, class M, class S>
+inline constexpr bool is_cross_monoid_plan<monoid_plan<B, M, S, true>> = true;
+template <class P>
+inline constexpr bool is_cross_recurrence_plan = false;
+template <class B, class St, class S, class A>
+inline constexpr bool is_cross_recurrence_plan<recurrence_plan<B, St, S, A, true>> = true;
+
+template <backend B, comm::communicator C, class Plan, class In, class Out>
+void run_monoid_distributed(const B& b, C& comm, const Plan& p, In in, Out out, bool exclusive,
+                            typename Plan::value_type init, std::span<std::byte> ws, std::string_view call) {
+  check_monoid_call<B>(p, in, out, exclusive, ws, call);
+  with_monoid_kernel(p, in, out, exclusive, init, [&](const auto& k) {
+    run_distributed(b, comm, k, plan_access::blocks(p), plan_access::rank_part(p), p.opts().dir == direction::reverse,
+                    ws, call);
   });
 }
 
-template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
-void run_monoid_distributed(const B& b, C& comm, const M& m, In in, Out out, const Offsets* offsets, bool exclusive,
-                            typename M::value_type init, const options& opt, std::string_view call) {
-  check_space<B, In>();
-  check_space<B, Out>();
-  const index_t n = in.extent(0);
-  // Only segmented scans need to know where the slice lies (their offsets are global).
-  const window w = offsets ? slice_of(comm, n, call) : window{n, 0, n};
-  comm::agree_within(comm, call, [&](auto& agreed) {
-    const auto sig = scan_signature(typeid(M).name(), opt, exclusive, init, offsets_digest(offsets),
-                                    comm::hasher{}.add(sizeof(typename M::value_type)).value());
-    with_monoid_kernel(m, in, out, offsets, exclusive, init, opt, w, call, [&](const auto& k, const blocking& blk) {
-      run_distributed(b, comm, k, blk, opt.dir == direction::reverse, opt, call, agreed, sig);
-    });
+template <backend B, comm::communicator C, class Plan, class AV, class XV, class YV, class InV, class OutV>
+void run_recurrence_distributed(const B& b, C& comm, const Plan& p, AV a, XV x, YV y, InV in_states, OutV out_states,
+                                bool adjoint, std::span<std::byte> ws) {
+  const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
+  with_recurrence_kernel<B>(p, a, x, y, in_states, out_states, adjoint, ws, call, [&](const auto& k, const auto& blk) {
+    run_distributed(b, comm, k, blk, recurrence_access::rank_part(p), adjoint, ws, call);
   });
-}
-
-//! The shapes a cross-rank recurrence must agree on: the state width, the transitions' extents
-//! besides the rows, and the extents of the per-segment states.
-template <class AV, class BV, class IV, class FV>
-std::uint64_t recurrence_shape(const AV& a, const BV& bv, const IV& init, const FV& fin) {
-  comm::hasher h;
-  h.add(bv.extent(1), AV::rank, sizeof(typename BV::value_type));
-  for (std::size_t d = 1; d < AV::rank; ++d) h.add(a.extent(d));
-  return h.add(init.extent(0), init.extent(1), fin.extent(0), fin.extent(1)).value();
+  fill_empty_segments(b, p.docs(), in_states, out_states, p.state_size(), recurrence_access::rank_part(p).w.total);
 }
 
 }  // namespace detail
 
-//! Cross-rank inclusive scan: `in` and `out` are this rank's slice (any length, 0 included).
-//! Collective: every rank of `comm` calls it with the same monoid and options.
-template <backend B, comm::communicator C, monoid M, class In, class Out>
-void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
-  detail::run_monoid_distributed(b, comm, m, in, out, detail::no_offsets<In>(), false, m.identity(), opt,
-                                 "inclusive_scan");
+//! The plan of cross-rank scans with monoid m: this rank holds n elements of the global sequence;
+//! `docs` segments the global sequence (the same on every rank). Collective (one agreement, see
+//! the file comment). @throws loom::error on every rank as scan::make_plan, or
+//! (invalid_argument) "ranks disagree on ..." when the ranks' monoids, options or docs differ.
+template <backend B, comm::communicator C, monoid M, memory_space Space = typename backend_traits<B>::memory_space>
+monoid_plan<B, M, Space, true> make_plan(const B& b, C& comm, const M& m, index_t n,
+                                         const loom::segments<Space>& docs = {}, const options& opt = {}) {
+  constexpr std::string_view call = "scan::make_plan";
+  const auto sig = detail::scan_signature(typeid(M).name(), opt, detail::docs_digest(docs),
+                                          comm::hasher{}.add(sizeof(typename M::value_type)).value(), n);
+  const detail::slices s = detail::agree_plan(comm, call, n, sig, opt);
+  return detail::plan_access::monoid<true>(b, m, s.w, docs, opt, call, detail::rank_extra{s.ranks, s.rank});
 }
 
-//! Cross-rank exclusive scan; the first element of the global sequence gets `init`.
+//! The plan of cross-rank recurrences: n time steps of the global sequence on this rank, state
+//! size d, documents of the global sequence. P as for the single-rank make_plan. Collective.
+template <class P = void, backend B, comm::communicator C, structure St,
+          memory_space Space = typename backend_traits<B>::memory_space>
+auto make_plan(const B& b, C& comm, St, index_t n, index_t d, const loom::segments<Space>& docs = {},
+               const options& opt = {}) {
+  constexpr std::string_view call = "scan::make_plan";
+  using Acc = typename detail::accum_of<P>::type;
+  const auto sig = detail::scan_signature(
+      St::name(), opt, detail::docs_digest(docs),
+      comm::hasher{}
+          .add(d, St::a_size(d), static_cast<std::uint64_t>(sizeof(std::conditional_t<std::is_void_v<Acc>, char, Acc>)))
+          .value(),
+      n);
+  const detail::slices s = detail::agree_plan(comm, call, n, sig, opt);
+  return detail::cross_recurrence_plan<Acc, B, St>(b, s, d, docs, opt, call);
+}
+
+//! Cross-rank inclusive scan: `in` and `out` are this rank's slice (plan.size() elements).
+//! Collective: every rank calls it with its plan, in the same order. Allocates nothing; one
+//! all_gather of the aggregates.
+template <backend B, comm::communicator C, class Plan, class In, class Out>
+requires detail::is_cross_monoid_plan<Plan>
+void inclusive_scan(const B& b, C& comm, const Plan& plan, In in, Out out, std::span<std::byte> ws) {
+  detail::run_monoid_distributed(b, comm, plan, in, out, false, plan.op().identity(), ws, "inclusive_scan");
+}
+
+//! Cross-rank exclusive scan; every document's first element gets `init` (the same on every rank).
+template <backend B, comm::communicator C, class Plan, class In, class Out>
+requires detail::is_cross_monoid_plan<Plan>
+void exclusive_scan(const B& b, C& comm, const Plan& plan, In in, Out out, typename Plan::value_type init,
+                    std::span<std::byte> ws) {
+  detail::run_monoid_distributed(b, comm, plan, in, out, true, init, ws, "exclusive_scan");
+}
+
+//! Convenience forms: make_plan (with its agreement), a temporary workspace, the plan form, fence.
+template <backend B, comm::communicator C, monoid M, class In, class Out, memory_space Space>
+void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const loom::segments<Space>& docs,
+                    const options& opt = {}) {
+  const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
+  inclusive_scan(b, comm, plan, in, out, tmp.bytes());
+  fence(b);
+}
+template <backend B, comm::communicator C, monoid M, class In, class Out>
+void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
+  inclusive_scan(b, comm, m, in, out, loom::segments<typename In::space>{}, opt);
+}
+template <backend B, comm::communicator C, monoid M, class In, class Out, memory_space Space>
+void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
+                    const loom::segments<Space>& docs, const options& opt = {}) {
+  const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
+  exclusive_scan(b, comm, plan, in, out, init, tmp.bytes());
+  fence(b);
+}
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
                     const options& opt = {}) {
-  detail::run_monoid_distributed(b, comm, m, in, out, detail::no_offsets<In>(), true, init, opt, "exclusive_scan");
+  exclusive_scan(b, comm, m, in, out, init, loom::segments<typename In::space>{}, opt);
 }
-
-//! Cross-rank segmented scan. `offsets` segments the global sequence (same on every rank).
-template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
-void segmented_inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, Offsets offsets,
-                              const options& opt = {}) {
-  detail::run_monoid_distributed(b, comm, m, in, out, &offsets, false, m.identity(), opt, "segmented_inclusive_scan");
-}
-
-//! Cross-rank exclusive segmented scan.
-template <backend B, comm::communicator C, monoid M, class In, class Out, class Offsets>
-void segmented_exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, Offsets offsets,
-                              typename M::value_type init, const options& opt = {}) {
-  detail::run_monoid_distributed(b, comm, m, in, out, &offsets, true, init, opt, "segmented_exclusive_scan");
-}
-
-namespace detail {
-//! The cross-rank recurrence (states in: the segments' initial states, out: their final states)
-//! or its adjoint (in: the gradients at the final states, out: those of the initial states);
-//! `agree` false skips the agreement (for callers that agreed on the whole computation once, as
-//! the sequence-parallel Newton solver does).
-template <backend B, comm::communicator C, structure St, class AV, class XV, class YV, class OffV, class InV,
-          class OutV>
-void recurrence_impl(const B& b, C& comm, St, AV a, XV x, YV y, OffV offsets, InV in_states, OutV out_states,
-                     bool adjoint, const options& opt, bool agree) {
-  const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
-  const window w = slice_of(comm, x.extent(0), call);
-  auto run = [&](auto&& agreed) {
-    const auto sig = scan_signature(St::name(), opt, adjoint, 0, offsets_digest(&offsets),
-                                    recurrence_shape(a, x, in_states, out_states));
-    with_recurrence_kernel<St>(
-        a, x, y, offsets, in_states, out_states, w, adjoint, opt, call,
-        [&](const auto& k, const auto& blk) { run_distributed(b, comm, k, blk, adjoint, opt, call, agreed, sig); });
-  };
-  if (agree)
-    comm::agree_within(comm, call, run);
-  else
-    run([](const comm::signature&) {});
-  fill_empty_segments(b, offsets, in_states, out_states, x.extent(1), w.total);
-}
-}  // namespace detail
 
 //! Cross-rank linear recurrence: A, b and h are this rank's rows of the global sequence.
-//! seg.offsets segments the global sequence; seg.initial holds every segment's initial state (on
-//! every rank); seg.final_state receives the final states of the segments that end on this rank
-//! (and of empty segments), other rows are left untouched. Collective: every rank's checks and
-//! call are agreed before data moves (see the file comment).
-template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, class T, class Space>
-void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const segments<T, Space>& seg = {},
-                       const options& opt = {}) {
-  detail::recurrence_impl(b, comm, st, a, bv, h, seg.offsets, seg.initial, seg.final_state, false, opt, true);
+//! st.initial holds every document's initial state (on every rank); st.final_state receives the
+//! final states of the documents that end on this rank (and of empty documents), other rows are
+//! left untouched. Collective; allocates nothing.
+template <backend B, comm::communicator C, class Plan, class AV, class BV, class HV, class T>
+requires detail::is_cross_recurrence_plan<Plan>
+void linear_recurrence(const B& b, C& comm, const Plan& plan, AV a, BV bv, HV h,
+                       const states<T, typename Plan::space>& st, std::span<std::byte> ws) {
+  detail::run_recurrence_distributed(b, comm, plan, a, bv, h, st.initial, st.final_state, false, ws);
+}
+template <backend B, comm::communicator C, class Plan, class AV, class BV, class HV>
+requires detail::is_cross_recurrence_plan<Plan>
+void linear_recurrence(const B& b, C& comm, const Plan& plan, AV a, BV bv, HV h, std::span<std::byte> ws) {
+  linear_recurrence(b, comm, plan, a, bv, h, states<typename HV::value_type, typename Plan::space>{}, ws);
 }
 
 //! Cross-rank adjoint recurrence (see the single-rank form); d_initial rows are written for the
-//! segments that start on this rank (and empty segments).
-template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, class T, class Space>
-void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda,
-                               const adjoint_segments<T, Space>& seg = {}, const options& opt = {}) {
-  detail::recurrence_impl(b, comm, st, a, g, lambda, seg.offsets, seg.d_final, seg.d_initial, true, opt, true);
+//! documents that start on this rank (and empty documents).
+template <backend B, comm::communicator C, class Plan, class AV, class GV, class LV, class T>
+requires detail::is_cross_recurrence_plan<Plan>
+void linear_recurrence_adjoint(const B& b, C& comm, const Plan& plan, AV a, GV g, LV lambda,
+                               const adjoint_states<T, typename Plan::space>& st, std::span<std::byte> ws) {
+  detail::run_recurrence_distributed(b, comm, plan, a, g, lambda, st.d_final, st.d_initial, true, ws);
+}
+template <backend B, comm::communicator C, class Plan, class AV, class GV, class LV>
+requires detail::is_cross_recurrence_plan<Plan>
+void linear_recurrence_adjoint(const B& b, C& comm, const Plan& plan, AV a, GV g, LV lambda, std::span<std::byte> ws) {
+  linear_recurrence_adjoint(b, comm, plan, a, g, lambda,
+                            adjoint_states<typename LV::value_type, typename Plan::space>{}, ws);
+}
+
+//! Convenience forms of the cross-rank recurrences.
+template <backend B, comm::communicator C, structure St, class AV, class BV, class HV, memory_space Space, class T>
+void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const loom::segments<Space>& docs,
+                       const states<T, Space>& s, const options& opt = {}) {
+  const auto plan = make_plan(b, comm, st, bv.extent(0), bv.extent(1), docs, opt);
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
+  linear_recurrence(b, comm, plan, a, bv, h, s, tmp.bytes());
+  fence(b);
+}
+template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, memory_space Space, class T>
+void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda, const loom::segments<Space>& docs,
+                               const adjoint_states<T, Space>& s, const options& opt = {}) {
+  const auto plan = make_plan(b, comm, st, g.extent(0), g.extent(1), docs, opt);
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
+  linear_recurrence_adjoint(b, comm, plan, a, g, lambda, s, tmp.bytes());
+  fence(b);
 }
 
 }  // namespace loom::scan

@@ -16,8 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
-#include <vector>
+#include <span>
 
 namespace loom::rnn::detail {
 
@@ -36,23 +35,20 @@ struct read_rows {
   LOOM_HD double operator()(index_t i) const { return p[i]; }
 };
 
-//! n values from the backend's memory space to the host.
+//! v.size() values from the backend's memory space to the host.
 template <backend B, class T>
-std::vector<T> read_back(const B& b, const T* p, index_t n) {
-  std::vector<T> v(static_cast<std::size_t>(n));
+void read_back(const B& b, const T* p, std::span<T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
-    std::copy(p, p + n, v.begin());
+    std::copy(p, p + v.size(), v.begin());
   } else {
-    for (index_t i = 0; i < n; ++i)
-      v[static_cast<std::size_t>(i)] = reduce(b, 1, T(0), plus_op<T>{}, read_one<T>{p + i});
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = reduce(b, 1, T(0), plus_op<T>{}, read_one<T>{p + i});
   }
-  return v;
 }
 
 //! Host values into the backend's memory space.
 template <backend B, class T>
-void write_to(const B& b, T* p, const std::vector<T>& v) {
+void write_to(const B& b, T* p, std::span<const T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
     std::copy(v.begin(), v.end(), p);
@@ -60,14 +56,72 @@ void write_to(const B& b, T* p, const std::vector<T>& v) {
     for (std::size_t i = 0; i < v.size(); ++i) for_each_index(b, 1, store_step<T>{p + i, v[i]});
   }
 }
-
-//! A scratch array in the backend's memory space.
 template <backend B, class T>
+void write_to(const B& b, T* p, std::span<T> v) {
+  write_to(b, p, std::span<const T>(v));
+}
+
+//! The device scratch of a solve: byte offsets in the workspace (fixed by the plan) and the
+//! pointers carved from one workspace.
+template <class T>
 struct scratch {
-  std::unique_ptr<temporary_buffer<B, T>> buf;
-  T* get(const B& b, index_t n) {
-    if (!buf) buf = std::make_unique<temporary_buffer<B, T>>(b, n > 0 ? n : 1);
-    return buf->data();
+  T *zeros, *f, *rhs, *a, *ad, *ad1, *delta, *hc, *halo, *haloc, *part;
+  double *norm, *seg, *mu;
+  int *frozen, *take;
+};
+struct scratch_layout {
+  std::size_t zeros, f, rhs, a, ad, ad1, delta, hc, halo, haloc, part, norm, seg, mu, frozen, take, scan;
+  //! Lays out the scratch of a solve over n local rows, d states, S sequences, np parameters,
+  //! then `scan_bytes` for the linear solves.
+  template <class T>
+  static scratch_layout make(workspace_layout& lay, index_t n, index_t d, index_t as, index_t segs, index_t np,
+                             std::size_t scan_bytes) {
+    const index_t chunks = (n + 255) / 256;
+    scratch_layout l{};
+    l.zeros = lay.add<T>(d);
+    l.f = lay.add<T>(n * d);
+    l.rhs = lay.add<T>(n * d);
+    l.a = lay.add<T>(n * as);
+    l.ad = lay.add<T>(n * d);
+    l.ad1 = lay.add<T>(n);
+    l.delta = lay.add<T>(n * d);
+    l.hc = lay.add<T>(n * d);
+    l.halo = lay.add<T>(d);
+    l.haloc = lay.add<T>(d);
+    l.part = lay.add<T>((chunks > 0 ? chunks : 1) * np);
+    l.norm = lay.add<double>(n);
+    l.seg = lay.add<double>(segs);
+    l.mu = lay.add<double>(segs);
+    l.frozen = lay.add<int>(segs);
+    l.take = lay.add<int>(segs);
+    l.scan = lay.add<std::byte>(static_cast<index_t>(scan_bytes));
+    return l;
+  }
+  template <class T>
+  scratch<T> carve(std::span<std::byte> ws) const {
+    const workspace_carver c(ws);
+    return {c.at<T>(zeros),    c.at<T>(f),       c.at<T>(rhs),      c.at<T>(a),     c.at<T>(ad),   c.at<T>(ad1),
+            c.at<T>(delta),    c.at<T>(hc),      c.at<T>(halo),     c.at<T>(haloc), c.at<T>(part), c.at<double>(norm),
+            c.at<double>(seg), c.at<double>(mu), c.at<int>(frozen), c.at<int>(take)};
+  }
+};
+
+//! The host-side state of a solve, in the report's room (see rnn::report).
+struct host_state {
+  std::span<int> conv, dropped, stop, tmp;
+  std::span<double> norms, mu, cand;
+};
+
+struct report_access {
+  static host_state state(report& r, index_t segs, std::string_view call) {
+    LOOM_EXPECTS(r.sequences_ == segs, errc::invalid_argument, call,
+                 ": the report was not made for this plan (rnn::report rep(plan)): it has room for ", r.sequences_,
+                 " sequences, the plan has ", segs);
+    const auto s = static_cast<std::size_t>(segs);
+    std::span<int> i(r.ints_);
+    std::span<double> v(r.doubles_);
+    return {i.subspan(0, s), i.subspan(s, s), i.subspan(2 * s, s), i.subspan(3 * s, s),
+            v.subspan(0, s), v.subspan(s, s), v.subspan(2 * s, s)};
   }
 };
 
@@ -94,7 +148,8 @@ class engine {
   using Space = typename backend_traits<B>::memory_space;
 
   engine(const B& b, const Cell& c, Ctx& ctx, const T* x, index_t xs, T* h, index_t hs, index_t n, const T* init,
-         index_t init_s, const index_t* offsets, index_t segs, const options<Space>& opt)
+         index_t init_s, scan::detail::offsets_ref offsets, index_t segs, const options& opt, const scratch<T>& sp,
+         const host_state& hst)
       : b_(b),
         cell_(c),
         ctx_(ctx),
@@ -107,19 +162,30 @@ class engine {
         init_(init),
         init_s_(init_s),
         segs_(segs),
-        opt_(opt) {
+        opt_(opt),
+        sp_(sp),
+        conv_(hst.conv),
+        dropped_(hst.dropped),
+        stop_(hst.stop),
+        tmp_(hst.tmp),
+        norms_(hst.norms),
+        mu_(hst.mu),
+        cand_(hst.cand) {
     map_ = row_map{offsets, segs, ctx.base()};
-    zeros_ = zeros_buf_.get(b, d_);
+    zeros_ = sp_.zeros;
     for_each_index(b, 1, zero_rows_step<T>{row_map{}, nullptr, zeros_, 0, d_});
-    frozen_ = frozen_buf_.get(b, segs_);
-    conv_.assign(static_cast<std::size_t>(segs_), 0);
+    frozen_ = sp_.frozen;
+    std::fill(conv_.begin(), conv_.end(), 0);
     write_to(b_, frozen_, conv_);
-    norms_.assign(static_cast<std::size_t>(segs_), INFINITY);
+    std::fill(norms_.begin(), norms_.end(), INFINITY);
   }
 
-  report solve() {
-    report rep;
+  void solve(report& rep) {
     rep.requested = opt_.solver;
+    rep.iterations = 0;
+    rep.residual_history.clear();
+    rep.fallback = fallback_taken::none;
+    rep.fallback_sequences = 0;
     if (opt_.guess == initial_guess::zeros) for_each_index(b_, n_, zero_rows_step<T>{map_, nullptr, h_, hs_, d_});
     rep.reason = run(opt_.solver, opt_.max_iterations, rep);
     if (rep.reason != termination::converged && opt_.on_failure != fallback::none) {
@@ -127,7 +193,8 @@ class engine {
         rep.fallback = fallback_taken::damped;
         rep.fallback_sequences = unconverged();
         reset_nonfinite();
-        mu_.assign(static_cast<std::size_t>(segs_), opt_.damping);
+        std::fill(mu_.begin(), mu_.end(), opt_.damping);
+        mu_ready_ = true;
         run(method::damped, opt_.fallback_iterations, rep);
       }
       if (unconverged() > 0) {
@@ -140,33 +207,35 @@ class engine {
     }
     rep.converged.resize(static_cast<std::size_t>(segs_));
     for (index_t s = 0; s < segs_; ++s) rep.converged[s] = conv_[s] != 0;
-    rep.residual = norms_;
-    return rep;
+    rep.residual.assign(norms_.begin(), norms_.end());
   }
 
   //! The exact sequential evaluation of every sequence.
   void sequential_all() {
-    std::fill(conv_.begin(), conv_.end(), 0);
-    sequential_fallback();
+    ctx_.sequential(h_, hs_, n_, d_, sp_.halo, [&](const T* halo) {
+      for_each_index(b_, segs_,
+                     sequential_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, h_, hs_, nullptr, n_});
+    });
   }
 
   //! Gradients at the solution h (see rnn::backward).
   template <class GV, class DXV, class DH0V, class DTV>
   void backward(GV g, DXV dx, DH0V dh0, DTV dtheta) {
     const index_t as = St::a_size(d_);
-    T* a = a_buf_.get(b_, n_ * as);
-    T* f = f_buf_.get(b_, n_ * d_);
-    double* norm = norm_buf_.get(b_, n_);
-    const T* halo = ctx_.halo(h_, hs_, n_, halo_buf_.get(b_, d_));
+    (void)as;
+    T* a = sp_.a;
+    T* f = sp_.f;
+    double* norm = sp_.norm;
+    const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
     for_each_index(b_, n_,
                    linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, a, nullptr, nullptr, norm,
                                             nullptr, d_, 1.0, 0.0, lin_mode::damped});
-    T* lambda = rhs_buf_.get(b_, n_ * d_);
+    T* lambda = sp_.rhs;
     const tensor_view<T, 2, Space> lv(lambda, {n_, d_});
     ctx_.adjoint(St{}, a_view<St, Space>(static_cast<const T*>(a), n_, d_), g, lv, dh0);
     const index_t np = cell_.param_size();
     const index_t chunk = 256, chunks = (n_ + chunk - 1) / chunk;
-    T* part = part_buf_.get(b_, (chunks > 0 ? chunks : 1) * np);
+    T* part = sp_.part;
     for_each_index(b_, chunks,
                    vjp_chunk_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, lambda, d_, dx.data(),
                                         dx.stride(0), part, np, chunk, n_});
@@ -188,18 +257,16 @@ class engine {
     return k;
   }
 
-  //! Per-sequence maxima of norm[0, n) (global over ranks).
-  std::vector<double> segment_norms(const double* norm) {
-    std::vector<double> v;
+  //! Per-sequence maxima of norm[0, n) (global over ranks), into v.
+  void segment_norms(const double* norm, std::span<double> v) {
     if (segs_ == 1) {
-      v.assign(1, reduce(b_, n_, 0.0, max_op{}, read_rows{norm}));
+      v[0] = reduce(b_, n_, 0.0, max_op{}, read_rows{norm});
     } else {
-      double* out = seg_buf_.get(b_, segs_);
+      double* out = sp_.seg;
       for_each_index(b_, segs_, segment_max_step{map_, n_, norm, out});
-      v = read_back(b_, out, segs_);
+      read_back(b_, static_cast<const double*>(out), v);
     }
     ctx_.all_max(v);
-    return v;
   }
 
   index_t a_elems(method m) const {
@@ -216,25 +283,28 @@ class engine {
   //! (residual_history leaves a dropped sequence out after the iterate where it went non-finite.)
   termination run(method m, int budget, report& rep) {
     const index_t as = St::a_size(d_);
-    T* f = f_buf_.get(b_, n_ * d_);
-    T* rhs = rhs_buf_.get(b_, n_ * d_);
-    double* norm = norm_buf_.get(b_, n_);
-    T* a = m != method::picard ? a_buf_.get(b_, n_ * as) : nullptr;
-    T* ad = m == method::quasi_newton ? ad_buf_.get(b_, n_ * d_) : m == method::picard ? ad1_buf_.get(b_, n_) : nullptr;
+    (void)as;
+    T* f = sp_.f;
+    T* rhs = sp_.rhs;
+    double* norm = sp_.norm;
+    T* a = m != method::picard ? sp_.a : nullptr;
+    T* ad = m == method::quasi_newton ? sp_.ad : m == method::picard ? sp_.ad1 : nullptr;
     const lin_mode mode = m == method::newton         ? lin_mode::newton
                           : m == method::quasi_newton ? lin_mode::quasi
                           : m == method::picard       ? lin_mode::picard
                                                       : lin_mode::damped;
     // Sequences dropped in earlier runs are tried again (their rows were reset to zeros).
     write_to(b_, frozen_, conv_);
-    std::vector<int> dropped(static_cast<std::size_t>(segs_), 0), stop(static_cast<std::size_t>(segs_), 0);
+    auto dropped = dropped_, stop = stop_;
+    std::fill(dropped.begin(), dropped.end(), 0);
+    std::fill(stop.begin(), stop.end(), 0);
     bool any_dropped = false;
     for (int it = 0;; ++it) {
-      const T* halo = ctx_.halo(h_, hs_, n_, halo_buf_.get(b_, d_));
+      const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
       for_each_index(b_, n_,
                      linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, a, ad, rhs, norm,
                                               frozen_, d_, opt_.abs_tol, opt_.rel_tol, mode});
-      norms_ = segment_norms(norm);
+      segment_norms(norm, norms_);
       double worst = 0;
       index_t active = 0, frozen = 0;
       for (index_t s = 0; s < segs_; ++s) {
@@ -249,7 +319,7 @@ class engine {
         active += stop[s] ? 0 : 1;
         frozen += stop[s];
       }
-      rep.residual_history.push_back(worst);
+      if (rep.residual_history.size() < rep.residual_history.capacity()) rep.residual_history.push_back(worst);
       const termination failed = any_dropped ? termination::non_finite : termination::max_iterations;
       if (active == 0) return any_dropped ? termination::non_finite : termination::converged;
       if (it >= budget) return failed;
@@ -278,22 +348,24 @@ class engine {
   //! the residual decreases (then μ /= 3), otherwise keep h and raise μ tenfold.
   void damped_step(T* a, T* f, T* rhs, double* norm, report&) {
     const index_t as = St::a_size(d_);
-    if (mu_.size() != static_cast<std::size_t>(segs_)) mu_.assign(static_cast<std::size_t>(segs_), opt_.damping);
-    double* mu = mu_buf_.get(b_, segs_);
+    if (!mu_ready_) std::fill(mu_.begin(), mu_.end(), opt_.damping), mu_ready_ = true;
+    double* mu = sp_.mu;
     write_to(b_, mu, mu_);
     for_each_index(b_, n_, freeze_step<T>{map_, frozen_, a, as, rhs, h_, hs_, d_, true});
     for_each_index(b_, n_, damped_assemble_step<T>{map_, frozen_, mu, a, as, f, h_, hs_, rhs, d_});
-    T* delta = delta_buf_.get(b_, n_ * d_);
-    T* hc = hc_buf_.get(b_, n_ * d_);
+    T* delta = sp_.delta;
+    T* hc = sp_.hc;
     ctx_.solve(St{}, a_view<St, Space>(static_cast<const T*>(a), n_, d_), tensor_view<const T, 2, Space>(rhs, {n_, d_}),
                tensor_view<T, 2, Space>(delta, {n_, d_}), false);
     for_each_index(b_, n_, add_step<T>{h_, hs_, delta, hc, d_});
-    const T* halo = ctx_.halo(hc, d_, n_, haloc_buf_.get(b_, d_));
+    const T* halo = ctx_.halo(hc, d_, n_, sp_.haloc);
     for_each_index(b_, n_,
                    linearize_step<Cell, St>{cell_, map_, prev_of(hc, d_, halo), x_, xs_, f, nullptr, nullptr, nullptr,
                                             norm, frozen_, d_, opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
-    const auto cand = segment_norms(norm);
-    std::vector<int> take(static_cast<std::size_t>(segs_), 0);
+    const auto cand = cand_;
+    segment_norms(norm, cand);
+    const auto take = tmp_;
+    std::fill(take.begin(), take.end(), 0);
     for (index_t s = 0; s < segs_; ++s) {
       if (conv_[s]) continue;
       if (std::isfinite(cand[s]) && cand[s] < norms_[s]) {
@@ -303,44 +375,46 @@ class engine {
         mu_[s] = std::min(mu_[s] * 10 + 1e-3, 1e12);
       }
     }
-    int* tk = take_buf_.get(b_, segs_);
+    int* tk = sp_.take;
     write_to(b_, tk, take);
     for_each_index(b_, n_, take_rows_step<T>{map_, tk, hc, d_, h_, hs_, d_});
   }
 
   //! Rows of sequences whose iterate went non-finite restart from zeros.
   void reset_nonfinite() {
-    std::vector<int> bad(static_cast<std::size_t>(segs_), 0);
+    const auto bad = tmp_;
+    std::fill(bad.begin(), bad.end(), 0);
     bool any = false;
     for (index_t s = 0; s < segs_; ++s)
       if (!std::isfinite(norms_[s])) bad[s] = 1, any = true;
     if (!any) return;
-    int* w = take_buf_.get(b_, segs_);
+    int* w = sp_.take;
     write_to(b_, w, bad);
     for_each_index(b_, n_, zero_rows_step<T>{map_, w, h_, hs_, d_});
   }
 
   void sequential_fallback() {
-    std::vector<int> which(static_cast<std::size_t>(segs_));
+    const auto which = tmp_;
     for (index_t s = 0; s < segs_; ++s) which[s] = conv_[s] ? 0 : 1;
-    int* w = take_buf_.get(b_, segs_);
+    int* w = sp_.take;
     write_to(b_, w, which);
-    ctx_.sequential(h_, hs_, n_, d_, halo_buf_.get(b_, d_), [&](const T* halo) {
+    ctx_.sequential(h_, hs_, n_, d_, sp_.halo, [&](const T* halo) {
       for_each_index(b_, segs_, sequential_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, h_, hs_, w, n_});
     });
   }
 
   //! norms_ at the current h (every sequence).
   void residuals() {
-    std::vector<int> none(static_cast<std::size_t>(segs_), 0);
+    const auto none = tmp_;
+    std::fill(none.begin(), none.end(), 0);
     write_to(b_, frozen_, none);
-    double* norm = norm_buf_.get(b_, n_);
-    T* f = f_buf_.get(b_, n_ * d_);
-    const T* halo = ctx_.halo(h_, hs_, n_, halo_buf_.get(b_, d_));
+    double* norm = sp_.norm;
+    T* f = sp_.f;
+    const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
     for_each_index(b_, n_,
                    linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, nullptr, nullptr, nullptr,
                                             norm, frozen_, d_, opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
-    norms_ = segment_norms(norm);
+    segment_norms(norm, norms_);
   }
 
   const B& b_;
@@ -352,16 +426,14 @@ class engine {
   index_t hs_, n_, d_;
   const T* init_;
   index_t init_s_, segs_;
-  const options<Space>& opt_;
+  const options& opt_;
+  scratch<T> sp_;
   row_map map_;
   T* zeros_ = nullptr;
   int* frozen_ = nullptr;
-  std::vector<int> conv_;
-  std::vector<double> norms_, mu_;
-  scratch<B, T> zeros_buf_, f_buf_, rhs_buf_, a_buf_, ad_buf_, ad1_buf_, delta_buf_, hc_buf_, halo_buf_, haloc_buf_,
-      part_buf_;
-  scratch<B, double> norm_buf_, seg_buf_, mu_buf_;
-  scratch<B, int> frozen_buf_, take_buf_;
+  std::span<int> conv_, dropped_, stop_, tmp_;
+  std::span<double> norms_, mu_, cand_;
+  bool mu_ready_ = false;
 };
 
 }  // namespace loom::rnn::detail

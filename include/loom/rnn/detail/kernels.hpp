@@ -9,6 +9,7 @@
 #include <loom/core/segments.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/rnn/detail/math.hpp>
+#include <loom/scan/detail/monoid_kernel.hpp>
 
 #include <cmath>
 
@@ -16,7 +17,7 @@ namespace loom::rnn::detail {
 
 //! Where local row t lies: its sequence and whether it starts it.
 struct row_map {
-  const index_t* offsets = nullptr;  //!< S + 1 global offsets; null: one sequence
+  scan::detail::offsets_ref offsets{};  //!< S + 1 global offsets (int32 or int64); null: one sequence
   index_t segs = 1;
   index_t base = 0;  //!< global index of local row 0
   LOOM_HD index_t segment_of(index_t t) const {

@@ -11,7 +11,8 @@
 //!   - segmented: Inclusive/ExclusiveScanByKey with the key of an element its segment, found by a
 //!     binary search of the offsets (empty segments hold no element, so they need no key).
 //! CUB reads each element before it writes the element's output and no other element's, so the
-//! scan may run in place. The workspace is CUB's temporary storage.
+//! scan may run in place. The workspace is CUB's temporary storage, carved from the plan's workspace
+//! (vendor_scan::bytes, CUB's size query over every variant, at plan time).
 
 #include <loom/backend/cuda.hpp>
 #include <loom/scan/scan.hpp>
@@ -33,7 +34,7 @@ struct scan_order {
 
 //! Position j of the scan order -> the segment of its element (the last offset <= the element).
 struct segment_key {
-  const index_t* offsets;
+  offsets_ref offsets;
   index_t segments;
   scan_order order;  //!< with stride 1: the element at position j
   LOOM_HD index_t operator()(index_t j) const {
@@ -64,10 +65,10 @@ struct combine_op {
 //! One CUB call for the variant (temp == null: only sizes `bytes`).
 template <bool Swap, class M, class InIt, class OutIt>
 cudaError_t cub_monoid_scan(void* temp, std::size_t& bytes, const M& m, InIt in, OutIt out, index_t n,
-                            const index_t* offsets, index_t segments, bool reverse, bool exclusive,
+                            offsets_ref offsets, index_t segments, bool reverse, bool exclusive,
                             typename M::value_type init, cudaStream_t stream) {
   const combine_op<M, Swap> op{m};
-  if (offsets == nullptr) {
+  if (!offsets) {
     if (exclusive) return cub::DeviceScan::ExclusiveScan(temp, bytes, in, out, op, init, n, stream);
     return cub::DeviceScan::InclusiveScan(temp, bytes, in, out, op, n, stream);
   }
@@ -94,8 +95,8 @@ struct vendor_scan<cuda> {
   //! stores), every other one the index-mapped iterators.
   template <monoid M, class In, class Out>
   static cudaError_t call(void* temp, std::size_t& bytes, const M& m, const In& in, const Out& out, index_t n,
-                          const index_t* off, index_t segments, bool reverse, bool exclusive,
-                          typename M::value_type init, cudaStream_t stream) {
+                          offsets_ref off, index_t segments, bool reverse, bool exclusive, typename M::value_type init,
+                          cudaStream_t stream) {
     if (!reverse && in.stride(0) == 1 && out.stride(0) == 1)
       return cub_monoid_scan<false>(temp, bytes, m, in.data(), out.data(), n, off, segments, false, exclusive, init,
                                     stream);
@@ -110,7 +111,8 @@ struct vendor_scan<cuda> {
   template <monoid M>
   static std::size_t bytes(const M& m, index_t n) {
     using T = typename M::value_type;
-    static const index_t fake_offsets[2] = {0, 0};
+    static const std::int64_t fake[2] = {0, 0};
+    const offsets_ref fake_offsets{fake, true};
     std::size_t most = 0;
     // v: bit 0 exclusive, bit 1 segmented, v / 4: forward raw pointers, forward mapped, reverse.
     for (int v = 0; v < 12; ++v) {
@@ -118,26 +120,24 @@ struct vendor_scan<cuda> {
       const tensor_view<const T, 1, cuda_memory> in(nullptr, {n}, {stride});
       const tensor_view<T, 1, cuda_memory> out(nullptr, {n}, {stride});
       std::size_t b = 0;
-      LOOM_CUDA_TRY(
-          call(nullptr, b, m, in, out, n, v & 2 ? fake_offsets : nullptr, 1, v / 4 == 2, v & 1, m.identity(), nullptr));
+      LOOM_CUDA_TRY(call(nullptr, b, m, in, out, n, v & 2 ? fake_offsets : offsets_ref{}, 1, v / 4 == 2, v & 1,
+                         m.identity(), nullptr));
       most = std::max(most, b);
     }
     return most;
   }
 
-  template <monoid M, class In, class Out, class Offsets>
-  static void run(const cuda& b, const M& m, In in, Out out, const Offsets* offsets, bool exclusive,
-                  typename M::value_type init, const options& opt, std::string_view call_name) {
+  //! The scan into CUB's temporary storage at the start of `ws` (sized by bytes() at plan time).
+  template <monoid M, class In, class Out>
+  static void run(const cuda& b, const M& m, In in, Out out, offsets_ref off, index_t segments, bool exclusive,
+                  typename M::value_type init, bool reverse, std::span<std::byte> ws, std::string_view call_name) {
     const index_t n = in.extent(0);
-    const bool reverse = opt.dir == direction::reverse;
-    const index_t* off = offsets ? offsets->data() : nullptr;
-    const index_t segments = offsets ? offsets->extent(0) - 1 : 0;
     std::size_t need = 0;
     LOOM_CUDA_TRY(call(nullptr, need, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
-    with_workspace<std::byte>(b, opt, static_cast<index_t>(need), call_name, [&](std::byte* ws) {
-      std::size_t bytes = need;
-      LOOM_CUDA_TRY(call(ws, bytes, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
-    });
+    LOOM_EXPECTS(need <= ws.size(), errc::internal, call_name, ": CUB asks for ", need,
+                 " bytes of temporary storage, more than the plan reserved (", ws.size(), ")");
+    std::size_t bytes = ws.size();
+    LOOM_CUDA_TRY(call(ws.data(), bytes, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
   }
 };
 

@@ -5,6 +5,7 @@
 //! segment heads. Aggregates and carries are segmented values (value, head), so a head inside a
 //! block or on another rank resets the scan exactly as it does in the sequential loop.
 
+#include <loom/core/segments.hpp>
 #include <loom/scan/detail/stream.hpp>
 #include <loom/scan/monoid.hpp>
 #include <loom/scan/options.hpp>
@@ -15,6 +16,23 @@
 
 namespace loom::scan::detail {
 
+//! The offsets of a loom::segments (int32 or int64, any memory space) as a value kernels copy:
+//! null when there are none.
+struct offsets_ref {
+  const void* data = nullptr;
+  bool wide = true;
+  LOOM_HD index_t operator[](index_t i) const {
+    return wide ? static_cast<const std::int64_t*>(data)[i]
+                : static_cast<index_t>(static_cast<const std::int32_t*>(data)[i]);
+  }
+  LOOM_HD explicit operator bool() const { return data != nullptr; }
+};
+
+template <memory_space Space>
+offsets_ref ref_of(const loom::segments<Space>& s) {
+  return s.implicit() ? offsets_ref{} : offsets_ref{s.data(), s.wide()};
+}
+
 //! Segment heads as positions in processing order. `offsets` (S + 1 values) segment a global
 //! sequence of `total` elements; this rank (or call) processes the window of `count` elements that
 //! starts `base` elements into the global processing order. Global head positions: forward, the
@@ -22,7 +40,7 @@ namespace loom::scan::detail {
 //! Head indices are ascending in position; a run of equal positions (empty segments) is
 //! represented by its last index, the one non-empty segment there.
 struct heads {
-  const index_t* offsets = nullptr;
+  offsets_ref offsets{};
   index_t segments = 0;  //!< S; 0 means no segments (no heads)
   index_t total = 0;
   index_t base = 0;

@@ -26,6 +26,13 @@
 
 namespace loom::scan::detail {
 
+//! A recurrence's aggregate [M, v, reset], in Acc units, padded to whole 64-byte lines.
+template <class Acc>
+constexpr index_t recurrence_agg_size(index_t a_size, index_t d) {
+  constexpr index_t line = 64 / static_cast<index_t>(sizeof(Acc));
+  return (a_size + d + 1 + line - 1) / line * line;
+}
+
 template <class St, class TA, class TB, class TH, class TI, class Acc>
 struct recurrence_kernel {
   using agg_type = Acc;
@@ -64,8 +71,7 @@ struct recurrence_kernel {
     carry_size = d;
     // [M, v, reset] padded to whole 64-byte lines, so the engine's arrays after the aggregates keep
     // the alignment of the state rows (the scratch rows are vectorized)
-    constexpr index_t line = 64 / static_cast<index_t>(sizeof(Acc));
-    agg_size = (St::a_size(d) + d + 1 + line - 1) / line * line;
+    agg_size = recurrence_agg_size<Acc>(St::a_size(d), d);
     scratch_size = 2 * St::a_size(d) + 2 * d;
   }
 
@@ -258,7 +264,7 @@ struct recurrence_kernel {
 //! fin[s] = init[s] (or zero) for every empty segment s.
 template <class TH, class TI>
 struct empty_segments_step {
-  const index_t* offsets;
+  offsets_ref offsets;
   const TI* init;
   index_t init_stride;
   TH* fin;

@@ -7,6 +7,7 @@
 #include <loom/core/concepts.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/overlap.hpp>
+#include <loom/core/segments.hpp>
 #include <loom/scan/options.hpp>
 
 #include <cstdint>
@@ -15,28 +16,12 @@
 
 namespace loom::scan::detail {
 
-//! Runs fn(T* ws) with `count` elements of scratch: the caller's workspace from `opt` when given
-//! (checked for size and alignment), else a temporary in B's memory space.
-template <class T, backend B, class Fn>
-void with_workspace(const B& b, const options& opt, index_t count, std::string_view call, Fn&& fn) {
-  const auto need = sizeof(T) * static_cast<std::size_t>(count);
-  if (opt.workspace != nullptr) {
-    LOOM_EXPECTS(opt.workspace_bytes >= need, errc::invalid_argument, call,
-                 ": options.workspace_bytes must be >= ", need, ", got ", opt.workspace_bytes);
-    LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(opt.workspace) % alignof(T) == 0, errc::invalid_argument, call,
-                 ": options.workspace must be aligned to ", alignof(T), " bytes");
-    fn(static_cast<T*>(opt.workspace));
-    return;
-  }
-  temporary_buffer<B, T> tmp(b, count);
-  fn(tmp.data());
-  fence(b);  // the temporary dies here: the work must be done with it
-}
-
-//! Checks the numbers of `opt` that every scan reads: block must be >= 0 (0 picks one).
-inline void check_options(const options& opt, std::string_view call) {
-  LOOM_EXPECTS(opt.block >= 0, errc::invalid_argument, call, ": options.block must be >= 0 (0 picks one), got ",
-               opt.block);
+//! The bytes of a segments' offsets as a view (for overlap checks; empty when implicit).
+template <memory_space Space>
+tensor_view<const std::byte, 1, Space> offsets_bytes(const loom::segments<Space>& docs) {
+  if (docs.implicit()) return {};
+  const index_t e = docs.wide() ? index_t{8} : index_t{4};
+  return tensor_view<const std::byte, 1, Space>(static_cast<const std::byte*>(docs.data()), {docs.size() * e});
 }
 
 //! Rejects an output view that shares memory with an input view: the result would depend on the
@@ -71,7 +56,8 @@ void check_recurrence_overlaps(const AV& a, const BV& bv, const HV& h, const Off
   check_no_overlap(fin, fn, h, hn, false, call);
 }
 
-//! Checks that `offsets` is a valid segmentation of n elements: offsets[0] == 0, non-decreasing,
+//! (Kept for loom/attention/local.hpp until it moves to loom::check_segments.) Checks that
+//! `offsets` is a valid segmentation of n elements: offsets[0] == 0, non-decreasing,
 //! offsets[S] == n. Only host-accessible offsets can be checked; device offsets are trusted.
 template <class V>
 void check_offsets(const V& offsets, index_t n, std::string_view call, std::string_view name = "offsets") {
