@@ -86,14 +86,11 @@ class plan {
   int ranks() const noexcept { return c_.ranks; }
   index_t token_begin() const noexcept { return c_.begin; }
   index_t tokens() const noexcept { return c_.tokens; }  //!< T_r, the slice's tokens
-  index_t heads() const noexcept { return c_.heads; }
-  index_t dk() const noexcept { return c_.dk; }
-  index_t dv() const noexcept { return c_.dv; }
-  index_t docs() const noexcept { return c_.docs; }  //!< documents of the whole sequence
+  index_t docs() const noexcept { return c_.docs; }      //!< documents of the whole sequence
   lasp2::exchange exchange() const noexcept {
     return c_.posted_exchange ? lasp2::exchange::posted : lasp2::exchange::all_gather;
   }
-  //! The chunk plan of this rank's slice.
+  //! The chunk plan of this rank's slice (heads(), dk(), dv(), chunk(), scale(), ...).
   const linear_attention::plan<P>& slice_plan() const noexcept { return c_.pl; }
   //! Bytes of workspace forward needs.
   std::size_t forward_workspace_bytes() const noexcept { return c_.fwd.bytes; }

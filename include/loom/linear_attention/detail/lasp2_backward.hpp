@@ -49,10 +49,10 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   const index_t H = wk.heads, sz = wk.sz, segs = s.segments(), dk = wk.dk, dv = wk.dv, tokens = wk.tokens;
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   const A* df = present(dfin) ? dfin.data() : nullptr;
-  A* init_loc = buf.init_loc;
-  A* dfin_loc = buf.dfin_loc;
-  A* dinit_loc = buf.dinit_loc;
-  A* fin_loc = buf.fin_loc;
+  A* init_loc = buf[blk::init_loc];
+  A* dfin_loc = buf[blk::dfin_loc];
+  A* dinit_loc = buf[blk::dinit_loc];
+  A* fin_loc = buf[blk::fin_loc];
   std::fill(dinit_loc, dinit_loc + segs * H * sz, A(0));
   std::fill(fin_loc, fin_loc + segs * H * sz, A(0));
   for (index_t k = 0; k < segs; ++k) {
@@ -75,7 +75,7 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   // The element passed to the left, y -> a y + M: identity for an empty slice; (product of the
   // gates, d state leaving the slice) when one document spans it; else a reset to the constant M
   // (the d state leaving segment 0, zero when the slice starts with a document).
-  state_exchange<C, A> ex(H, sz, wk.ranks, wk.posted_exchange, buf.send, buf.recv, buf.reqs);
+  state_exchange<C, A> ex(H, sz, wk.ranks, wk.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
   ex.clear();
   const bool pass = tokens == 0 || (s.continues_left && segs == 1);
   for (index_t h = 0; h < H; ++h) {
@@ -85,7 +85,7 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   ex.set_reset(!pass);  // a document starts here: what enters from the right stops at it
   ex.post(comm);
   ex.finish(comm);
-  A* y = buf.y;
+  A* y = buf[blk::y];
   std::fill(y, y + H * sz, A(0));
   for (int q = comm.size() - 1; q > comm.rank(); --q) ex.fold(q, y);
   if (s.continues_right) {

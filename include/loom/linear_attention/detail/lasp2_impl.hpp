@@ -11,6 +11,7 @@
 #include <loom/linear_attention/detail/slice.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -120,9 +121,13 @@ void copy_state(const A* src, A* dst, index_t sz) {
 //! / final states and their gradients [segments, H, dk, dv], the incoming state and adjoint
 //! [H, dk, dv], the fused schedule's scratch, the exchange's message, receive buffer and request
 //! slots, and the slice plan's workspace.
+namespace blk {
+//! The Accum blocks of a LASP-2 workspace, in layout order.
+enum : int { init_loc, fin_loc, xin, dfin_loc, dinit_loc, y, mid, start, tail, lg, cum, send, recv, count };
+}  // namespace blk
 struct lasp2_layout {
-  std::size_t init_loc = 0, fin_loc = 0, xin = 0, dfin_loc = 0, dinit_loc = 0, y = 0, mid = 0, start = 0, tail = 0,
-              lg = 0, cum = 0, send = 0, recv = 0, reqs = 0, kernels = 0, kernel_bytes = 0, bytes = 0;
+  std::array<std::size_t, blk::count> at{}, size{};  //!< byte offsets and element counts of the Accum blocks
+  std::size_t reqs = 0, kernels = 0, kernel_bytes = 0, bytes = 0;
 };
 
 //! What a LASP-2 plan derives from the shapes, the documents and the slice (built once, in
@@ -145,19 +150,24 @@ struct lasp2_core {
     const index_t states = s.segments() * heads * sz, one = heads * sz;
     const index_t n = ranks > 1 && pl.docs() > 0 ? plan_access::table(pl).doc_chunk[1] * heads : 0;
     const index_t msg = heads * (1 + sz) + 1;
-    w.init_loc = l.add<A>(states);
-    w.fin_loc = l.add<A>(states);
-    w.xin = l.add<A>(one);
-    w.dfin_loc = l.add<A>(backward ? states : 0);
-    w.dinit_loc = l.add<A>(backward ? states : 0);
-    w.y = l.add<A>(backward ? one : 0);
-    w.mid = l.add<A>(backward || ranks == 1 ? 0 : one);
-    w.start = l.add<A>(backward || ranks == 1 ? 0 : one);
-    w.tail = l.add<A>(backward || ranks == 1 ? 0 : one);
-    w.lg = l.add<A>(backward ? 0 : n);
-    w.cum = l.add<A>(backward ? 0 : n);
-    w.send = l.add<A>(msg);
-    w.recv = l.add<A>(msg * ranks);
+    const bool fwd_scratch = !backward && ranks > 1;
+    const index_t sizes[blk::count] = {states,
+                                       states,
+                                       one,
+                                       backward ? states : 0,
+                                       backward ? states : 0,
+                                       backward ? one : 0,
+                                       fwd_scratch ? one : 0,
+                                       fwd_scratch ? one : 0,
+                                       fwd_scratch ? one : 0,
+                                       backward ? 0 : n,
+                                       backward ? 0 : n,
+                                       msg,
+                                       msg * ranks};
+    for (int i = 0; i < blk::count; ++i) {
+      w.at[static_cast<std::size_t>(i)] = l.add<A>(sizes[i]);
+      w.size[static_cast<std::size_t>(i)] = static_cast<std::size_t>(sizes[i]);
+    }
     w.reqs = l.add<std::byte>(
         posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
     w.kernel_bytes = backward ? pl.backward_workspace_bytes() : pl.forward_workspace_bytes();
@@ -185,10 +195,11 @@ struct lasp2_core {
 //! One call's buffers, carved from the caller's workspace at the pass's layout.
 template <class A>
 struct lasp2_buffers {
-  A *init_loc, *fin_loc, *xin, *dfin_loc, *dinit_loc, *y, *send, *recv;
-  void* reqs;
+  std::array<std::span<A>, blk::count> at;
+  void* reqs = nullptr;
   incoming_scratch<A> inc;
   std::span<std::byte> kernels;
+  A* operator[](int i) const noexcept { return at[static_cast<std::size_t>(i)].data(); }
 };
 
 template <class P>
@@ -198,25 +209,10 @@ lasp2_buffers<typename P::accum_type> carve_lasp2(const lasp2_core<P>& c, std::s
   const lasp2_layout& l = backward ? c.bwd : c.fwd;
   check_workspace(ws, l.bytes, call);
   const workspace_carver k(ws);
-  lasp2_buffers<A> b{};
-  b.init_loc = k.at<A>(l.init_loc);
-  b.fin_loc = k.at<A>(l.fin_loc);
-  b.xin = k.at<A>(l.xin);
-  b.dfin_loc = k.at<A>(l.dfin_loc);
-  b.dinit_loc = k.at<A>(l.dinit_loc);
-  b.y = k.at<A>(l.y);
-  b.send = k.at<A>(l.send);
-  b.recv = k.at<A>(l.recv);
+  lasp2_buffers<A> b;
+  for (std::size_t i = 0; i < b.at.size(); ++i) b.at[i] = std::span<A>(k.at<A>(l.at[i]), l.size[i]);
   b.reqs = k.at<std::byte>(l.reqs);
-  if (!backward && c.ranks > 1) {
-    const auto one = static_cast<std::size_t>(c.heads * c.sz);
-    const auto n = static_cast<std::size_t>(c.pl.docs() > 0 ? plan_access::table(c.pl).doc_chunk[1] * c.heads : 0);
-    b.inc = {{k.at<A>(l.mid), one},
-             {k.at<A>(l.start), one},
-             {k.at<A>(l.tail), one},
-             {k.at<A>(l.lg), n},
-             {k.at<A>(l.cum), n}};
-  }
+  b.inc = {b.at[blk::mid], b.at[blk::start], b.at[blk::tail], b.at[blk::lg], b.at[blk::cum]};
   b.kernels = ws.subspan(l.kernels, l.kernel_bytes);
   return b;
 }
@@ -248,9 +244,9 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
   const auto& cu = w.cu;
   const index_t H = w.heads, sz = w.sz, segs = s.segments();
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
-  A* init_loc = buf.init_loc;
-  A* fin_loc = buf.fin_loc;
-  A* xin = buf.xin;
+  A* init_loc = buf[blk::init_loc];
+  A* fin_loc = buf[blk::fin_loc];
+  A* xin = buf[blk::xin];
   std::fill(fin_loc, fin_loc + segs * H * sz, A(0));
   std::fill(xin, xin + H * sz, A(0));
   for (index_t g = 0; g < segs; ++g)
@@ -266,7 +262,7 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
     // when the plan says so, without a chunk-state buffer).
     run_forward(b, w.pl, gating, xl, o, view_of<A, 4>(fin_loc, {segs, H, w.dk, w.dv}), buf.kernels);
   } else {
-    state_exchange<C, A> ex(H, sz, w.ranks, w.posted_exchange, buf.send, buf.recv, buf.reqs);
+    state_exchange<C, A> ex(H, sz, w.ranks, w.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
     ex.clear();
     const bool reset = !(s.continues_left && segs == 1) && w.tokens > 0;
     // Only later ranks fold this rank's element; the last rank's is never read (it sends a = 1,
