@@ -26,7 +26,7 @@ void check_backward_call(const C& comm, const lasp2_core<P>& wk, const Gating& g
   if (present(dfin)) expect_extents(dfin, {wk.docs, H, dk, dv}, "d_final_state");
   check_state_out(g.d_initial_state, wk.docs, H, dk, dv, "d_initial_state");
   LOOM_EXPECTS(!wk.s.continues_left || present(incoming), errc::invalid_argument,
-               "incoming_state: expected the [H, dk, dv] state lasp2_forward returned on this rank (the slice "
+               "incoming_state: expected the [H, dk, dv] state lasp2::forward returned on this rank (the slice "
                "continues a document from an earlier rank)");
   if (present(incoming)) expect_extents(incoming, {H, dk, dv}, "incoming_state");
 }
