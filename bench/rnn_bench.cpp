@@ -1,7 +1,7 @@
 // The Newton solver of include/loom/rnn/ against the tight sequential loop of the same cell.
 //
 // rnn.sequential/T:t/d:d         the loop h_t = f(h_{t-1}, x_t) of para_gru<float>, one thread
-// rnn.newton/T:t/d:d/threads:n   newton_solve (full Newton = diagonal scan for this cell), openmp
+// rnn.newton/T:t/d:d/threads:n   rnn::forward with a plan (full Newton = diagonal scan for this cell), openmp
 //                                n threads, tolerance 1e-4 abs + 1e-4 rel, from zeros. Counters:
 //                                iterations (linear solves), converged (1 when all converged)
 // rnn.sp/T:t/d:d/P:p             the sequence-parallel solve over comm::local, p ranks of one
@@ -36,8 +36,8 @@ struct problem {
   lr::para_gru<float> cell() const { return {theta.data(), d}; }
 };
 
-lr::options<> solver_options() {
-  lr::options<> o;
+lr::options solver_options() {
+  lr::options o;
   o.abs_tol = 1e-4;
   o.rel_tol = 1e-4;
   o.max_iterations = 30;
@@ -63,11 +63,13 @@ void sequential(benchmark::State& st) {
 void newton(benchmark::State& st) {
   problem p(st.range(0), st.range(1));
   const loom::openmp b{.threads = static_cast<int>(st.range(2))};
-  lr::report rep;
+  const auto plan = lr::make_plan(b, p.cell(), p.n, loom::segments<>{}, solver_options());
+  const loom::workspace_buffer ws(plan.workspace_bytes());
+  lr::report rep(plan);
   for (auto _ : st) {
-    rep = lr::newton_solve(b, p.cell(), loom::tensor_view<const float, 2>(p.x.data(), {p.n, 3 * p.d}),
-                           loom::tensor_view<const float, 2>{}, loom::tensor_view<float, 2>(p.h.data(), {p.n, p.d}),
-                           solver_options());
+    lr::forward(b, plan, p.cell(), loom::tensor_view<const float, 2>(p.x.data(), {p.n, 3 * p.d}),
+                loom::tensor_view<const float, 2>{}, loom::tensor_view<float, 2>(p.h.data(), {p.n, p.d}), rep,
+                ws.span());
   }
   st.counters["newton_iterations"] = rep.iterations;
   st.counters["converged"] = rep.all_converged() ? 1 : 0;
@@ -80,10 +82,10 @@ void sp(benchmark::State& st) {
   for (auto _ : st) {
     loom::comm::run_local(ranks, [&](loom::comm::local& comm) {
       const index_t b = p.n * comm.rank() / ranks, e = p.n * (comm.rank() + 1) / ranks;
-      const auto rep = lr::newton_solve(
+      const auto rep = lr::forward(
           loom::serial{}, comm, p.cell(), loom::tensor_view<const float, 2>(p.x.data() + b * 3 * p.d, {e - b, 3 * p.d}),
           loom::tensor_view<const float, 2>{}, loom::tensor_view<float, 2>(p.h.data() + b * p.d, {e - b, p.d}),
-          solver_options());
+          loom::segments<>{}, solver_options());
       if (comm.rank() == 0) iterations = rep.iterations;
     });
   }

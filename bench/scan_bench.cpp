@@ -88,8 +88,10 @@ void loom_plus(benchmark::State& state) {
   const loom::openmp b{static_cast<int>(state.range(0))};
   const loom::tensor_view<const float, 1> in(d.x.p, {static_cast<loom::index_t>(n)});
   const loom::tensor_view<float, 1> out(d.y.p, {static_cast<loom::index_t>(n)});
+  const auto plan = ls::make_plan(b, ls::plus<float>{}, static_cast<loom::index_t>(n));
+  const loom::workspace_buffer ws(plan.workspace_bytes());
   for (auto _ : state) {
-    ls::inclusive_scan(b, ls::plus<float>{}, in, out);
+    ls::inclusive_scan(b, plan, in, out, ws.span());
     benchmark::ClobberMemory();
   }
   set_bytes(state, 8.0 * n);
@@ -109,8 +111,10 @@ void loom_affine(benchmark::State& state) {
   const loom::openmp b{static_cast<int>(state.range(0))};
   const loom::tensor_view<const ls::affine_pair<float>, 1> in(d.pairs.p, {static_cast<loom::index_t>(n)});
   const loom::tensor_view<ls::affine_pair<float>, 1> out(d.pairs_out.p, {static_cast<loom::index_t>(n)});
+  const auto plan = ls::make_plan(b, ls::affine<float>{}, static_cast<loom::index_t>(n));
+  const loom::workspace_buffer ws(plan.workspace_bytes());
   for (auto _ : state) {
-    ls::inclusive_scan(b, ls::affine<float>{}, in, out);
+    ls::inclusive_scan(b, plan, in, out, ws.span());
     benchmark::ClobberMemory();
   }
   set_bytes(state, 16.0 * n);
@@ -123,8 +127,10 @@ void loom_diagonal(benchmark::State& state) {
   const loom::tensor_view<const float, 2> a(d.decay.p, {steps, dim});
   const loom::tensor_view<const float, 2> bv(d.x.p, {steps, dim});
   const loom::tensor_view<float, 2> h(d.y.p, {steps, dim});
+  const auto plan = ls::make_plan(b, ls::diagonal{}, steps, dim);
+  const loom::workspace_buffer ws(plan.workspace_bytes());
   for (auto _ : state) {
-    ls::linear_recurrence(b, ls::diagonal{}, a, bv, h);
+    ls::linear_recurrence(b, plan, a, bv, h, ws.span());
     benchmark::ClobberMemory();
   }
   set_bytes(state, 12.0 * n);

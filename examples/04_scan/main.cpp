@@ -3,7 +3,7 @@
 // packed batch of documents whose boundaries reset the state. The packed sequence is sharded
 // unevenly over the ranks, documents cross rank boundaries, and every rank gets its slice of the
 // result from one all_gather of per-rank aggregates (loom::scan::linear_recurrence over a
-// communicator). The backward pass runs the adjoint recurrence the same way. Both are checked
+// communicator, through a plan made once). The backward pass runs the adjoint recurrence the same way. Both are checked
 // against the sequential loop.
 //
 //   loom.example.scan [ranks = 4]                 in-process ranks (comm::local)
@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -79,16 +80,19 @@ double run_rank(Comm& comm, const problem& p, const std::vector<double>& h_ref, 
   const loom::index_t lo = T * r * r / (ranks * ranks), hi = T * (r + 1) * (r + 1) / (ranks * ranks);  // uneven
   const loom::index_t n = hi - lo;
   std::vector<float> h(static_cast<std::size_t>(n * d)), lam(h.size());
-  const loom::tensor_view<const loom::index_t, 1> cu(p.cu_seqlens.data(),
-                                                     {static_cast<loom::index_t>(p.cu_seqlens.size())});
+  // FlashAttention-style int32 offsets work as they are (int64 too): no copy.
+  const std::vector<std::int32_t> cu32(p.cu_seqlens.begin(), p.cu_seqlens.end());
+  const loom::segments docs{std::span<const std::int32_t>(cu32)};
   const loom::tensor_view<const float, 2> a(p.a.data() + lo * d, {n, d});
   namespace ls = loom::scan;
-  ls::linear_recurrence(loom::serial{}, comm, ls::diagonal{}, a,
-                        loom::tensor_view<const float, 2>(p.b.data() + lo * d, {n, d}),
-                        loom::tensor_view<float, 2>(h.data(), {n, d}), ls::segments<float>{cu, {}, {}});
-  ls::linear_recurrence_adjoint(
-      loom::serial{}, comm, ls::diagonal{}, a, loom::tensor_view<const float, 2>(p.g.data() + lo * d, {n, d}),
-      loom::tensor_view<float, 2>(lam.data(), {n, d}), ls::adjoint_segments<float>{cu, {}, {}});
+  // One plan (the cross-rank agreement runs here, once), one workspace, any number of calls.
+  const auto plan = ls::make_plan(loom::serial{}, comm, ls::diagonal{}, n, d, docs);
+  loom::workspace_buffer ws(plan.workspace_bytes());
+  ls::linear_recurrence(loom::serial{}, comm, plan, a, loom::tensor_view<const float, 2>(p.b.data() + lo * d, {n, d}),
+                        loom::tensor_view<float, 2>(h.data(), {n, d}), ws.span());
+  ls::linear_recurrence_adjoint(loom::serial{}, comm, plan, a,
+                                loom::tensor_view<const float, 2>(p.g.data() + lo * d, {n, d}),
+                                loom::tensor_view<float, 2>(lam.data(), {n, d}), ws.span());
   double err = 0;
   for (loom::index_t i = 0; i < n * d; ++i) {
     const auto k = static_cast<std::size_t>(lo * d + i);

@@ -1,8 +1,9 @@
 // A ParaGRU-style layer (loom::rnn::para_gru: GRU gates with a diagonal recurrence, inputs
 // pre-projected) over a packed batch of sequences whose boundaries reset the state to their own
 // h0. Nothing is trained: the point is that the whole sequence is solved at once by Newton's
-// method (each iteration one parallel linear-recurrence scan, loom::rnn::newton_solve on openmp)
-// and that it matches the step-by-step loop (loom::rnn::sequential_solve). The solver's report
+// method (each iteration one parallel linear-recurrence scan, loom::rnn::forward on openmp, with
+// a plan made once and a workspace the caller owns) and that it matches the step-by-step loop
+// (loom::rnn::sequential). The solver's report
 // (iterations, residual history, termination reason, fallback) and the timings are printed.
 // Then the same layer is solved sequence-parallel: the packed sequence is sharded unevenly over
 // ranks, sequences cross rank boundaries, every Newton step's linear solve is the cross-rank scan
@@ -49,14 +50,15 @@ struct problem {
   index_t tokens() const { return cu_seqlens.back(); }
   index_t sequences() const { return static_cast<index_t>(cu_seqlens.size()) - 1; }
   lr::para_gru<float> cell() const { return {theta.data(), d}; }
-  lr::options<> opts() const {
-    lr::options<> o;
+  lr::options opts() const {
+    lr::options o;
     o.abs_tol = solver_tol;
     o.rel_tol = solver_tol;
     o.max_iterations = 30;
-    o.cu_seqlens = loom::tensor_view<const index_t, 1>(cu_seqlens.data(), {sequences() + 1});
     return o;
   }
+  //! The packed sequences (global offsets, int64; int32 offsets work as well).
+  loom::segments<> docs() const { return loom::segments{std::span<const index_t>(cu_seqlens)}; }
 };
 
 problem make_problem() {
@@ -126,10 +128,13 @@ rank_result run_rank(Comm& comm, const problem& p, const std::vector<float>& ref
   comm.barrier();
   const auto t0 = std::chrono::steady_clock::now();
   rank_result out;
-  out.rep = lr::newton_solve(loom::serial{}, comm, p.cell(),
-                             loom::tensor_view<const float, 2>(p.x.data() + lo * 3 * d, {n, 3 * d}),
-                             loom::tensor_view<const float, 2>(p.h0.data(), {p.sequences(), d}),
-                             loom::tensor_view<float, 2>(h.data(), {n, d}), p.opts());
+  const auto plan = lr::make_plan(loom::serial{}, comm, p.cell(), n, p.docs(), p.opts());  // agrees once
+  loom::workspace_buffer ws(plan.workspace_bytes());
+  out.rep = lr::report(plan);
+  lr::forward(loom::serial{}, comm, plan, p.cell(),
+              loom::tensor_view<const float, 2>(p.x.data() + lo * 3 * d, {n, 3 * d}),
+              loom::tensor_view<const float, 2>(p.h0.data(), {p.sequences(), d}),
+              loom::tensor_view<float, 2>(h.data(), {n, d}), out.rep, ws.span());
   comm.barrier();
   out.secs = seconds_since(t0);
   out.err = max_error(h.data(), ref, lo, n);
@@ -147,7 +152,7 @@ int main(int argc, char** argv) {
 
   // The reference: the step-by-step loop, one thread.
   std::vector<float> ref(static_cast<std::size_t>(T * d));
-  lr::sequential_solve(loom::serial{}, p.cell(), x, h0, loom::tensor_view<float, 2>(ref.data(), {T, d}), p.opts());
+  lr::sequential(loom::serial{}, p.cell(), x, h0, loom::tensor_view<float, 2>(ref.data(), {T, d}), p.docs(), p.opts());
 
   // The sequence-parallel solve over ranks.
 #if defined(LOOM_EXAMPLE_MPI)
@@ -179,12 +184,14 @@ int main(int argc, char** argv) {
   // to the sequential loop.
   std::vector<float> h(static_cast<std::size_t>(T * d));
   auto t0 = std::chrono::steady_clock::now();
-  lr::sequential_solve(loom::serial{}, p.cell(), x, h0, loom::tensor_view<float, 2>(h.data(), {T, d}), p.opts());
+  lr::sequential(loom::serial{}, p.cell(), x, h0, loom::tensor_view<float, 2>(h.data(), {T, d}), p.docs(), p.opts());
   const double seq_secs = seconds_since(t0);
   const loom::openmp omp{};
+  const auto plan = lr::make_plan(omp, p.cell(), T, p.docs(), p.opts());
+  loom::workspace_buffer ws(plan.workspace_bytes());
+  lr::report rep(plan);
   t0 = std::chrono::steady_clock::now();
-  const lr::report rep =
-      lr::newton_solve(omp, p.cell(), x, h0, loom::tensor_view<float, 2>(h.data(), {T, d}), p.opts());
+  lr::forward(omp, plan, p.cell(), x, h0, loom::tensor_view<float, 2>(h.data(), {T, d}), rep, ws.span());
   const double newton_secs = seconds_since(t0);
   const double err = max_error(h.data(), ref, 0, T);
   const bool ok = err <= check_tol && rep.all_converged();
@@ -193,16 +200,16 @@ int main(int argc, char** argv) {
   std::printf("loom rnn example: a ParaGRU-style layer solved in parallel by Newton's method\n");
   std::printf("  %lld tokens in %lld packed sequences (state reset to each sequence's h0), hidden size %lld, fp32\n",
               static_cast<long long>(T), static_cast<long long>(S), static_cast<long long>(d));
-  std::printf("  newton_solve on openmp (%d threads), tolerance %.0e abs + %.0e rel:\n",
+  std::printf("  rnn::forward (Newton) on openmp (%d threads), tolerance %.0e abs + %.0e rel:\n",
               loom::backend_traits<loom::openmp>::concurrency(omp), solver_tol, solver_tol);
   print_report(rep);
-  std::printf("    against sequential_solve: max relative error %.3g (tolerance %.0e) %s\n", err, check_tol,
+  std::printf("    against rnn::sequential: max relative error %.3g (tolerance %.0e) %s\n", err, check_tol,
               ok ? "OK" : "FAILED");
-  std::printf("    time: newton_solve %.1f ms, sequential loop (1 thread) %.1f ms, newton / loop %.2f\n",
+  std::printf("    time: rnn::forward %.1f ms, sequential loop (1 thread) %.1f ms, newton / loop %.2f\n",
               newton_secs * 1e3, seq_secs * 1e3, newton_secs / seq_secs);
   std::printf("  sequence parallel over %d %s, uneven slices, sequences crossing ranks:\n", ranks, kind);
   print_report(dist.rep);
-  std::printf("    against sequential_solve: max relative error %.3g (tolerance %.0e) %s\n", dist.err, check_tol,
+  std::printf("    against rnn::sequential: max relative error %.3g (tolerance %.0e) %s\n", dist.err, check_tol,
               dist_ok ? "OK" : "FAILED");
   std::printf("    time (all ranks): %.1f ms\n", dist.secs * 1e3);
   std::printf(

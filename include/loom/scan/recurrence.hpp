@@ -36,6 +36,7 @@
 #include <loom/scan/scan.hpp>
 #include <loom/scan/structure.hpp>
 
+#include <algorithm>
 #include <span>
 #include <type_traits>
 
@@ -92,7 +93,7 @@ class recurrence_plan {
   index_t d_ = 0;
   loom::segments<Space> docs_{};
   options opt_{};
-  detail::blocking blk_{};
+  detail::blocking blk_{}, blk_float_{};  //!< blocks for the accumulation type (deduced: double, float)
   detail::cross_rank cr_{};
   std::size_t bytes_ = 0;
 };
@@ -164,18 +165,28 @@ struct recurrence_access {
     p.d_ = d;
     p.docs_ = loom::check_segments(docs, w.total, call, "docs");
     p.opt_ = opt;
-    p.blk_ = make_blocking(w.count, opt.block, static_cast<index_t>(sizeof(PA)) * (St::a_size(d) + 2 * d));
+    const index_t as = St::a_size(d);
+    p.blk_ = make_blocking(w.count, opt.block, static_cast<index_t>(sizeof(PA)) * (as + 2 * d));
+    // deduced precision: float storage blocks as a float plan would (same bits as before)
+    p.blk_float_ = std::is_void_v<Acc>
+                       ? make_blocking(w.count, opt.block, static_cast<index_t>(sizeof(float)) * (as + 2 * d))
+                       : p.blk_;
     p.cr_.w = w;
-    const index_t agg = recurrence_agg_size<PA>(St::a_size(d), d);
+    const index_t agg = recurrence_agg_size<PA>(as, d);
+    const std::size_t eng = std::max(
+        sizeof(PA) * static_cast<std::size_t>(layout{tile_of(b, p.blk_), d, agg, 2 * as + 2 * d}.size()),
+        sizeof(float) *
+            static_cast<std::size_t>(
+                layout{tile_of(b, p.blk_float_), d, recurrence_agg_size<float>(as, d), 2 * as + 2 * d}.size()));
     workspace_layout lay;
-    lay.add<PA>(layout{tile_of(b, p.blk_), d, agg, 2 * St::a_size(d) + 2 * d}.size());
+    lay.add<std::byte>(static_cast<index_t>(eng));
     extra(p.cr_, lay, agg, d, sizeof(PA));
     p.bytes_ = lay.bytes();
     return p;
   }
-  template <class Plan>
+  template <class A, class Plan>
   static const blocking& blocks(const Plan& p) {
-    return p.blk_;
+    return std::is_void_v<typename Plan::accum_type> && std::is_same_v<A, float> ? p.blk_float_ : p.blk_;
   }
   template <class Plan>
   static const cross_rank& rank_part(const Plan& p) {
@@ -213,7 +224,7 @@ void with_recurrence_kernel(const Plan& p, AV a, BV bv, HV h, InitV init, FinV f
   const K k(a.data(), a.stride(0), bv.data(), bv.stride(0), h.data(), h.stride(0),
             data_or_null(init.data(), init.size()), init.stride(0), data_or_null(fin.data(), fin.size()), fin.stride(0),
             hd, d, adjoint, hd.base == 0);
-  fn(k, recurrence_access::blocks(p));
+  fn(k, recurrence_access::blocks<Acc>(p));
 }
 
 //! Final values of empty documents (their initial values); `total` is the global length.
