@@ -79,9 +79,6 @@ struct access;
 template <precision_policy P = fp32>
 class plan {
  public:
-  using precision = P;
-  using accum_type = typename P::accum_type;
-
   int rank() const noexcept { return c_.rank; }
   int ranks() const noexcept { return c_.ranks; }
   index_t token_begin() const noexcept { return c_.begin; }
@@ -90,7 +87,7 @@ class plan {
   lasp2::exchange exchange() const noexcept {
     return c_.posted_exchange ? lasp2::exchange::posted : lasp2::exchange::all_gather;
   }
-  //! The chunk plan of this rank's slice (heads(), dk(), dv(), chunk(), scale(), ...).
+  //! The chunk plan of this rank's slice (precision, heads(), dk(), dv(), chunk(), scale(), ...).
   const linear_attention::plan<P>& slice_plan() const noexcept { return c_.pl; }
   //! Bytes of workspace forward needs.
   std::size_t forward_workspace_bytes() const noexcept { return c_.fwd.bytes; }

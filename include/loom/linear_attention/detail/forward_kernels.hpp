@@ -372,6 +372,37 @@ struct chunk_steps {
     }
   }
 
+  //! Work item `item` of a kernel over (unit, head group) items, units counted from `first`: the
+  //! unit (a chunk or a document), the group's first head and its number of heads.
+  struct group_item {
+    index_t unit, h0, g;
+  };
+  LOOM_HD group_item item_of(index_t item, index_t first) const {
+    const index_t h0 = item % p.groups * p.group;
+    return {first + item / p.groups, h0, h0 + p.group < p.heads ? p.group : p.heads - h0};
+  }
+
+  //! The gates of heads h0 .. h0 + g for one chunk (see gates()).
+  LOOM_HD void all_gates(const chunk_info& ch, index_t h0, index_t g, int* mode) const {
+    for (index_t s = 0; s < g; ++s) mode[s] = gates(ch, s, h0 + s);
+  }
+
+  //! Document d's chunks within [c_lo, c_hi).
+  struct chunk_range {
+    index_t begin, end;
+  };
+  LOOM_HD chunk_range chunks_of(index_t d, index_t c_lo, index_t c_hi) const {
+    return {p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo, p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi};
+  }
+
+  //! Chunk ci for heads h0 .. h0 + g: its gates (mode) and its staged rows (stage()).
+  LOOM_HD chunk_info begin_chunk(index_t ci, index_t h0, index_t g, int* mode, bool with_queries) const {
+    const chunk_info ch = p.chunks[ci];
+    all_gates(ch, h0, g, mode);
+    stage(ch, h0, g, mode, with_queries);
+    return ch;
+  }
+
   //! The states of heads h0 .. h0 + g of document d from `init` [docs, H, dk, dv] (null: zero).
   LOOM_HD void start_states(const A* init, index_t d, index_t h0, index_t g) const {
     for (index_t s = 0; s < g; ++s)
@@ -406,12 +437,9 @@ struct chunk_state_kernel {
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < p.n_chunks * p.groups; item += p.lanes) {
-      const index_t ci = item / p.groups, h0 = item % p.groups * p.group;
-      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
-      const chunk_info ch = p.chunks[ci];
+      const auto [ci, h0, g] = st.item_of(item, 0);
+      const chunk_info ch = st.begin_chunk(ci, h0, g, mode, false);
       const index_t n = ch.end - ch.begin;
-      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
-      st.stage(ch, h0, g, mode, false);
       for (index_t s = 0; s < g; ++s) {
         st.chunk_state(n, s, mode[s]);
         A* out = p.state(ci, h0 + s);
@@ -476,12 +504,9 @@ struct output_kernel {
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
-      const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
-      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
-      const chunk_info ch = p.chunks[ci];
+      const auto [ci, h0, g] = st.item_of(item, first);
+      const chunk_info ch = st.begin_chunk(ci, h0, g, mode, true);
       const index_t n = ch.end - ch.begin;
-      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
-      st.stage(ch, h0, g, mode, true);
       for (index_t s = 0; s < g; ++s) {
         const index_t h = h0 + s;
         st.scores(ch, s, mode[s]);
@@ -513,16 +538,13 @@ struct state_scan_kernel {
     A before[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
-      const index_t d = item / p.groups, h0 = item % p.groups * p.group;
-      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      const auto [d, h0, g] = st.item_of(item, 0);
       st.start_states(init, d, h0, g);
       for (index_t s = 0; s < g; ++s) before[s] = A(0);
-      const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
-      for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
-        const chunk_info ch = p.chunks[ci];
+      const auto range = st.chunks_of(d, c_lo, c_hi);
+      for (index_t ci = range.begin; ci < range.end; ++ci) {
+        const chunk_info ch = st.begin_chunk(ci, h0, g, mode, false);
         const index_t n = ch.end - ch.begin;
-        for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
-        st.stage(ch, h0, g, mode, false);
         for (index_t s = 0; s < g; ++s) {
           const index_t h = h0 + s;
           A* s0 = l.s0(s);
@@ -561,15 +583,12 @@ struct fused_kernel {
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
-      const index_t d = first + item / p.groups, h0 = item % p.groups * p.group;
-      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      const auto [d, h0, g] = st.item_of(item, first);
       st.start_states(init, d, h0, g);
-      const index_t c_end = p.doc_chunk[d + 1] < c_hi ? p.doc_chunk[d + 1] : c_hi;
-      for (index_t ci = p.doc_chunk[d] > c_lo ? p.doc_chunk[d] : c_lo; ci < c_end; ++ci) {
-        const chunk_info ch = p.chunks[ci];
+      const auto range = st.chunks_of(d, c_lo, c_hi);
+      for (index_t ci = range.begin; ci < range.end; ++ci) {
+        const chunk_info ch = st.begin_chunk(ci, h0, g, mode, true);
         const index_t n = ch.end - ch.begin;
-        for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
-        st.stage(ch, h0, g, mode, true);
         for (index_t s = 0; s < g; ++s) {
           st.scores(ch, s, mode[s]);
           st.output(n, s);
@@ -603,11 +622,10 @@ struct incoming_kernel {
     const chunk_steps<S, A, Space> st(p, l);
     const index_t kp = l.kp, vp = l.vp, sz = p.dk * p.dv;
     for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
-      const index_t ci = first + item / p.groups, h0 = item % p.groups * p.group;
-      const index_t g = h0 + p.group < p.heads ? p.group : p.heads - h0;
+      const auto [ci, h0, g] = st.item_of(item, first);
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin, rows = round_up(n, tile_rows);
-      for (index_t s = 0; s < g; ++s) mode[s] = st.gates(ch, s, h0 + s);
+      st.all_gates(ch, h0, g, mode);
       for (index_t i = 0; i < n; ++i)
         for (index_t s = 0; s < g; ++s)
           load_row(l.qs(s) + i * kp, p.q, ch.begin + i, h0 + s, p.dk, kp, mode[s] != 0 ? p.scale * l.u(s)[i] : p.scale);
