@@ -4,7 +4,10 @@
 // one all-to-all, runs the local kernel and turns the output back. The hybrid splits the ranks
 // into Ulysses groups of 2 and a ring across them (when the rank count is even and >= 4). Both run
 // forward and backward; the gathered outputs and gradients are compared with
-// loom::attention::forward / backward on the whole sequence. The planner's choice for a larger
+// loom::attention::forward / backward on the whole sequence. Every method is planned once
+// (make_plan: the agreement across ranks, the head split, the workspace layout) and then run on
+// a caller-owned workspace, allocating nothing per call. Finally loom::sequence_parallel picks a
+// strategy for this layer with the planner's cost model and runs the pick; its choice for a larger
 // layer is printed with its explanation.
 //
 //   loom.example.ulysses [ranks = 4]        in-process ranks (comm::local)
@@ -27,7 +30,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -38,30 +43,54 @@ using example::results;
 using example::run_rank;
 constexpr index_t hq = 12, hkv = 2, dim = 32;
 
-// Both methods on one rank.
+// Ulysses, the hybrid (when the rank count is even and >= 4) and the planner's pick on one rank.
 template <class Comm>
-void run_both(Comm& comm, const example::batch& in, results& uly, results& hyb, bool hybrid_too) {
+void run_all(Comm& comm, const example::batch& in, results& uly, results& hyb, results& pick, bool hybrid_too,
+             std::string& choice) {
+  const loom::serial b{};
   const int me = comm.rank(), p = comm.size();
-  const auto plan = loom::shard::make_plan(std::span<const index_t>(in.cu), p, loom::shard::contiguous{});
+  const la::ulysses::shape s{hq, hkv, dim, dim};
+  const loom::segments docs{std::span<const index_t>(in.cu)};
+
+  // Ulysses: the sequence sharded contiguously; one plan, one workspace for forward and backward.
+  const auto seq = loom::shard::make_plan(docs, p, loom::shard::contiguous{});
+  const auto up = la::ulysses::make_plan<loom::fp32>(b, comm, seq, s);
+  loom::workspace_buffer ws(up.workspace_bytes());
   run_rank(
-      me, in, plan, plan.rank(me).tokens, uly,
-      [&](auto q, auto k, auto v, auto o, auto l) { la::ulysses::forward(loom::serial{}, comm, plan, q, k, v, o, l); },
+      me, in, seq, seq.rank(me).tokens, uly,
+      [&](auto q, auto k, auto v, auto o, auto l) { la::ulysses::forward(b, comm, up, q, k, v, o, l, ws.span()); },
       [&](auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv) {
-        la::ulysses::backward(loom::serial{}, comm, plan, q, k, v, o, l, d, dq, dk, dv);
+        la::ulysses::backward(b, comm, up, q, k, v, o, l, d, dq, dk, dv, ws.span());
       });
-  if (!hybrid_too) return;
-  const la::hybrid::plan hp(std::span<const index_t>(in.cu), {2, p / 2}, loom::shard::zigzag{}, {hq, hkv, dim, dim});
-  auto groups = la::hybrid::split(comm, hp);
-  std::vector<std::max_align_t> ws(hp.workspace_bytes<float>() / sizeof(std::max_align_t) + 1);
-  const auto wsb = std::as_writable_bytes(std::span(ws));
+
+  // Hybrid 2 x (P / 2): the ring sharding (zigzag over P / 2 ring ranks) fixes the grid.
+  if (hybrid_too) {
+    const auto ring = loom::shard::make_plan(docs, p / 2, loom::shard::zigzag{});
+    const auto hp = la::hybrid::make_plan<loom::fp32>(b, comm, ring, s);
+    loom::workspace_buffer hws(hp.workspace_bytes());
+    run_rank(
+        me, in, hp, hp.tokens(me), hyb,
+        [&](auto q, auto k, auto v, auto o, auto l) { la::hybrid::forward(b, comm, hp, q, k, v, o, l, hws.span()); },
+        [&](auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv) {
+          la::hybrid::backward(b, comm, hp, q, k, v, o, l, d, dq, dk, dv, hws.span());
+        });
+  }
+
+  // The planner's pick for this layer, on a machine model of 400 TFLOP/s, 50 GB/s links and
+  // 450 GB/s inside nodes of 8 ranks; the rows each rank holds depend on the pick.
+  loom::sequence_parallel::options o;
+  o.machine = {400e12, 50e9, 8, 450e9};
+  const auto sp = loom::sequence_parallel::make_plan<loom::fp32>(b, comm, docs, s, o);
+  loom::workspace_buffer sws(sp.workspace_bytes());
   run_rank(
-      me, in, hp, hp.tokens(me), hyb,
-      [&](auto q, auto k, auto v, auto o, auto l) {
-        la::hybrid::forward(loom::serial{}, groups, hp, q, k, v, o, l, {}, wsb);
+      me, in, sp, sp.tokens(me), pick,
+      [&](auto q, auto k, auto v, auto o2, auto l) {
+        loom::sequence_parallel::forward(b, comm, sp, q, k, v, o2, l, sws.span());
       },
-      [&](auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv) {
-        la::hybrid::backward(loom::serial{}, groups, hp, q, k, v, o, l, d, dq, dk, dv, {}, wsb);
+      [&](auto q, auto k, auto v, auto o2, auto l, auto d, auto dq, auto dk, auto dv) {
+        loom::sequence_parallel::backward(b, comm, sp, q, k, v, o2, l, d, dq, dk, dv, sws.span());
       });
+  choice = sp.choice().explain();
 }
 
 }  // namespace
@@ -70,7 +99,8 @@ int main(int argc, char** argv) {
   // documents of 700, 1, 799, 88, 433 tokens
   const example::batch in({hq, hkv, dim}, {0, 700, 701, 1500, 1588, 2021}, 5);
   const index_t t = in.tokens();
-  results uly(in), hyb(in);
+  results uly(in), hyb(in), pick(in);
+  std::string choice;
 #if defined(LOOM_EXAMPLE_MPI)
   MPI_Init(&argc, &argv);
   int ranks = 0, me = 0;
@@ -78,8 +108,8 @@ int main(int argc, char** argv) {
     loom::comm::mpi comm(MPI_COMM_WORLD);
     ranks = comm.size();
     me = comm.rank();
-    run_both(comm, in, uly, hyb, ranks >= 4 && ranks % 2 == 0);
-    for (auto* r : {&uly, &hyb}) example::sum_over_ranks(comm, *r);
+    run_all(comm, in, uly, hyb, pick, ranks >= 4 && ranks % 2 == 0, choice);
+    for (auto* r : {&uly, &hyb, &pick}) example::sum_over_ranks(comm, *r);
   }
   MPI_Finalize();
   const char* kind = "MPI ranks (comm::mpi)";
@@ -89,14 +119,20 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s [1 <= ranks <= %lld]\n", argv[0], static_cast<long long>(hq));
     return 2;
   }
-  loom::comm::run_local(ranks,
-                        [&](loom::comm::local& comm) { run_both(comm, in, uly, hyb, ranks >= 4 && ranks % 2 == 0); });
+  std::mutex mu;
+  loom::comm::run_local(ranks, [&](loom::comm::local& comm) {
+    std::string mine;
+    run_all(comm, in, uly, hyb, pick, ranks >= 4 && ranks % 2 == 0, mine);
+    const std::lock_guard<std::mutex> lock(mu);
+    if (comm.rank() == 0) choice = mine;
+  });
   const char* kind = "in-process ranks (comm::local)";
 #endif
   const bool hybrid_too = ranks >= 4 && ranks % 2 == 0;
   const results one = example::single_device(in);
   const double eu = example::max_rel_error(uly, one), eh = hybrid_too ? example::max_rel_error(hyb, one) : 0.0;
-  const bool ok = eu <= 2e-5 && eh <= 2e-5;
+  const double ep = example::max_rel_error(pick, one);
+  const bool ok = eu <= 2e-5 && eh <= 2e-5 && ep <= 2e-5;
   if (me == 0) {
     std::printf("loom sequence parallel attention over %d %s\n", ranks, kind);
     std::printf("  %lld tokens in %zu causal documents, %lld q heads / %lld kv heads, dim %lld, fp32\n",
@@ -105,6 +141,7 @@ int main(int argc, char** argv) {
     std::printf("  ulysses (P = %d): out, dq, dk, dv max relative error %.3g vs single device (tolerance 2e-5)\n",
                 ranks, eu);
     if (hybrid_too) std::printf("  hybrid 2 x %d (zigzag ring): max relative error %.3g\n", ranks / 2, eh);
+    std::printf("  sequence_parallel's pick for this layer: max relative error %.3g\n%s", ep, choice.c_str());
     const auto c = la::planner::choose({131072, 0, 32, 8, 128, 128, 8, 2, true}, {400e12, 50e9, 8, 450e9});
     std::printf("  planner, 128K tokens, 32/8 heads, P = 8, 8 ranks per node:\n%s", c.explain().c_str());
     std::printf("  %s\n", ok ? "OK" : "FAILED");

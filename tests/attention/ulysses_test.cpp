@@ -10,7 +10,10 @@
 #include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 
+#include <support/allocations.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
+#include <support/ranks.hpp>
 #include <support/tolerance.hpp>
 
 #include <catch2/catch.hpp>
@@ -19,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -40,27 +44,71 @@ long sent(const counting& c) { return static_cast<long>(c.counts().bytes_out + c
 using global_inputs = lt::sharded_inputs;
 const auto make_global = lt::make_inputs_for;
 
+template <class T>
+using prec = loom::default_precision<T>;
+
 struct sp_result {
   std::vector<double> out, lse, dq, dk, dv;
   std::vector<long> fwd_bytes, bwd_bytes;  // per rank
 };
 
-// A method: tokens(r), scatter/gather of rows, and the calls on one rank.
+la::options opts_of(const lt::attn_shape& s) { return {s.causal, s.window, s.scale}; }
+
 template <class T>
 struct rank_io {
   index_t n;
   std::vector<T> q, k, v, dout, out, dq, dk, dv;
-  std::vector<la::accum_t<T>> lse;
+  std::vector<loom::accum_t<T>> lse;
+  index_t hq = 0, hkv = 0, dk_ = 0, dv_ = 0;
+  auto qv() const { return loom::tensor_view<const T, 3>(q.data(), {n, hq, dk_}); }
+  auto kv() const { return loom::tensor_view<const T, 3>(k.data(), {n, hkv, dk_}); }
+  auto vv() const { return loom::tensor_view<const T, 3>(v.data(), {n, hkv, dv_}); }
+  auto ov() { return loom::tensor_view<T, 3>(out.data(), {n, hq, dv_}); }
+  auto lv() { return loom::tensor_view<loom::accum_t<T>, 2>(lse.data(), {n, hq}); }
+  auto cov() const { return loom::tensor_view<const T, 3>(out.data(), {n, hq, dv_}); }
+  auto clv() const { return loom::tensor_view<const loom::accum_t<T>, 2>(lse.data(), {n, hq}); }
+  auto dov() const { return loom::tensor_view<const T, 3>(dout.data(), {n, hq, dv_}); }
+  auto dqv() { return loom::tensor_view<T, 3>(dq.data(), {n, hq, dk_}); }
+  auto dkv() { return loom::tensor_view<T, 3>(dk.data(), {n, hkv, dk_}); }
+  auto dvv() { return loom::tensor_view<T, 3>(dv.data(), {n, hkv, dv_}); }
 };
+
+// Which rows every rank holds: a shard::plan (ring, Ulysses), or a plan with tokens(r), scatter
+// and gather of its own (hybrid, sequence_parallel).
+template <class Plan>
+index_t rows_of(const Plan& p, int r) {
+  if constexpr (requires { p.tokens().rank(r); })
+    return p.tokens().rank(r).tokens;
+  else
+    return p.tokens(r);
+}
+template <class Plan>
+void scatter_rows(const Plan& p, int r, std::span<const double> g, index_t row, std::span<double> l) {
+  if constexpr (requires { p.tokens().rank(r); })
+    p.tokens().scatter(r, g, row, l);
+  else
+    p.scatter(r, g, row, l);
+}
+template <class Plan>
+void gather_rows(const Plan& p, int r, std::span<const double> l, index_t row, std::span<double> g) {
+  if constexpr (requires { p.tokens().rank(r); })
+    p.tokens().gather(r, l, row, g);
+  else
+    p.gather(r, l, row, g);
+}
 
 template <class T, class Plan>
 rank_io<T> take_rows(const Plan& plan, int r, const global_inputs& g) {
   const auto& s = g.s;
   rank_io<T> io;
-  io.n = plan.tokens(r);
+  io.n = rows_of(plan, r);
+  io.hq = s.hq;
+  io.hkv = s.hkv;
+  io.dk_ = s.dk;
+  io.dv_ = s.dv;
   auto rows = [&](const std::vector<double>& global, index_t row) {
     std::vector<double> local(static_cast<std::size_t>(io.n * row));
-    plan.scatter(r, std::span<const double>(global), row, std::span<double>(local));
+    scatter_rows(plan, r, std::span<const double>(global), row, std::span<double>(local));
     return std::vector<T>(local.begin(), local.end());
   };
   io.q = rows(g.q, s.hq * s.dk);
@@ -75,19 +123,24 @@ rank_io<T> take_rows(const Plan& plan, int r, const global_inputs& g) {
   return io;
 }
 
-// The shard::plan viewed through the interface of hybrid::plan (tokens, scatter, gather).
-struct seq_plan {
-  const shard::plan* p;
-  index_t tokens(int r) const { return p->rank(r).tokens; }
-  void scatter(int r, std::span<const double> g, index_t row, std::span<double> l) const { p->scatter(r, g, row, l); }
-  void gather(int r, std::span<const double> l, index_t row, std::span<double> g) const { p->gather(r, l, row, g); }
-};
-
-// Runs `fwd` and, when bwd, `bwd_fn` on p in-process ranks; gathers global results.
-template <class T, class Plan, class Fwd, class Bwd>
-sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd, Bwd bwd_fn) {
-  using Acc = la::accum_t<T>;
+template <class T, class Plan>
+void put_rows(const Plan& plan, int r, const global_inputs& g, const rank_io<T>& io, bool bwd, sp_result& res) {
   const auto& s = g.s;
+  auto put = [&](const auto& x, index_t row, std::vector<double>& global) {
+    std::vector<double> w(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) w[i] = static_cast<double>(x[i]);
+    gather_rows(plan, r, std::span<const double>(w), row, std::span<double>(global));
+  };
+  put(io.out, s.hq * s.dv, res.out);
+  put(io.lse, s.hq, res.lse);
+  if (bwd) {
+    put(io.dq, s.hq * s.dk, res.dq);
+    put(io.dk, s.hkv * s.dk, res.dk);
+    put(io.dv, s.hkv * s.dv, res.dv);
+  }
+}
+
+sp_result empty_result(const global_inputs& g, int p) {
   sp_result res;
   res.out.assign(g.want.out.size(), 0.0);
   res.lse.assign(g.want.lse.size(), 0.0);
@@ -96,75 +149,90 @@ sp_result run(const global_inputs& g, int p, const Plan& plan, bool bwd, Fwd fwd
   res.dv.assign(g.v.size(), 0.0);
   res.fwd_bytes.assign(static_cast<std::size_t>(p), 0);
   res.bwd_bytes.assign(static_cast<std::size_t>(p), 0);
+  return res;
+}
+
+// On p in-process ranks: make(comm) makes this rank's plan (collective); forward and, when bwd,
+// backward run on it with a workspace of plan.workspace_bytes(); `fwd` / `bwd_fn` are the plan
+// forms. Gathers the global results and the bytes every rank sent in each pass.
+template <class T, class Make, class Fwd, class Bwd>
+sp_result run(const global_inputs& g, int p, bool bwd, Make make, Fwd fwd, Bwd bwd_fn) {
+  sp_result res = empty_result(g, p);
   std::mutex mu;
-  const la::options opt{s.causal, s.window, s.scale};
   loom::comm::run_local(p, [&](loom::comm::local& lc) {
     counting comm(lc);
     const int r = comm.rank();
+    const auto plan = make(comm);
     auto io = take_rows<T>(plan, r, g);
-    const index_t n = io.n;
-    const loom::tensor_view<const T, 3> qv(io.q.data(), {n, s.hq, s.dk}), kv(io.k.data(), {n, s.hkv, s.dk}),
-        vv(io.v.data(), {n, s.hkv, s.dv});
-    fwd(comm, qv, kv, vv, loom::tensor_view<T, 3>(io.out.data(), {n, s.hq, s.dv}),
-        loom::tensor_view<Acc, 2>(io.lse.data(), {n, s.hq}), opt);
-    res.fwd_bytes[static_cast<std::size_t>(r)] = sent(comm);
+    loom::workspace_buffer ws(plan.workspace_bytes());
+    const long before = sent(comm);
+    fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+    res.fwd_bytes[static_cast<std::size_t>(r)] = sent(comm) - before;
     if (bwd) {
-      bwd_fn(comm, qv, kv, vv, loom::tensor_view<const T, 3>(io.out.data(), {n, s.hq, s.dv}),
-             loom::tensor_view<const Acc, 2>(io.lse.data(), {n, s.hq}),
-             loom::tensor_view<const T, 3>(io.dout.data(), {n, s.hq, s.dv}),
-             loom::tensor_view<T, 3>(io.dq.data(), {n, s.hq, s.dk}),
-             loom::tensor_view<T, 3>(io.dk.data(), {n, s.hkv, s.dk}),
-             loom::tensor_view<T, 3>(io.dv.data(), {n, s.hkv, s.dv}), opt);
-      res.bwd_bytes[static_cast<std::size_t>(r)] = sent(comm) - res.fwd_bytes[static_cast<std::size_t>(r)];
+      bwd_fn(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
+             ws.span());
+      res.bwd_bytes[static_cast<std::size_t>(r)] = sent(comm) - before - res.fwd_bytes[static_cast<std::size_t>(r)];
     }
-    auto widen = [](const auto& x) {
-      std::vector<double> w(x.size());
-      for (std::size_t i = 0; i < x.size(); ++i) w[i] = static_cast<double>(x[i]);
-      return w;
-    };
     std::lock_guard<std::mutex> lock(mu);
-    auto put = [&](const auto& x, index_t row, std::vector<double>& global) {
-      const auto w = widen(x);
-      plan.gather(r, std::span<const double>(w), row, std::span<double>(global));
-    };
-    put(io.out, s.hq * s.dv, res.out);
-    put(io.lse, s.hq, res.lse);
-    if (bwd) {
-      put(io.dq, s.hq * s.dk, res.dq);
-      put(io.dk, s.hkv * s.dk, res.dk);
-      put(io.dv, s.hkv * s.dv, res.dv);
-    }
+    put_rows(plan, r, g, io, bwd, res);
   });
   return res;
 }
 
+const auto ulysses_fwd = [](auto& c, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto ws) {
+  lu::forward(loom::serial{}, c, plan, q, k, v, o, l, ws);
+};
+const auto ulysses_bwd = [](auto& c, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk,
+                            auto dv,
+                            auto ws) { lu::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, ws); };
+const auto hybrid_fwd = [](auto& c, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto ws) {
+  lh::forward(loom::serial{}, c, plan, q, k, v, o, l, ws);
+};
+const auto hybrid_bwd = [](auto& c, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk,
+                           auto dv,
+                           auto ws) { lh::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, ws); };
+
+lu::shape shape_of(const lt::attn_shape& s) { return {s.hq, s.hkv, s.dk, s.dv}; }
+
 template <class T = double>
-sp_result run_ulysses(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
-  const lu::plan up(plan, {g.s.hq, g.s.hkv, g.s.dk, g.s.dv});
+sp_result run_ulysses(const global_inputs& g, int p, const shard::plan& plan, bool bwd,
+                      std::vector<lu::traffic>* bytes = nullptr) {
+  if (bytes) bytes->assign(static_cast<std::size_t>(p), {});
+  std::mutex mu;
   return run<T>(
-      g, p, seq_plan{&plan}, bwd,
-      [&](counting& c, auto q, auto k, auto v, auto o, auto l, const la::options& opt) {
-        std::vector<std::max_align_t> ws(up.workspace_bytes<T>() / sizeof(std::max_align_t) + 1);
-        lu::forward(loom::serial{}, c, up, q, k, v, o, l, opt, std::as_writable_bytes(std::span(ws)));
+      g, p, bwd,
+      [&](counting& c) {
+        auto up = lu::make_plan<prec<T>>(loom::serial{}, c, plan, shape_of(g.s), opts_of(g.s));
+        if (bytes) {
+          std::lock_guard<std::mutex> lock(mu);
+          (*bytes)[static_cast<std::size_t>(c.rank())] =
+              up.bytes_sent(c.rank(), sizeof(T), sizeof(loom::accum_t<T>), sizeof(T));
+        }
+        return up;
       },
-      [&](counting& c, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
-          const la::options& opt) { lu::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, opt); });
+      ulysses_fwd, ulysses_bwd);
 }
 
+// The hybrid on U x R ranks, the ring sharded by S; `bytes` (when given) receives every rank's
+// bytes_sent for element size sizeof(T).
 template <class T = double, class S = shard::zigzag>
-sp_result run_hybrid(const global_inputs& g, lh::grid gd, bool bwd, const lh::plan** out_plan = nullptr) {
-  static std::vector<std::unique_ptr<lh::plan>> keep;
-  keep.push_back(
-      std::make_unique<lh::plan>(std::span<const index_t>(g.cu), gd, S{}, lu::shape{g.s.hq, g.s.hkv, g.s.dk, g.s.dv}));
-  const lh::plan& hp = *keep.back();
-  if (out_plan) *out_plan = &hp;
+sp_result run_hybrid(const global_inputs& g, lh::grid gd, bool bwd, std::vector<lu::traffic>* bytes = nullptr) {
+  const auto ring = shard::make_plan(std::span<const index_t>(g.cu), gd.ring, S{});
+  const int p = gd.ulysses * gd.ring;
+  if (bytes) bytes->assign(static_cast<std::size_t>(p), {});
+  std::mutex mu;
   return run<T>(
-      g, gd.ulysses * gd.ring, hp, bwd,
-      [&](counting& c, auto q, auto k, auto v, auto o, auto l, const la::options& opt) {
-        lh::forward(loom::serial{}, c, hp, q, k, v, o, l, opt);
+      g, p, bwd,
+      [&](counting& c) {
+        auto hp = lh::make_plan<prec<T>>(loom::serial{}, c, ring, shape_of(g.s), opts_of(g.s));
+        if (bytes) {
+          std::lock_guard<std::mutex> lock(mu);
+          (*bytes)[static_cast<std::size_t>(c.rank())] =
+              hp.bytes_sent(c.rank(), sizeof(T), sizeof(loom::accum_t<T>), sizeof(T));
+        }
+        return hp;
       },
-      [&](counting& c, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
-          const la::options& opt) { lh::backward(loom::serial{}, c, hp, q, k, v, o, l, d, dq, dk, dv, opt); });
+      hybrid_fwd, hybrid_bwd);
 }
 
 void check(const sp_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
@@ -223,11 +291,11 @@ TEST_CASE("hybrid: fp64 equals the oracle, U x R in {2x2, 2x3, 4x2, 3x2}, every 
   const auto g5 = make_global({0, 0, 5, 1, 8, 8, true}, docs, 520);
   for (lh::grid gd : {lh::grid{2, 2}, lh::grid{2, 3}, lh::grid{4, 2}, lh::grid{3, 2}}) {
     INFO("U x R = " << gd.ulysses << " x " << gd.ring);
-    const lh::plan* hp = nullptr;
-    const auto r8 = run_hybrid(g8, gd, true, &hp);
+    std::vector<lu::traffic> bytes;
+    const auto r8 = run_hybrid(g8, gd, true, &bytes);
     check(r8, g8, true, tol, "8/2 heads causal zigzag");
     for (int r = 0; r < gd.ulysses * gd.ring; ++r) {  // the sum of the parts
-      const auto want = hp->bytes_sent(r, sizeof(double), sizeof(double), sizeof(double));
+      const auto want = bytes[static_cast<std::size_t>(r)];
       CHECK(r8.fwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(want.forward));
       CHECK(r8.bwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(want.backward));
     }
@@ -254,30 +322,32 @@ TEST_CASE("ulysses: bytes moved follow the documented formula", "[attention][uly
   const int p = 4;
   const auto g = make_global({0, 0, hq, hkv, dk, dv, true}, even, 700);
   const auto plan = plan_of<shard::contiguous>(even, p);
-  const auto res = run_ulysses<float>(g, p, plan, true);
+  std::vector<lu::traffic> bytes;
+  const auto res = run_ulysses<float>(g, p, plan, true, &bytes);
   const long unit = (p - 1) * t / (p * p);
   const long fwd = unit * (hq * dk + hkv * (dk + dv) + hq * dv) * 4 + unit * hq * 4;
   const long bwd =
       unit * (hq * (dk + 2 * dv) + hkv * (dk + dv)) * 4 + unit * hq * 4 + unit * (hq * dk + hkv * (dk + dv)) * 4;
-  const lu::plan up(plan, {hq, hkv, dk, dv});
   for (int r = 0; r < p; ++r) {
     CHECK(res.fwd_bytes[static_cast<std::size_t>(r)] == fwd);
     CHECK(res.bwd_bytes[static_cast<std::size_t>(r)] == bwd);
-    CHECK(up.bytes_sent(r, 4, 4, 4).forward == static_cast<std::size_t>(fwd));
+    CHECK(bytes[static_cast<std::size_t>(r)].forward == static_cast<std::size_t>(fwd));
   }
   // Uneven: T = 1021 over 3 ranks, 5 q heads and 1 kv head (replicated on every rank).
   const auto g5 = make_global({0, 0, 5, 1, 8, 8, true}, docs, 710);
   const auto plan3 = plan_of<shard::zigzag>(docs, 3);
-  const auto r5 = run_ulysses<double>(g5, 3, plan3, true);
+  std::vector<lu::traffic> bytes3;
+  const auto r5 = run_ulysses<double>(g5, 3, plan3, true, &bytes3);
   check(r5, g5, true, {1e-10, 1e-10}, "5/1 heads on 3 ranks");
-  const lu::plan up3(plan3, {5, 1, 8, 8});
+  const la::detail::head_split hs3{5, 1, 3};
   for (int r = 0; r < 3; ++r) {
     const auto n = plan3.rank(r).tokens;
-    const long q_other = 5 - up3.heads().q_count(r), hq_r = up3.heads().q_count(r);
+    const long q_other = 5 - hs3.q_count(r), hq_r = hs3.q_count(r);
     // q to the others' heads, the single kv head to both others, out and lse back
     const long want = n * (q_other * 8 + 2 * (8 + 8)) * 8 + (1021 - n) * hq_r * (8 * 8 + 8);
     CHECK(r5.fwd_bytes[static_cast<std::size_t>(r)] == want);
-    CHECK(r5.bwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(up3.bytes_sent(r, 8, 8, 8).backward));
+    CHECK(r5.fwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(bytes3[static_cast<std::size_t>(r)].forward));
+    CHECK(r5.bwd_bytes[static_cast<std::size_t>(r)] == static_cast<long>(bytes3[static_cast<std::size_t>(r)].backward));
   }
 }
 
@@ -289,92 +359,293 @@ TEST_CASE("ulysses and hybrid: deterministic run to run", "[attention][ulysses]"
   REQUIRE(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(double)) == 0);
 }
 
-TEST_CASE("ulysses and hybrid: rejections", "[attention][ulysses][hybrid][errors]") {
-  const std::vector<index_t> cu{0, 40};
-  auto throws_with = [](auto f, loom::errc code, const std::string& text) {
-    try {
-      f();
-    } catch (const loom::error& e) {
-      CHECK(e.code() == code);
-      CHECK_THAT(e.what(), Catch::Contains(text));
-      return;
-    }
-    FAIL("no loom::error: " << text);
-  };
+TEST_CASE("ulysses and hybrid: make_plan rejections are the same error on every rank",
+          "[attention][ulysses][hybrid][errors]") {
+  const std::vector<index_t> cu{0, 40}, cu2{0, 25, 40};
   const auto plan2 = plan_of<shard::contiguous>(cu, 2);
-  throws_with(
-      [&] {
-        lu::plan(plan2, {6, 4, 8, 8});
+  const loom::serial b{};
+  auto every_rank = [](int p, auto body, const std::string& text) {
+    const auto what = lt::errors_on_ranks(p, body);
+    INFO(what[0]);
+    CHECK(lt::all_contain(what, text));
+    CHECK(lt::all_contain(what, "loom::invalid_argument"));
+  };
+  every_rank(
+      2,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {6, 4, 8, 8});
       },
-      loom::errc::invalid_argument, "heads_q (6) must be a multiple of heads_kv (4)");
-  throws_with(
-      [&] {
-        lu::plan(plan_of<shard::contiguous>(cu, 8), {4, 1, 8, 8});
+      "ulysses::make_plan: heads_q (6) must be a multiple of heads_kv (4)");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {0, 1, 8, 8});
       },
-      loom::errc::invalid_argument, "needs ranks <= heads_q, got 8 ranks");
-  throws_with(
-      [&] {
-        lh::plan(std::span<const index_t>(cu), {0, 2}, shard::zigzag{}, {4, 1, 8, 8});
+      "heads must be >= 1");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, 1, 0, 8});
       },
-      loom::errc::invalid_argument, "grid dimensions must be >= 1");
-  // U x R != P
-  const lh::plan hp(std::span<const index_t>(cu), {2, 3}, shard::zigzag{}, {4, 1, 8, 8});
-  std::atomic<int> refused{0};
-  loom::comm::run_local(4, [&](loom::comm::local& comm) {
-    try {
-      (void)lh::split(comm, hp);
-    } catch (const loom::error& e) {
-      if (e.code() == loom::errc::invalid_argument &&
-          std::string(e.what()).find("U x R = 2 x 3 = 6 must equal the communicator's size, 4") != std::string::npos)
-        ++refused;
-    }
-  });
-  CHECK(refused == 4);
-  // ranks disagreeing on shapes: every rank refuses
-  refused = 0;
+      "dims must be >= 1");
+  every_rank(
+      8,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan_of<shard::contiguous>(cu, 8), {4, 1, 8, 8});
+      },
+      "needs ranks <= heads_q, got 8 ranks");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan_of<shard::contiguous>(cu, 3), {4, 1, 8, 8});
+      },
+      "the sharding is for 3 ranks but the communicator has 2");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, comm.rank() == 0 ? index_t{2} : index_t{4}, 8, 8});
+      },
+      "ranks disagree on the shapes");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto other = plan_of<shard::contiguous>(cu2, 2);
+        (void)lu::make_plan<loom::fp64>(b, comm, comm.rank() == 1 ? other : plan2, {4, 2, 8, 8});
+      },
+      "ranks disagree on the plan");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        la::options o{};
+        o.causal = comm.rank() == 0;
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8}, o);
+      },
+      "ranks disagree on the options");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        if (comm.rank() == 0)
+          (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8});
+        else
+          (void)lu::make_plan<loom::fp32>(b, comm, plan2, {4, 2, 8, 8});
+      },
+      "ranks disagree on the element types");
+  // hybrid: R must divide P; U <= heads_q
+  every_rank(
+      4,
+      [&](auto& comm) {
+        (void)lh::make_plan<loom::fp64>(b, comm, plan_of<shard::zigzag>(cu, 3), {4, 1, 8, 8});
+      },
+      "hybrid::make_plan: the ring sharding is for R = 3 ranks, which must divide the communicator's size, 4");
+  every_rank(
+      4,
+      [&](auto& comm) {
+        (void)lh::make_plan<loom::fp64>(b, comm, plan_of<shard::zigzag>(cu, 1), {2, 1, 8, 8});
+      },
+      "needs ranks <= heads_q, got 4 ranks");
+  every_rank(
+      4,
+      [&](auto& comm) {
+        (void)lh::make_plan<loom::fp64>(b, comm, plan_of<shard::zigzag>(comm.rank() == 3 ? cu2 : cu, 2), {4, 1, 8, 8});
+      },
+      "ranks disagree on the plan");
+}
+
+TEST_CASE("ulysses and hybrid: per-call checks against the plan, on the calling rank",
+          "[attention][ulysses][hybrid][errors]") {
+  // Every rank passes a bad argument here, so no rank waits for another in the exchange.
+  const std::vector<index_t> cu{0, 40};
+  const auto plan2 = plan_of<shard::contiguous>(cu, 2);
+  const loom::serial b{};
+  auto every_rank = [](int p, auto body, const std::string& text, const char* code) {
+    const auto what = lt::errors_on_ranks(p, body);
+    INFO(what[0]);
+    CHECK(lt::all_contain(what, text));
+    CHECK(lt::all_contain(what, code));
+  };
+  const auto call = [&](auto& comm, const auto& plan, auto fwd, index_t n, index_t hq, index_t hkv,
+                        std::size_t ws_bytes, std::size_t offset) {
+    std::vector<double> q(static_cast<std::size_t>(n * hq * 8)), k(static_cast<std::size_t>(n * hkv * 8)),
+        out(q.size()), lse(static_cast<std::size_t>(n * hq));
+    loom::workspace_buffer ws(ws_bytes + offset);
+    fwd(comm, plan, loom::tensor_view<const double, 3>(q.data(), {n, hq, 8}),
+        loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
+        loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}), loom::tensor_view<double, 3>(out.data(), {n, hq, 8}),
+        loom::tensor_view<double, 2>(lse.data(), {n, hq}), ws.span().subspan(offset));
+  };
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto up = lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8});
+        call(comm, up, ulysses_fwd, 20, 4, 4, up.workspace_bytes(), 0);
+      },
+      "ulysses::forward: k must be [20, 2, 8], got [20, 4, 8]", "loom::shape_mismatch");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto up = lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8});
+        call(comm, up, ulysses_fwd, 21, 4, 2, up.workspace_bytes(), 0);
+      },
+      "ulysses::forward: q must be [20, 4, 8], got [21, 4, 8]", "loom::shape_mismatch");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto up = lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8});
+        call(comm, up, ulysses_fwd, 20, 4, 2, up.workspace_bytes() - 1, 0);
+      },
+      "ulysses::forward: workspace must hold at least", "loom::invalid_argument");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto up = lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8});
+        call(comm, up, ulysses_fwd, 20, 4, 2, up.workspace_bytes(), 8);
+      },
+      "ulysses::forward: workspace must start on a 64-byte boundary", "loom::invalid_argument");
+  // A plan of another rank: each rank calls with its neighbour's plan.
+  std::vector<std::unique_ptr<lu::plan<loom::serial, loom::fp64>>> plans(2);
   loom::comm::run_local(2, [&](loom::comm::local& comm) {
-    const index_t n = plan2.rank(comm.rank()).tokens, hkv = comm.rank() == 0 ? 2 : 4;
-    std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), k(static_cast<std::size_t>(n * hkv * 8)), out(q.size()),
-        lse(static_cast<std::size_t>(n * 4));
-    try {
-      lu::forward(loom::serial{}, comm, plan2, loom::tensor_view<const double, 3>(q.data(), {n, 4, 8}),
-                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
-                  loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
-                  loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
-                  loom::tensor_view<double, 2>(lse.data(), {n, 4}));
-    } catch (const loom::error& e) {
-      if (e.code() == loom::errc::invalid_argument &&
-          std::string(e.what()).find("ranks disagree on the shapes") != std::string::npos)
-        ++refused;
+    plans[static_cast<std::size_t>(comm.rank())] =
+        std::make_unique<lu::plan<loom::serial, loom::fp64>>(lu::make_plan<loom::fp64>(b, comm, plan2, {4, 2, 8, 8}));
+  });
+  every_rank(
+      2,
+      [&](auto& comm) {
+        const auto& up = *plans[static_cast<std::size_t>(1 - comm.rank())];
+        call(comm, up, ulysses_fwd, 20, 4, 2, up.workspace_bytes(), 0);
+      },
+      "ulysses::forward: the plan was made for rank", "loom::invalid_argument");
+  // hybrid 2 x 2: lse of the wrong shape
+  const auto ring2 = plan_of<shard::zigzag>(cu, 2);
+  every_rank(
+      4,
+      [&](auto& comm) {
+        const auto hp = lh::make_plan<loom::fp64>(b, comm, ring2, {4, 2, 8, 8});
+        const index_t n = hp.tokens(comm.rank());
+        std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), k(static_cast<std::size_t>(n * 2 * 8)),
+            out(q.size()), lse(static_cast<std::size_t>(n * 3));
+        loom::workspace_buffer ws(hp.workspace_bytes());
+        lh::forward(b, comm, hp, loom::tensor_view<const double, 3>(q.data(), {n, 4, 8}),
+                    loom::tensor_view<const double, 3>(k.data(), {n, 2, 8}),
+                    loom::tensor_view<const double, 3>(k.data(), {n, 2, 8}),
+                    loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
+                    loom::tensor_view<double, 2>(lse.data(), {n, 3}), ws.span());
+      },
+      "hybrid::forward: lse must be", "loom::shape_mismatch");
+}
+
+namespace {
+// Runs forward then backward `calls` times on each rank with one plan made by make(comm) (or
+// plans[rank] when given), each call's results gathered into its own sp_result; counts the
+// collectives of make_plan and of the calls.
+template <class T, class Plan, class Fwd, class Bwd>
+std::vector<sp_result> repeat(const global_inputs& g, int p, int calls, const std::vector<const Plan*>& plans, Fwd fwd,
+                              Bwd bwd) {
+  std::vector<sp_result> res(static_cast<std::size_t>(calls), empty_result(g, p));
+  std::mutex mu;
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    counting comm(lc);
+    const int r = comm.rank();
+    const Plan& plan = *plans[static_cast<std::size_t>(r)];
+    for (int c = 0; c < calls; ++c) {
+      auto io = take_rows<T>(plan, r, g);
+      loom::workspace_buffer ws(plan.workspace_bytes());
+      fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+      bwd(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(), ws.span());
+      std::lock_guard<std::mutex> lock(mu);
+      put_rows(plan, r, g, io, true, res[static_cast<std::size_t>(c)]);
     }
   });
-  CHECK(refused == 2);
-  // views not matching the plan, a short workspace
-  const lu::plan up(plan2, {4, 2, 8, 8});
-  loom::comm::run_local(2, [&](loom::comm::local& comm) {
-    const index_t n = plan2.rank(comm.rank()).tokens;
-    std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), out(q.size()), lse(static_cast<std::size_t>(n * 4));
-    std::vector<std::max_align_t> ws(2);
-    const loom::tensor_view<const double, 3> qv(q.data(), {n, 4, 8});
-    std::string msg;
-    try {
-      lu::forward(loom::serial{}, comm, up, qv, qv, qv, loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
-                  loom::tensor_view<double, 2>(lse.data(), {n, 4}), {}, std::as_writable_bytes(std::span(ws)));
-    } catch (const loom::error& e) {
-      msg = e.what();
-    }
-    if (comm.rank() == 0 && msg.find("the plan is for heads 4/2") == std::string::npos)
-      throw std::runtime_error("expected a plan mismatch, got: " + msg);
-    const lu::plan up4(plan2, {4, 4, 8, 8});
-    try {
-      lu::forward(loom::serial{}, comm, up4, qv, qv, qv, loom::tensor_view<double, 3>(out.data(), {n, 4, 8}),
-                  loom::tensor_view<double, 2>(lse.data(), {n, 4}), {}, std::as_writable_bytes(std::span(ws)));
-    } catch (const loom::error& e) {
-      msg = e.what();
-    }
-    if (msg.find("the workspace holds 64 bytes, expected at least") == std::string::npos)
-      throw std::runtime_error("expected a short workspace, got: " + msg);
+  return res;
+}
+
+bool bitwise_equal(const sp_result& a, const sp_result& b) {
+  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+  };
+  return same(a.out, b.out) && same(a.lse, b.lse) && same(a.dq, b.dq) && same(a.dk, b.dk) && same(a.dv, b.dv);
+}
+}  // namespace
+
+TEST_CASE("ulysses: one plan reused across calls and threads is bitwise a fresh plan", "[attention][ulysses][reuse]") {
+  const auto g = make_global({0, 0, 8, 2, 8, 8, true}, docs, 910);
+  const int p = 3;
+  const auto seq = plan_of<shard::per_document>(docs, p);
+  using plan_t = lu::plan<loom::serial, loom::fp32>;
+  const auto fresh = run_ulysses<float>(g, p, seq, true);
+  // Plans made once, on a world of their own.
+  std::vector<std::unique_ptr<plan_t>> made(p);
+  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+    made[static_cast<std::size_t>(comm.rank())] =
+        std::make_unique<plan_t>(lu::make_plan<loom::fp32>(loom::serial{}, comm, seq, shape_of(g.s), opts_of(g.s)));
   });
+  std::vector<const plan_t*> plans;
+  for (const auto& m : made) plans.push_back(m.get());
+  // Three calls in a row on one plan.
+  for (const auto& r : repeat<float>(g, p, 3, plans, ulysses_fwd, ulysses_bwd)) CHECK(bitwise_equal(r, fresh));
+  // Two worlds at once on two threads, sharing the const plans (own workspaces and outputs).
+  std::vector<sp_result> a, b;
+  std::thread t1([&] { a = repeat<float>(g, p, 2, plans, ulysses_fwd, ulysses_bwd); });
+  std::thread t2([&] { b = repeat<float>(g, p, 2, plans, ulysses_fwd, ulysses_bwd); });
+  t1.join();
+  t2.join();
+  for (const auto& r : a) CHECK(bitwise_equal(r, fresh));
+  for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
+}
+
+TEST_CASE("hybrid: one plan reused across calls is bitwise a fresh plan", "[attention][hybrid][reuse]") {
+  const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 920);
+  const auto fresh = run_hybrid<float, shard::per_document>(g, {2, 2}, true);
+  const auto ring = plan_of<shard::per_document>(docs, 2);
+  std::vector<sp_result> res(3, empty_result(g, 4));
+  std::mutex mu;
+  loom::comm::run_local(4, [&](loom::comm::local& lc) {
+    counting comm(lc);
+    const auto hp = lh::make_plan<loom::fp32>(loom::serial{}, comm, ring, shape_of(g.s), opts_of(g.s));
+    loom::workspace_buffer ws(hp.workspace_bytes());
+    for (std::size_t c = 0; c < res.size(); ++c) {
+      auto io = take_rows<float>(hp, comm.rank(), g);
+      hybrid_fwd(comm, hp, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+      hybrid_bwd(comm, hp, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
+                 ws.span());
+      std::lock_guard<std::mutex> lock(mu);
+      put_rows(hp, comm.rank(), g, io, true, res[c]);
+    }
+  });
+  for (const auto& r : res) CHECK(bitwise_equal(r, fresh));
+}
+
+TEST_CASE("ulysses: the agreement runs once per plan, not per call", "[attention][ulysses]") {
+  // Per call only the exchange's all_to_allv: three in the forward (q, k, v; out; lse), three in
+  // the backward (q, k, v, out, dout; lse; dq, dk, dv); the ring inside the hybrid moves its
+  // blocks point to point.
+  const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 930);
+  constexpr int calls = 4;
+  auto count = [&](int p, auto make, auto fwd, auto bwd) {
+    std::vector<std::int64_t> at_plan(static_cast<std::size_t>(p)), per_calls(at_plan.size());
+    loom::comm::run_local(p, [&](loom::comm::local& lc) {
+      counting comm(lc);
+      const auto plan = make(comm);
+      const std::int64_t c0 = comm.counts().collectives;
+      for (int c = 0; c < calls; ++c) {
+        auto io = take_rows<float>(plan, comm.rank(), g);
+        loom::workspace_buffer ws(plan.workspace_bytes());
+        fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+        bwd(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
+            ws.span());
+      }
+      at_plan[static_cast<std::size_t>(comm.rank())] = c0;
+      per_calls[static_cast<std::size_t>(comm.rank())] = comm.counts().collectives - c0;
+    });
+    return std::pair{at_plan, per_calls};
+  };
+  const auto seq = plan_of<shard::zigzag>(docs, 4);
+  const auto [u_plan, u_calls] = count(
+      4, [&](counting& c) { return lu::make_plan<loom::fp32>(loom::serial{}, c, seq, shape_of(g.s), opts_of(g.s)); },
+      ulysses_fwd, ulysses_bwd);
+  for (int r = 0; r < 4; ++r) {
+    CHECK(u_plan[static_cast<std::size_t>(r)] == 1);  // make_plan: one agreement
+    CHECK(u_calls[static_cast<std::size_t>(r)] == 6 * calls);
+  }
 }
 
 namespace lp = loom::attention::planner;
@@ -462,4 +733,62 @@ TEST_CASE("ulysses and hybrid: a non-finite input stays in its document on every
         return run_hybrid<float, shard::per_document>(g, {2, 3}, true);
       },
       "hybrid 2 x 3");
+}
+
+namespace lsp = loom::sequence_parallel;
+
+TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs the pick against the oracle",
+          "[attention][planner][sequence_parallel]") {
+  struct cfg {
+    index_t hq, hkv;
+    lp::machine m;
+    std::optional<lp::strategy> only;
+    lp::strategy want;
+    lsp::sharding layout;
+  };
+  const lp::machine slow_compute{1e9, 1e15}, slow_links{1e15, 1e9};
+  const std::vector<cfg> cfgs{
+      {8, 8, slow_compute, {}, lp::strategy::ring_pass_kv, lsp::sharding::per_document},  // every step hidden
+      {8, 8, slow_links, {}, lp::strategy::ulysses, lsp::sharding::contiguous},           // fewest bytes
+      {2, 2, slow_links, {}, lp::strategy::hybrid, lsp::sharding::zigzag},                // P > heads_q
+      {4, 2, slow_links, lp::strategy::ring_pass_q, lp::strategy::ring_pass_q, lsp::sharding::zigzag},
+  };
+  const int p = 4;
+  std::uint64_t seed = 940;
+  for (const auto& c : cfgs) {
+    const auto g = make_global({0, 0, c.hq, c.hkv, 8, 8, true}, docs, seed += 10);
+    INFO("want " << lp::to_string(c.want));
+    std::vector<lp::strategy> picked(p);
+    std::vector<std::string> explained(p);
+    const auto res = run<double>(
+        g, p, true,
+        [&](counting& comm) {
+          lsp::options o;
+          o.attention = opts_of(g.s);
+          o.machine = c.m;
+          o.layout = c.layout;
+          o.only = c.only;
+          auto sp = lsp::make_plan<loom::fp64>(loom::serial{}, comm, loom::segments(std::span<const index_t>(g.cu)),
+                                               shape_of(g.s), o);
+          picked[static_cast<std::size_t>(comm.rank())] = sp.kind();
+          explained[static_cast<std::size_t>(comm.rank())] = sp.choice().explain();
+          return sp;
+        },
+        [](auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto ws) {
+          lsp::forward(loom::serial{}, comm, plan, q, k, v, o, l, ws);
+        },
+        [](auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv,
+           auto ws) { lsp::backward(loom::serial{}, comm, plan, q, k, v, o, l, d, dq, dk, dv, ws); });
+    INFO(explained[0]);
+    for (auto k : picked) CHECK(k == c.want);
+    check(res, g, true, {1e-10, 1e-10}, lp::to_string(c.want));
+  }
+  // A strategy that cannot run here is refused on every rank.
+  const auto what = lt::errors_on_ranks(p, [&](loom::comm::local& comm) {
+    lsp::options o;
+    o.machine = slow_links;
+    o.only = lp::strategy::ulysses;
+    (void)lsp::make_plan<loom::fp64>(loom::serial{}, comm, loom::segments<>::whole(100), {2, 2, 8, 8}, o);
+  });
+  CHECK(lt::all_contain(what, "sequence_parallel::make_plan: options.only = ulysses is not feasible"));
 }

@@ -100,49 +100,28 @@ std::vector<expectation> run_all(C& comm) {
            "on rank " + last_s + ": ring::forward(bidirectional_kv): q holds", errc::shape_mismatch,
            [&] { attn(contiguous, la::ring::bidirectional_kv{}, r == last ? mine + 1 : mine, {}); });
 
-  // --- Ulysses: a short workspace on one rank; plans for other documents -------------------------
-  run_case(comm, out, "ulysses: a short workspace on rank 1", "on rank 1: ulysses::forward: the workspace holds",
-           errc::invalid_argument, [&] {
-             const la::ulysses::plan up(contiguous, {4, 2, 8, 8});
-             std::vector<std::max_align_t> ws(up.workspace_bytes<float>() / sizeof(std::max_align_t) + 1);
-             std::vector<float> q(static_cast<std::size_t>(mine * 4 * 8)), kv(static_cast<std::size_t>(mine * 2 * 8)),
-                 o(q.size()), lse(static_cast<std::size_t>(mine * 4));
-             auto bytes = std::as_writable_bytes(std::span(ws));
-             la::ulysses::forward(b, comm, up, tensor_view<const float, 3>(q.data(), {mine, 4, 8}),
-                                  tensor_view<const float, 3>(kv.data(), {mine, 2, 8}),
-                                  tensor_view<const float, 3>(kv.data(), {mine, 2, 8}),
-                                  tensor_view<float, 3>(o.data(), {mine, 4, 8}),
-                                  tensor_view<float, 2>(lse.data(), {mine, 4}), {}, r == 1 ? bytes.first(64) : bytes);
-           });
+  // --- Ulysses: the agreement runs in make_plan: other heads on one rank; other sharding ---------
+  run_case(comm, out, "ulysses: other kv heads on rank 1", "ranks disagree on the shapes", errc::invalid_argument, [&] {
+    (void)la::ulysses::make_plan<fp32>(b, comm, contiguous, {4, r == 1 ? index_t{4} : index_t{2}, 8, 8});
+  });
   run_case(comm, out, "ulysses: zigzag on rank 0", "ranks disagree on the plan", errc::invalid_argument, [&] {
-    const auto& plan = r == 0 ? zigzag : contiguous;
-    const index_t n = plan.rank(r).tokens;
-    std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
-        lse(static_cast<std::size_t>(n * 4));
-    la::ulysses::forward(b, comm, plan, tensor_view<const float, 3>(q.data(), {n, 4, 8}),
-                         tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
-                         tensor_view<const float, 3>(kv.data(), {n, 2, 8}), tensor_view<float, 3>(o.data(), {n, 4, 8}),
-                         tensor_view<float, 2>(lse.data(), {n, 4}));
+    (void)la::ulysses::make_plan<fp32>(b, comm, r == 0 ? zigzag : contiguous, {4, 2, 8, 8});
   });
 
-  // --- hybrid: U x R = 2 x (P / 2) when P is even, 1 x P otherwise --------------------------------
-  const la::hybrid::grid grid{p % 2 == 0 ? 2 : 1, p % 2 == 0 ? p / 2 : p};
-  auto hybrid_call = [&](const la::hybrid::plan& hp, index_t lse_heads) {
-    const index_t n = hp.tokens(r);
-    std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
-        lse(static_cast<std::size_t>(n * lse_heads));
-    la::hybrid::forward(b, comm, hp, tensor_view<const float, 3>(q.data(), {n, 4, 8}),
-                        tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
-                        tensor_view<const float, 3>(kv.data(), {n, 2, 8}), tensor_view<float, 3>(o.data(), {n, 4, 8}),
-                        tensor_view<float, 2>(lse.data(), {n, lse_heads}));
-  };
-  const la::hybrid::plan hp(std::span<const index_t>(cu), grid, shard::zigzag{}, {4, 2, 8, 8});
-  const la::hybrid::plan hp_other(std::span<const index_t>(cu2), grid, shard::zigzag{}, {4, 2, 8, 8});
-  run_case(comm, out, "hybrid: lse of the wrong shape on the last rank",
-           "on rank " + last_s + ": hybrid::forward: lse must be", errc::shape_mismatch,
-           [&] { hybrid_call(hp, r == last ? 3 : 4); });
+  // --- hybrid: U x R = 2 x (P / 2) when P is even, 1 x P otherwise (R = the ring sharding's ranks) -
+  const int ring_ranks = p % 2 == 0 ? p / 2 : p;
+  const auto ring = shard::make_plan(std::span<const index_t>(cu), ring_ranks, shard::zigzag{});
+  const auto ring_other = shard::make_plan(std::span<const index_t>(cu2), ring_ranks, shard::zigzag{});
+  run_case(comm, out, "hybrid: not causal on the last rank", "ranks disagree on the options", errc::invalid_argument,
+           [&] {
+             la::options o{};
+             o.causal = r != last;
+             (void)la::hybrid::make_plan<fp32>(b, comm, ring, {4, 2, 8, 8}, o);
+           });
   run_case(comm, out, "hybrid: other documents on the last rank", "ranks disagree on the plan", errc::invalid_argument,
-           [&] { hybrid_call(r == last ? hp_other : hp, 4); });
+           [&] {
+             (void)la::hybrid::make_plan<fp32>(b, comm, r == last ? ring_other : ring, {4, 2, 8, 8});
+           });
 
   // --- cross-rank scans: 10 + r elements on rank r ----------------------------------------------
   const index_t n = 10 + r;

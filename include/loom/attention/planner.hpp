@@ -29,17 +29,42 @@
 //!   2. Without a cache (training, full prefill): the smallest modelled time among ring pass-KV,
 //!      all-gather, Ulysses (P <= Hq: DeepSpeed-Ulysses' degree limit by heads) and every hybrid
 //!      split U x R with 1 < U < P, U | P, U <= Hq; ties go to the earlier in that order.
+//!
+//! The runnable form, loom::sequence_parallel, plans the pick and runs it:
+//!
+//!   sequence_parallel::options o{.attention = opts, .machine = m};
+//!   auto sp = loom::sequence_parallel::make_plan<loom::fp32>(b, comm, documents, {Hq, Hkv, Dqk, Dv}, o);
+//!   sp.choice().explain();                   what was picked, and why
+//!   sp.scatter(r, global, row, local);       which rows rank r holds (depends on the pick)
+//!   loom::workspace_buffer ws(sp.workspace_bytes());
+//!   loom::sequence_parallel::forward(b, comm, sp, q, k, v, out, lse, ws.span());
+//!   loom::sequence_parallel::backward(b, comm, sp, q, k, v, out, lse, dout, dq, dk, dv, ws.span());
+//!
+//! make_plan agrees once over comm on the documents, shape and options (so every rank makes the
+//! same pick, even from a machine model measured per rank), then makes the concrete plan of the
+//! pick (ring::make_plan, ulysses::make_plan or hybrid::make_plan, each with its own agreement).
+//! Calls run the concrete plan's forward / backward: no agreement, no allocation.
 
+#include <loom/attention/hybrid.hpp>
 #include <loom/attention/local.hpp>
+#include <loom/attention/ring.hpp>
+#include <loom/attention/ulysses.hpp>
+#include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/core/error.hpp>
+#include <loom/core/segments.hpp>
 #include <loom/core/tensor_view.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 namespace loom::attention::planner {
@@ -273,3 +298,223 @@ machine measure(const B& b, C& comm, std::size_t bytes = std::size_t{1} << 22) {
 }
 
 }  // namespace loom::attention::planner
+
+namespace loom::sequence_parallel {
+
+using strategy = attention::planner::strategy;
+using shape = attention::ulysses::shape;
+
+//! How make_plan shards the sequence: over the P ranks for the ring variants and Ulysses, over
+//! the R ring ranks for the hybrid (each ring shard then split contiguously over U ranks).
+enum class sharding { contiguous, zigzag, per_document };
+
+//! Options of sequence_parallel::make_plan.
+struct options {
+  attention::options attention{};         //!< masks and scale of the attention
+  attention::planner::machine machine{};  //!< the machine model (planner::measure measures one)
+  sharding layout = sharding::per_document;
+  std::optional<strategy> only{};  //!< run this strategy instead of the model's pick
+  int ulysses = 0;                 //!< with only = hybrid: U (0: the model's best U)
+};
+
+namespace detail {
+
+inline shard::plan shard_of(const loom::segments<>& documents, int ranks, sharding s) {
+  switch (s) {
+    case sharding::contiguous:
+      return shard::make_plan(documents, ranks, shard::contiguous{});
+    case sharding::zigzag:
+      return shard::make_plan(documents, ranks, shard::zigzag{});
+    default:
+      return shard::make_plan(documents, ranks, shard::per_document{});
+  }
+}
+
+}  // namespace detail
+
+template <class B, class C, precision_policy P>
+class plan;
+
+//! Picks a strategy for this layer with the planner's cost model (or options.only) and plans it
+//! on this rank. documents: the whole sequence's documents (the same on every rank); s: heads and
+//! dims. Collective over comm.
+//! @throws loom::error(invalid_argument) on every rank: the planner's errors (shape, machine), a
+//! forced strategy that is not feasible, the concrete make_plan's errors, ranks disagreeing.
+template <precision_policy P = fp32, class B, comm::communicator C>
+plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const shape& s,
+                        const options& opt = {});
+
+//! The plan of the strategy make_plan picked, on one rank: its choice (inspect it with
+//! choice().explain()), the layout of the rows every rank holds and the concrete plan. Immutable;
+//! readable from several threads (calls: as the concrete plan allows).
+template <class B, class C, precision_policy P = fp32>
+class plan {
+ public:
+  using ring_kv_plan = attention::hybrid::detail::ring_inner<attention::ring::pass_kv>;
+  using ring_q_plan = attention::hybrid::detail::ring_inner<attention::ring::pass_q>;
+  using ring_ag_plan = attention::hybrid::detail::ring_inner<attention::ring::all_gather_kv>;
+  using ulysses_plan = attention::ulysses::plan<B, P>;
+  using hybrid_plan = attention::hybrid::plan<B, C, P>;
+  //! The concrete plan of the pick: index 1 + static_cast<int>(strategy) (never monostate once
+  //! made).
+  using concrete_plan =
+      std::variant<std::monostate, ring_kv_plan, ring_q_plan, ring_ag_plan, ulysses_plan, hybrid_plan>;
+
+  //! What was picked, every candidate and the rule that decided.
+  [[nodiscard]] const attention::planner::choice& choice() const noexcept { return s_->choice; }
+  [[nodiscard]] strategy kind() const noexcept { return s_->choice.best.kind; }
+  [[nodiscard]] int ranks() const noexcept { return s_->ranks; }
+  [[nodiscard]] int rank() const noexcept { return s_->me; }
+  [[nodiscard]] const concrete_plan& concrete() const noexcept { return s_->plan; }
+  //! The sharding over P ranks (ring, Ulysses) or over the R ring ranks (hybrid).
+  [[nodiscard]] const shard::plan& sharding() const noexcept { return s_->sharding; }
+  //! Workspace of forward and backward on this rank.
+  [[nodiscard]] std::size_t workspace_bytes() const {
+    return std::visit(
+        [](const auto& p) -> std::size_t {
+          if constexpr (requires { p.workspace_bytes(); })
+            return p.workspace_bytes();
+          else
+            return 0;
+        },
+        s_->plan);
+  }
+  //! Rows rank r holds.
+  [[nodiscard]] index_t tokens(int r) const {
+    if (const auto* h = std::get_if<hybrid_plan>(&s_->plan)) return h->tokens(r);
+    return s_->sharding.rank(r).tokens;
+  }
+  //! Copies rank r's rows (rows of `row` elements) out of a global array, and back.
+  template <class T>
+  void scatter(int r, std::span<const T> global, index_t row, std::span<T> local) const {
+    if (const auto* h = std::get_if<hybrid_plan>(&s_->plan))
+      h->scatter(r, global, row, local);
+    else
+      s_->sharding.scatter(r, global, row, local);
+  }
+  template <class T>
+  void gather(int r, std::span<const T> local, index_t row, std::span<T> global) const {
+    if (const auto* h = std::get_if<hybrid_plan>(&s_->plan))
+      h->gather(r, local, row, global);
+    else
+      s_->sharding.gather(r, local, row, global);
+  }
+
+ private:
+  struct state {
+    attention::planner::choice choice;
+    shard::plan sharding;
+    concrete_plan plan;
+    int ranks = 1, me = 0;
+  };
+  std::shared_ptr<const state> s_;
+
+  template <precision_policy Q, class B2, comm::communicator C2>
+  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const loom::segments<>&, const shape&, const options&);
+};
+
+template <precision_policy P, class B, comm::communicator C>
+plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const shape& s, const options& opt) {
+  constexpr std::string_view call = "sequence_parallel::make_plan";
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  namespace lp = attention::planner;
+  using state = typename plan<B, C, P>::state;
+  auto st = std::make_shared<state>();
+  st->ranks = comm.size();
+  st->me = comm.rank();
+  comm::agree(comm, call, [&] {
+    const shard::plan whole = shard::make_plan(documents, 1, shard::contiguous{});
+    lp::workload w{
+        whole.total_tokens(), 0, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v, comm.size(), static_cast<double>(sizeof(T)),
+        opt.attention.causal};
+    st->choice = lp::choose(w, opt.machine);
+    if (opt.only) {
+      const lp::candidate* best = nullptr;
+      for (const auto& c : st->choice.candidates)
+        if (c.kind == *opt.only && c.feasible && (opt.ulysses == 0 || c.ulysses == opt.ulysses) &&
+            (!best || c.seconds < best->seconds))
+          best = &c;
+      LOOM_EXPECTS(best != nullptr, errc::invalid_argument, call, ": options.only = ", lp::to_string(*opt.only),
+                   opt.ulysses > 0 ? " with the requested U" : "", " is not feasible for this layer on ", comm.size(),
+                   " ranks");
+      st->choice.best = *best;
+      st->choice.rule = std::string("options.only: ") + lp::to_string(*opt.only);
+    }
+    const auto& m = opt.machine;
+    const auto& best = st->choice.best;
+    return attention::ulysses::detail::plan_signature<T, Acc>(
+        comm::hasher{}
+            .add(attention::detail::digest_of(whole), static_cast<int>(opt.layout), best.kind, best.ulysses, best.ring)
+            .add(m.flops, m.link_bandwidth, m.node_ranks, m.node_bandwidth)
+            .value(),
+        s, opt.attention);
+  });
+  // The concrete plan, made in place on the plan's own sharding.
+  const auto& best = st->choice.best;
+  st->sharding = detail::shard_of(documents, best.kind == strategy::hybrid ? best.ring : comm.size(), opt.layout);
+  const shard::plan& sh = st->sharding;
+  switch (best.kind) {
+    case strategy::ring_pass_kv:
+      st->plan.template emplace<1>(typename plan<B, C, P>::ring_kv_plan{sh, opt.attention});
+      break;
+    case strategy::ring_pass_q:
+      st->plan.template emplace<2>(typename plan<B, C, P>::ring_q_plan{sh, opt.attention});
+      break;
+    case strategy::all_gather_kv:
+      st->plan.template emplace<3>(typename plan<B, C, P>::ring_ag_plan{sh, opt.attention});
+      break;
+    case strategy::ulysses:
+      st->plan.template emplace<4>(attention::ulysses::make_plan<P>(b, comm, sh, s, opt.attention));
+      break;
+    case strategy::hybrid:
+      st->plan.template emplace<5>(attention::hybrid::make_plan<P>(b, comm, sh, s, opt.attention));
+      break;
+  }
+  plan<B, C, P> out;
+  out.s_ = std::move(st);
+  return out;
+}
+
+//! Runs the picked strategy's forward on its plan: allocates nothing. Views: this rank's rows
+//! (plan.tokens(rank)), shapes as ulysses.hpp; workspace: plan.workspace_bytes().
+//! @throws loom::error on this rank only, as the concrete forward.
+template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L>
+void forward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out, L lse,
+             std::span<std::byte> workspace) {
+  std::visit(
+      [&](const auto& p) {
+        using Plan = std::remove_cvref_t<decltype(p)>;
+        if constexpr (std::is_same_v<Plan, std::monostate>)
+          LOOM_FAIL(errc::invalid_argument, "sequence_parallel::forward: the plan was not made by make_plan");
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::ulysses_plan>)
+          attention::ulysses::forward(b, comm, p, q, k, v, out, lse, workspace);
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
+          attention::hybrid::forward(b, comm, p, q, k, v, out, lse, workspace);
+        else
+          p.forward(b, comm, q, k, v, out, lse, workspace);
+      },
+      sp.concrete());
+}
+
+//! Runs the picked strategy's backward on its plan (as forward).
+template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L,
+          class DO, class DQ, class DK, class DV>
+void backward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+              std::span<std::byte> workspace) {
+  std::visit(
+      [&](const auto& p) {
+        using Plan = std::remove_cvref_t<decltype(p)>;
+        if constexpr (std::is_same_v<Plan, std::monostate>)
+          LOOM_FAIL(errc::invalid_argument, "sequence_parallel::backward: the plan was not made by make_plan");
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::ulysses_plan>)
+          attention::ulysses::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
+          attention::hybrid::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
+        else
+          p.backward(b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace);
+      },
+      sp.concrete());
+}
+
+}  // namespace loom::sequence_parallel

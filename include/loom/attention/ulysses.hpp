@@ -7,10 +7,26 @@
 //! whole sequence, the local kernel runs on them, and one all_to_allv turns out (and lse) back
 //! into sequence shards.
 //!
-//!   ulysses::plan up(seq_plan, {heads_q, heads_kv, dim_qk, dim_v});
-//!   std::vector<std::byte> ws(up.workspace_bytes<float>());
-//!   ulysses::forward(b, comm, up, q, k, v, out, lse, opts, ws);     no allocation of its own
-//!   ulysses::forward(b, comm, seq_plan, q, k, v, out, lse, opts);   convenience (plans, allocates)
+//!   auto up = ulysses::make_plan<loom::fp32>(b, comm, seq_plan, {heads_q, heads_kv, dim_qk, dim_v}, opts);
+//!   loom::workspace_buffer ws(up.workspace_bytes());                 forward and backward
+//!   ulysses::forward(b, comm, up, q, k, v, out, lse, ws.span());     allocates nothing
+//!   ulysses::backward(b, comm, up, q, k, v, out, lse, dout, dq, dk, dv, ws.span());
+//!   ulysses::forward(b, comm, seq_plan, q, k, v, out, lse, opts);    convenience (plans, allocates)
+//!
+//! The plan: make_plan checks the shape and options, plans the head split, this rank's head
+//! segments and their local-attention plans, and lays out the workspace (the all-to-all buffers,
+//! the head shards and the local kernel's workspace), then runs the cross-rank agreement once
+//! (comm::agree: same sharding, shape, options and precision on every rank; a rejection on one
+//! rank is the same loom::error on every rank). The plan belongs to the rank that made it (its
+//! buffers are this rank's) and to communicators of the same size and rank; it is immutable and
+//! may be read by several threads at once (each call with its own workspace and outputs).
+//! Per call, the views are checked against the plan on this rank only: a mismatch throws a
+//! loom::error on that rank, and the other ranks, waiting in the all-to-all, get the
+//! communicator's timeout error.
+//!
+//! Precision: the plan is templated on a precision policy P (loom::fp32 by default, as the plan
+//! maker sees no element types): q, k, v, out, dout, dq, dk, dv hold P::storage_type and lse
+//! P::accum_type; the workspace size depends on both.
 //!
 //! Heads: rank j computes query heads [j Hq / P, (j + 1) Hq / P) (uneven when P does not divide Hq)
 //! and receives every kv head they read, so with fewer kv heads than ranks (GQA/MQA) a kv head is
@@ -18,9 +34,8 @@
 //! accumulation type, in rank order. Needs P <= Hq (Ulysses' degree limit; beyond it use the
 //! hybrid Ulysses x ring, hybrid.hpp).
 //!
-//! Shapes per rank r (n_r = plan.rank(r).tokens): q [n_r, Hq, Dqk], k [n_r, Hkv, Dqk], v [n_r, Hkv,
-//! Dv], out [n_r, Hq, Dv], lse [n_r, Hq] (accumulation type). q, k, v, out and dout share one
-//! storage type T; dq, dk, dv share one type G.
+//! Shapes per rank r (n_r = plan.tokens().rank(r).tokens): q [n_r, Hq, Dqk], k [n_r, Hkv, Dqk],
+//! v [n_r, Hkv, Dv], out [n_r, Hq, Dv], lse [n_r, Hq]; the backward's dq, dk, dv as q, k, v.
 //!
 //! Communication, bytes rank r sends to other ranks (b = sizeof(T), A = sizeof(lse), g = sizeof(G),
 //! T = total tokens, hq_j / hkv_j = q / kv heads of rank j, Σ' = sum over j != r):
@@ -28,14 +43,19 @@
 //!   backward  n_r (Σ' hq_j (Dqk + 2 Dv) b + Σ' hq_j A + Σ' hkv_j (Dqk + Dv) b)
 //!             + (T - n_r) (hq_r Dqk + hkv_r (Dqk + Dv)) g
 //! For P | Hq, P | Hkv and P | T this is the blog's 4 N h / P per link: forward
-//! (P - 1) / P^2 T (Hq Dqk + Hkv (Dqk + Dv) + Hq Dv) b plus the lse.
-//! Collective: every rank calls with the same plan, shapes and options (checked; a mismatch is a
-//! loom::error on every rank). Host memory; deterministic for a fixed backend and P.
+//! (P - 1) / P^2 T (Hq Dqk + Hkv (Dqk + Dv) + Hq Dv) b plus the lse. make_plan adds one
+//! agreement (comm/agreement.hpp); calls add none. Work: the local kernel's on T tokens and
+//! hq_r heads. Host memory; deterministic for a fixed backend and P.
 
 #include <loom/attention/detail/ulysses_exchange.hpp>
+#include <loom/backend/temporary.hpp>
+#include <loom/comm/agreement.hpp>
+#include <loom/core/precision.hpp>
+#include <loom/core/workspace.hpp>
 
 #include <array>
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -53,338 +73,252 @@ struct traffic {
   std::size_t forward = 0, backward = 0;
 };
 
-//! Which tokens every rank holds (a shard::plan) and which heads it computes; the coordinates
-//! of the whole sequence for the masks. The same on every rank.
-class plan {
- public:
-  //! @throws loom::error(invalid_argument) for heads < 1, dims < 1, heads_q not a multiple of
-  //! heads_kv, or more ranks than query heads.
-  plan(const shard::plan& tokens, shape s) : tokens_(tokens), shape_(s) {
-    constexpr std::string_view call = "ulysses::plan";
-    LOOM_EXPECTS(s.heads_q >= 1 && s.heads_kv >= 1, errc::invalid_argument, call, ": heads must be >= 1, got heads_q ",
-                 s.heads_q, ", heads_kv ", s.heads_kv);
-    LOOM_EXPECTS(s.heads_q % s.heads_kv == 0, errc::invalid_argument, call, ": heads_q (", s.heads_q,
-                 ") must be a multiple of heads_kv (", s.heads_kv, ")");
-    LOOM_EXPECTS(s.dim_qk >= 1 && s.dim_v >= 1, errc::invalid_argument, call, ": dims must be >= 1, got dim_qk ",
-                 s.dim_qk, ", dim_v ", s.dim_v);
-    LOOM_EXPECTS(tokens.ranks() <= s.heads_q, errc::invalid_argument, call, ": Ulysses splits the ", s.heads_q,
-                 " query heads over the ranks, so it needs ranks <= heads_q, got ", tokens.ranks(),
-                 " ranks (use hybrid Ulysses x ring)");
-    heads_ = {s.heads_q, s.heads_kv, tokens.ranks()};
-    const auto& cu = tokens.cu_seqlens();
-    for (std::size_t d = 0; d + 1 < cu.size(); ++d)
-      for (index_t t = cu[d]; t < cu[d + 1]; ++t) {
-        doc_.push_back(static_cast<index_t>(d));
-        pos_.push_back(t - cu[d]);
-      }
-  }
-
-  [[nodiscard]] int ranks() const noexcept { return heads_.p; }
-  [[nodiscard]] const shard::plan& tokens() const noexcept { return tokens_; }
-  [[nodiscard]] const shape& dims() const noexcept { return shape_; }
-  [[nodiscard]] const detail::head_split& heads() const noexcept { return heads_; }
-  //! Query heads [first, second) rank r computes.
-  [[nodiscard]] std::pair<index_t, index_t> q_heads(int r) const { return {heads_.q_begin(r), heads_.q_end(r)}; }
-  //! kv heads [first, second) rank r receives.
-  [[nodiscard]] std::pair<index_t, index_t> kv_heads(int r) const { return {heads_.kv_begin(r), heads_.kv_end(r)}; }
-  [[nodiscard]] coords<> sequence_coords() const {
-    const auto n = static_cast<index_t>(doc_.size());
-    return {tensor_view<const index_t, 1>(doc_.data(), {n}), tensor_view<const index_t, 1>(pos_.data(), {n})};
-  }
-
-  //! Workspace for forward and backward with storage T and gradients G, the largest over ranks
-  //! (so one size serves every rank).
-  template <class T, class G = T>
-  [[nodiscard]] std::size_t workspace_bytes() const;
-
-  //! Bytes rank r sends per call, for element sizes b (storage), a (lse), g (gradients).
-  [[nodiscard]] traffic bytes_sent(int r, std::size_t b, std::size_t a, std::size_t g) const {
-    const auto& h = heads_;
-    const auto n = static_cast<std::size_t>(tokens_.rank(r).tokens);
-    const auto rest = static_cast<std::size_t>(tokens_.total_tokens()) - n;
-    const auto dk = static_cast<std::size_t>(shape_.dim_qk), dv = static_cast<std::size_t>(shape_.dim_v);
-    std::size_t oq = 0, okv = 0;  // heads of the other ranks
-    for (int j = 0; j < h.p; ++j)
-      if (j != r) {
-        oq += static_cast<std::size_t>(h.q_count(j));
-        okv += static_cast<std::size_t>(h.kv_count(j));
-      }
-    const auto hq = static_cast<std::size_t>(h.q_count(r)), hkv = static_cast<std::size_t>(h.kv_count(r));
-    traffic t;
-    t.forward = n * (oq * dk + okv * (dk + dv)) * b + rest * hq * (dv * b + a);
-    t.backward = n * (oq * (dk + 2 * dv) * b + oq * a + okv * (dk + dv) * b) + rest * (hq * dk + hkv * (dk + dv)) * g;
-    return t;
-  }
-
- private:
-  shard::plan tokens_;
-  shape shape_;
-  detail::head_split heads_;
-  std::vector<index_t> doc_, pos_;
-};
-
 namespace detail {
 using namespace loom::attention::detail;
 
-template <class T>
-struct fwd_buffers {
-  T *send, *recv, *q, *k, *v, *out, *osend, *orecv;
-  accum_t<T>*lse, *lsend, *lrecv;
-  std::size_t* counts;
-};
+//! The plan of the local attention of one head segment, over the whole sequence's documents.
+template <class B, class P>
+using local_plan_t = local_inner;
 
-template <class T>
-fwd_buffers<T> carve_forward(arena& a, const plan& up, int r) {
-  using Acc = accum_t<T>;
-  const auto& s = up.dims();
-  const auto& hs = up.heads();
-  const auto& tk = up.tokens();
-  const std::array<full_desc<T>, 3> in{
-      {{nullptr, s.dim_qk, false}, {nullptr, s.dim_qk, true}, {nullptr, s.dim_v, true}}};
-  const std::array<full_desc<T>, 1> o{{{nullptr, s.dim_v, false}}};
-  const std::array<full_desc<Acc>, 1> l{{{nullptr, 1, false}}};
-  const auto tt = static_cast<std::size_t>(tk.total_tokens());
-  fwd_buffers<T> f{};
-  f.counts = a.take<std::size_t>(static_cast<std::size_t>(4 * hs.p));
-  f.send = a.take<T>(shard_side_elems<T>(tk, hs, r, in));
-  f.recv = a.take<T>(head_side_elems<T>(tk, hs, r, in));
-  f.q = a.take<T>(tt * static_cast<std::size_t>(hs.q_count(r) * s.dim_qk));
-  f.k = a.take<T>(tt * static_cast<std::size_t>(hs.kv_count(r) * s.dim_qk));
-  f.v = a.take<T>(tt * static_cast<std::size_t>(hs.kv_count(r) * s.dim_v));
-  f.out = a.take<T>(tt * static_cast<std::size_t>(hs.q_count(r) * s.dim_v));
-  f.lse = a.take<Acc>(tt * static_cast<std::size_t>(hs.q_count(r)));
-  f.osend = a.take<T>(head_side_elems<T>(tk, hs, r, o));
-  f.orecv = a.take<T>(shard_side_elems<T>(tk, hs, r, o));
-  f.lsend = a.take<Acc>(head_side_elems<Acc>(tk, hs, r, l));
-  f.lrecv = a.take<Acc>(shard_side_elems<Acc>(tk, hs, r, l));
-  return f;
+//! The shape checks of make_plan (Ulysses and hybrid); `ranks` is the exchange group's size.
+inline void check_shape(const shape& s, int ranks, std::string_view call) {
+  LOOM_EXPECTS(s.heads_q >= 1 && s.heads_kv >= 1, errc::invalid_argument, call, ": heads must be >= 1, got heads_q ",
+               s.heads_q, ", heads_kv ", s.heads_kv);
+  LOOM_EXPECTS(s.heads_q % s.heads_kv == 0, errc::invalid_argument, call, ": heads_q (", s.heads_q,
+               ") must be a multiple of heads_kv (", s.heads_kv, ")");
+  LOOM_EXPECTS(s.dim_qk >= 1 && s.dim_v >= 1, errc::invalid_argument, call, ": dims must be >= 1, got dim_qk ",
+               s.dim_qk, ", dim_v ", s.dim_v);
+  LOOM_EXPECTS(ranks <= s.heads_q, errc::invalid_argument, call, ": Ulysses splits the ", s.heads_q,
+               " query heads over the ranks, so it needs ranks <= heads_q, got ", ranks,
+               " ranks (use hybrid Ulysses x ring)");
 }
 
-template <class T, class G>
-struct bwd_buffers {
-  T *send, *recv, *q, *k, *v, *out, *dout;
-  accum_t<T>*lse, *lsend, *lrecv, *acc;
-  G *dq, *dk, *dv, *gsend, *grecv;
-  std::size_t* counts;
-};
-
-template <class T, class G>
-bwd_buffers<T, G> carve_backward(arena& a, const plan& up, int r) {
-  using Acc = accum_t<T>;
-  const auto& s = up.dims();
-  const auto& hs = up.heads();
-  const auto& tk = up.tokens();
-  const std::array<full_desc<T>, 5> in{{{nullptr, s.dim_qk, false},
-                                        {nullptr, s.dim_qk, true},
-                                        {nullptr, s.dim_v, true},
-                                        {nullptr, s.dim_v, false},
-                                        {nullptr, s.dim_v, false}}};
-  const std::array<full_desc<Acc>, 1> l{{{nullptr, 1, false}}};
-  const std::array<full_desc<G>, 3> gr{
-      {{nullptr, s.dim_qk, false}, {nullptr, s.dim_qk, true}, {nullptr, s.dim_v, true}}};
-  const auto tt = static_cast<std::size_t>(tk.total_tokens());
-  const auto hq = static_cast<std::size_t>(hs.q_count(r)), hkv = static_cast<std::size_t>(hs.kv_count(r));
+//! Bytes rank r of an exchange group sends per call (file comment).
+inline traffic exchange_bytes(const shard::plan& tokens, const head_split& h, const shape& s, int r, std::size_t b,
+                              std::size_t a, std::size_t g) {
+  const auto n = static_cast<std::size_t>(tokens.rank(r).tokens);
+  const auto rest = static_cast<std::size_t>(tokens.total_tokens()) - n;
   const auto dk = static_cast<std::size_t>(s.dim_qk), dv = static_cast<std::size_t>(s.dim_v);
-  bwd_buffers<T, G> f{};
-  f.counts = a.take<std::size_t>(static_cast<std::size_t>(4 * hs.p));
-  f.send = a.take<T>(shard_side_elems<T>(tk, hs, r, in));
-  f.recv = a.take<T>(head_side_elems<T>(tk, hs, r, in));
-  f.q = a.take<T>(tt * hq * dk);
-  f.k = a.take<T>(tt * hkv * dk);
-  f.v = a.take<T>(tt * hkv * dv);
-  f.out = a.take<T>(tt * hq * dv);
-  f.dout = a.take<T>(tt * hq * dv);
-  f.lsend = a.take<Acc>(shard_side_elems<Acc>(tk, hs, r, l));
-  f.lrecv = a.take<Acc>(head_side_elems<Acc>(tk, hs, r, l));
-  f.lse = a.take<Acc>(tt * hq);
-  f.dq = a.take<G>(tt * hq * dk);
-  f.dk = a.take<G>(tt * hkv * dk);
-  f.dv = a.take<G>(tt * hkv * dv);
-  f.gsend = a.take<G>(head_side_elems<G>(tk, hs, r, gr));
-  f.grecv = a.take<G>(shard_side_elems<G>(tk, hs, r, gr));
-  f.acc = a.take<Acc>(static_cast<std::size_t>(tk.rank(r).tokens * s.heads_kv) * (dk + dv));
-  return f;
+  std::size_t oq = 0, okv = 0;  // heads of the other ranks
+  for (int j = 0; j < h.p; ++j)
+    if (j != r) {
+      oq += static_cast<std::size_t>(h.q_count(j));
+      okv += static_cast<std::size_t>(h.kv_count(j));
+    }
+  const auto hq = static_cast<std::size_t>(h.q_count(r)), hkv = static_cast<std::size_t>(h.kv_count(r));
+  traffic t;
+  t.forward = n * (oq * dk + okv * (dk + dv)) * b + rest * hq * (dv * b + a);
+  t.backward = n * (oq * (dk + 2 * dv) * b + oq * a + okv * (dk + dv) * b) + rest * (hq * dk + hkv * (dk + dv)) * g;
+  return t;
 }
 
-inline arena workspace_arena(std::span<std::byte> ws, std::size_t need, std::string_view call) {
-  LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, call, ": the workspace holds ", ws.size(),
-               " bytes, expected at least plan.workspace_bytes() = ", need);
-  LOOM_EXPECTS(reinterpret_cast<std::uintptr_t>(ws.data()) % alignof(std::max_align_t) == 0, errc::invalid_argument,
-               call, ": the workspace must be aligned to ", alignof(std::max_align_t), " bytes");
-  return arena{ws.data(), 0, ws.size()};
+//! The per-call checks of a view set against a plan's rank: storage types, extents.
+template <class T, class Acc, class Q, class K, class V, class O, class L>
+void check_views(const shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                 std::string_view call) {
+  static_assert(Q::space::host_accessible, "sequence parallel attention runs on host memory");
+  static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename O::value_type>, T>,
+                "sequence parallel attention: q, k, v and out must hold the plan's storage type");
+  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, Acc>,
+                "sequence parallel attention: lse must hold the plan's accumulation type");
+  expect_extents(q, {n, s.heads_q, s.dim_qk}, call, "q");
+  expect_extents(k, {n, s.heads_kv, s.dim_qk}, call, "k");
+  expect_extents(v, {n, s.heads_kv, s.dim_v}, call, "v");
+  expect_extents(out, {n, s.heads_q, s.dim_v}, call, "out");
+  expect_extents(lse, {n, s.heads_q}, call, "lse");
+  for (auto st : {q.stride(2), k.stride(2), v.stride(2), out.stride(2)})
+    LOOM_EXPECTS(st == 1, errc::invalid_argument, call,
+                 ": q, k, v and out must be contiguous in their last dimension (stride 1)");
+}
+template <class T, class DO, class DQ, class DK, class DV>
+void check_gradients(const shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
+                     std::string_view call) {
+  static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DK::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DV::value_type>, T>,
+                "sequence parallel attention: dout, dq, dk and dv must hold the plan's storage type");
+  expect_extents(dout, {n, s.heads_q, s.dim_v}, call, "dout");
+  expect_extents(dq, {n, s.heads_q, s.dim_qk}, call, "dq");
+  expect_extents(dk, {n, s.heads_kv, s.dim_qk}, call, "dk");
+  expect_extents(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
 }
 
-//! A [T, h, d] head shard (contiguous), restricted to heads [h0, h0 + nh).
-template <class T>
-tensor_view<T, 3> heads_view(T* base, index_t t, index_t h, index_t d, index_t h0, index_t nh) {
-  return {base + h0 * d, {t, nh, d}, {h * d, d, 1}};
-}
-template <class T>
-tensor_view<T, 2> heads_view2(T* base, index_t t, index_t h, index_t h0, index_t nh) {
-  return {base + h0, {t, nh}, {h, 1}};
-}
-
-template <class Q, class K, class V, class O, class L>
-problem check_views(const Q& q, const K& k, const V& v, const O& out, const L& lse, const options& opt,
-                    std::string_view call) {
-  static_assert(Q::space::host_accessible, "Ulysses attention runs on host memory");
-  using T = typename Q::value_type;
-  static_assert(std::is_same_v<typename K::value_type, T> && std::is_same_v<typename V::value_type, T> &&
-                    std::is_same_v<typename O::value_type, T>,
-                "Ulysses attention: q, k, v and out must share one storage type");
-  static_assert(std::is_same_v<typename L::value_type, accum_t<T>>,
-                "Ulysses attention: lse must have the accumulation type");
-  const problem pb = check_qkv(q, k, v, opt, call);
-  check_outputs(pb, out, lse, call);
-  return pb;
-}
-
-//! The digest of a Ulysses plan: its token plan and its shape (the head split follows from them).
-inline std::uint64_t digest_of(const plan& up) {
-  const auto& s = up.dims();
-  return comm::hasher{}
-      .add(attention::detail::digest_of(up.tokens()), s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
-      .value();
-}
-
-//! This rank's checks against a Ulysses plan (local: the agreement follows).
+//! This rank of comm against the rank and size a plan was made for.
 template <comm::communicator C>
-void check_plan(const C& comm, const plan& up, const problem& pb, std::string_view call) {
-  check_plan_rank(comm, up.tokens(), pb, call);
-  const auto& s = up.dims();
-  LOOM_EXPECTS(pb.hq == s.heads_q && pb.hkv == s.heads_kv && pb.dk == s.dim_qk && pb.dv == s.dim_v,
-               errc::shape_mismatch, call, ": the plan is for heads ", s.heads_q, "/", s.heads_kv, ", dims ", s.dim_qk,
-               "/", s.dim_v, " but the views have heads ", pb.hq, "/", pb.hkv, ", dims ", pb.dk, "/", pb.dv);
+void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
+  LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
+               ": the plan was made for rank ", rank, " of ", ranks, ", but the communicator is rank ", comm.rank(),
+               " of ", comm.size());
+}
+
+//! The signature of a sequence parallel plan: sharding digest, shape, options, element types.
+template <class T, class Acc>
+comm::signature plan_signature(std::uint64_t digest, const shape& s, const options& opt) {
+  return comm::signature{}
+      .add("the shapes (q heads, kv heads, head dims)", s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
+      .add("the options (causal, window, scale)", opt.causal, opt.window, opt.scale)
+      .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
+      .add_digest("the plan", digest);
 }
 
 }  // namespace detail
 
-template <class T, class G>
-std::size_t plan::workspace_bytes() const {
-  std::size_t most = 0;
-  for (int r = 0; r < ranks(); ++r) {
-    detail::arena f, b;
-    detail::carve_forward<T>(f, *this, r);
-    detail::carve_backward<T, G>(b, *this, r);
-    most = std::max({most, f.used, b.used});
+template <class B, precision_policy P>
+class plan;
+
+//! Plans Ulysses attention on this rank for the rows `tokens` gives every rank (the same plan on
+//! every rank), heads and dims `s`, masks and scale `opt`. Collective over comm: one agreement.
+//! @throws loom::error(invalid_argument) on every rank: heads < 1, dims < 1, heads_q not a
+//! multiple of heads_kv, more ranks than query heads, a sharding for another number of ranks,
+//! bad options (those of attention::make_plan), or ranks disagreeing on the sharding, shape,
+//! options or precision.
+template <precision_policy P = fp32, class B, comm::communicator C>
+plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const shape& s, const options& opt = {});
+
+//! A Ulysses plan of one rank (see the file comment). Make it with ulysses::make_plan. Immutable;
+//! copies share one state; several threads may use one plan at once (each call with its own
+//! workspace, outputs and communicator).
+template <class B, precision_policy P = fp32>
+class plan {
+ public:
+  using precision = P;
+  using storage_type = typename P::storage_type;
+  using accum_type = typename P::accum_type;
+
+  [[nodiscard]] int ranks() const noexcept { return s_->pipe.heads().p; }
+  //! The rank this plan was made on.
+  [[nodiscard]] int rank() const noexcept { return s_->pipe.rank(); }
+  [[nodiscard]] const shard::plan& tokens() const noexcept { return s_->pipe.tokens(); }
+  [[nodiscard]] const shape& dims() const noexcept { return s_->dims; }
+  [[nodiscard]] const options& opts() const noexcept { return s_->opt; }
+  [[nodiscard]] const detail::head_split& heads() const noexcept { return s_->pipe.heads(); }
+  //! Query heads [first, second) rank r computes.
+  [[nodiscard]] std::pair<index_t, index_t> q_heads(int r) const { return {heads().q_begin(r), heads().q_end(r)}; }
+  //! kv heads [first, second) rank r receives.
+  [[nodiscard]] std::pair<index_t, index_t> kv_heads(int r) const { return {heads().kv_begin(r), heads().kv_end(r)}; }
+  //! Workspace of forward and of backward on this rank (one size serves both).
+  [[nodiscard]] std::size_t workspace_bytes() const noexcept {
+    return std::max(s_->pipe.forward_bytes(), s_->pipe.backward_bytes());
   }
-  return most + 64;
+  //! Bytes rank r sends per call, for element sizes b (storage), a (lse), g (gradients).
+  [[nodiscard]] traffic bytes_sent(int r, std::size_t b, std::size_t a, std::size_t g) const {
+    return detail::exchange_bytes(tokens(), heads(), dims(), r, b, a, g);
+  }
+
+  //! The pipeline and the local plan of head segment s (used by forward / backward).
+  [[nodiscard]] const detail::head_pipeline<storage_type, accum_type>& pipeline() const noexcept { return s_->pipe; }
+  [[nodiscard]] const detail::local_plan_t<B, P>& local(std::size_t s) const { return s_->local[s]; }
+
+ private:
+  struct state {
+    shape dims;
+    options opt;
+    std::vector<detail::local_plan_t<B, P>> local;
+    detail::head_pipeline<storage_type, accum_type> pipe;
+  };
+  std::shared_ptr<const state> s_;
+
+  template <precision_policy Q, class B2, comm::communicator C>
+  friend plan<B2, Q> make_plan(const B2&, C&, const shard::plan&, const shape&, const options&);
+};
+
+template <precision_policy P, class B, comm::communicator C>
+plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const shape& s, const options& opt) {
+  constexpr std::string_view call = "ulysses::make_plan";
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  using state = typename plan<B, P>::state;
+  auto st = std::make_shared<state>();
+  comm::agree(comm, call, [&] {
+    detail::check_shape(s, comm.size(), call);
+    LOOM_EXPECTS(tokens.ranks() == comm.size(), errc::invalid_argument, call, ": the sharding is for ", tokens.ranks(),
+                 " ranks but the communicator has ", comm.size());
+    st->dims = s;
+    st->opt = opt;
+    st->pipe =
+        detail::head_pipeline<T, Acc>(tokens, {s.heads_q, s.heads_kv, comm.size()}, comm.rank(), s.dim_qk, s.dim_v);
+    // The local plans read the documents of the plan's own copy of the sharding.
+    std::size_t fwd = 0, bwd = 0;
+    for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
+      const auto sh = st->pipe.segment(i);
+      (void)sh;
+      (void)b;
+      st->local.push_back(detail::local_inner(st->pipe.tokens().segments(), opt));
+      fwd = std::max(fwd, st->local.back().workspace_bytes());
+      bwd = std::max(bwd, st->local.back().workspace_bytes());
+    }
+    st->pipe.reserve_inner(fwd, bwd);
+    return detail::plan_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
+  });
+  plan<B, P> out;
+  out.s_ = std::move(st);
+  return out;
 }
 
-//! Ulysses forward with a caller-given workspace (at least up.workspace_bytes<T>() bytes, aligned
-//! to alignof(std::max_align_t)); no allocation besides the local kernel's own scratch.
-//! @throws loom::error: (shape_mismatch) views of the wrong shape or not matching the plan;
-//! (invalid_argument) ranks disagreeing on shapes/options/plan, a short workspace.
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L>
-void forward(const B& b, C& comm, const plan& up, Q q, K k, V v, O out, L lse, const options& opt,
-             std::span<std::byte> workspace) {
-  using namespace detail;
+//! Ulysses forward on a plan: allocates nothing. `workspace`: at least plan.workspace_bytes()
+//! bytes starting on loom::workspace_alignment.
+//! @throws loom::error on this rank only: (shape_mismatch) views not of the plan's extents;
+//! (invalid_argument) a short or misaligned workspace, a communicator of another rank or size.
+template <class B, precision_policy P, comm::communicator C, class Q, class K, class V, class O, class L>
+void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
   constexpr std::string_view call = "ulysses::forward";
-  using T = typename Q::value_type;
-  using Acc = accum_t<T>;
-  arena a{};
-  const problem pb = agree_on<T, Acc>(comm, digest_of(up), opt, call, [&] {
-    const problem p = check_views(q, k, v, out, lse, opt, call);
-    check_plan(comm, up, p, call);
-    a = workspace_arena(workspace, up.template workspace_bytes<T>(), call);
-    return p;
-  });
-  const int me = comm.rank();
-  const fwd_buffers<T> f = carve_forward<T>(a, up, me);
-  const auto& hs = up.heads();
-  const auto& tk = up.tokens();
-  const index_t tt = tk.total_tokens(), hq = hs.q_count(me), hkv = hs.kv_count(me);
-  const std::array<rows_desc<const T>, 3> src{rows_desc_of(q, false), rows_desc_of(k, true), rows_desc_of(v, true)};
-  const std::array<full_desc<T>, 3> dst{{{f.q, pb.dk, false}, {f.k, pb.dk, true}, {f.v, pb.dv, true}}};
-  to_heads<C, T>(comm, tk, hs, src, dst, f.send, f.recv, f.counts);
-  const coords<> c = up.sequence_coords();
-  if (tt > 0)
-    for (const auto& sg : segments_of(hs, me)) {
-      const index_t q0 = sg.q0 - hs.q_begin(me), k0 = sg.kv0 - hs.kv_begin(me);
-      attention::forward(b, tensor_view<const T, 3>(heads_view(f.q, tt, hq, pb.dk, q0, sg.nq)),
-                         tensor_view<const T, 3>(heads_view(f.k, tt, hkv, pb.dk, k0, sg.nkv)),
-                         tensor_view<const T, 3>(heads_view(f.v, tt, hkv, pb.dv, k0, sg.nkv)), c, c,
-                         heads_view(f.out, tt, hq, pb.dv, q0, sg.nq), heads_view2(f.lse, tt, hq, q0, sg.nq), opt);
-    }
-  const std::array<full_desc<const T>, 1> os{{{f.out, pb.dv, false}}};
-  const std::array<rows_desc<T>, 1> od{rows_desc_of(out, false)};
-  from_heads<Acc, C, T, T>(comm, tk, hs, os, od, f.osend, f.orecv, nullptr, f.counts);
-  const std::array<full_desc<const Acc>, 1> ls{{{f.lse, 1, false}}};
-  const std::array<rows_desc<Acc>, 1> ld{rows_desc_of(lse, false)};
-  from_heads<Acc, C, Acc, Acc>(comm, tk, hs, ls, ld, f.lsend, f.lrecv, nullptr, f.counts);
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  detail::check_comm(comm, up.ranks(), up.rank(), call);
+  detail::check_views<T, Acc>(up.dims(), up.tokens().rank(up.rank()).tokens, q, k, v, out, lse, call);
+  check_workspace(workspace, up.workspace_bytes(), call);
+  up.pipeline().forward(comm, q, k, v, out, lse, workspace,
+                        [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
+                          up.local(s).forward(b, qs, ks, vs, os, ls, ws);
+                        });
 }
 
-//! Convenience: plans the heads and allocates the workspace for this call.
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L>
-void forward(const B& b, C& comm, const shard::plan& tokens, Q q, K k, V v, O out, L lse, const options& opt = {}) {
-  const plan up(tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)});
-  std::vector<std::max_align_t> ws(up.workspace_bytes<typename Q::value_type>() / sizeof(std::max_align_t) + 1);
-  forward(b, comm, up, q, k, v, out, lse, opt, std::as_writable_bytes(std::span(ws)));
-}
-
-//! Ulysses backward: q, k, v, out, lse (the forward's) and dout travel to head shards, the local
-//! backward runs, dq, dk, dv travel back (partial dK/dV of replicated kv heads summed). dq, dk, dv
-//! [n_r, ...] of one type G are overwritten. Workspace: up.workspace_bytes<T, G>().
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
-          class DV>
-void backward(const B& b, C& comm, const plan& up, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
-              const options& opt, std::span<std::byte> workspace) {
-  using namespace detail;
+//! Ulysses backward on a plan: q, k, v, out, lse (the forward's) and dout travel to head shards,
+//! the local backward runs, dq, dk, dv travel back (partial dK/dV of replicated kv heads summed)
+//! and overwrite dq, dk, dv. Allocates nothing; workspace and errors as forward.
+template <class B, precision_policy P, comm::communicator C, class Q, class K, class V, class O, class L, class DO,
+          class DQ, class DK, class DV>
+void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+              std::span<std::byte> workspace) {
   constexpr std::string_view call = "ulysses::backward";
-  using T = typename Q::value_type;
-  using G = typename DQ::value_type;
-  using Acc = accum_t<T>;
-  static_assert(std::is_same_v<typename DO::value_type, T>, "Ulysses attention: dout must have q's storage type");
-  static_assert(std::is_same_v<typename DK::value_type, G> && std::is_same_v<typename DV::value_type, G>,
-                "Ulysses attention: dq, dk and dv must share one type");
-  arena a{};
-  const problem pb = agree_on<T, Acc>(comm, digest_of(up), opt, call, [&] {
-    const problem p = check_views(q, k, v, out, lse, opt, call);
-    check_gradients(p, dout, dq, dk, dv, call);
-    check_plan(comm, up, p, call);
-    a = workspace_arena(workspace, up.template workspace_bytes<T, G>(), call);
-    return p;
-  });
-  const int me = comm.rank();
-  const bwd_buffers<T, G> f = carve_backward<T, G>(a, up, me);
-  const auto& hs = up.heads();
-  const auto& tk = up.tokens();
-  const index_t tt = tk.total_tokens(), hq = hs.q_count(me), hkv = hs.kv_count(me);
-  const std::array<rows_desc<const T>, 5> src{rows_desc_of(q, false), rows_desc_of(k, true), rows_desc_of(v, true),
-                                              rows_desc_of(out, false), rows_desc_of(dout, false)};
-  const std::array<full_desc<T>, 5> dst{
-      {{f.q, pb.dk, false}, {f.k, pb.dk, true}, {f.v, pb.dv, true}, {f.out, pb.dv, false}, {f.dout, pb.dv, false}}};
-  to_heads<C, T>(comm, tk, hs, src, dst, f.send, f.recv, f.counts);
-  const std::array<rows_desc<const Acc>, 1> lsrc{rows_desc_of(lse, false)};
-  const std::array<full_desc<Acc>, 1> ldst{{{f.lse, 1, false}}};
-  to_heads<C, Acc>(comm, tk, hs, lsrc, ldst, f.lsend, f.lrecv, f.counts);
-  const coords<> c = up.sequence_coords();
-  if (tt > 0)
-    for (const auto& sg : segments_of(hs, me)) {
-      const index_t q0 = sg.q0 - hs.q_begin(me), k0 = sg.kv0 - hs.kv_begin(me);
-      attention::backward(b, tensor_view<const T, 3>(heads_view(f.q, tt, hq, pb.dk, q0, sg.nq)),
-                          tensor_view<const T, 3>(heads_view(f.k, tt, hkv, pb.dk, k0, sg.nkv)),
-                          tensor_view<const T, 3>(heads_view(f.v, tt, hkv, pb.dv, k0, sg.nkv)), c, c,
-                          tensor_view<const T, 3>(heads_view(f.out, tt, hq, pb.dv, q0, sg.nq)),
-                          tensor_view<const Acc, 2>(heads_view2(f.lse, tt, hq, q0, sg.nq)),
-                          tensor_view<const T, 3>(heads_view(f.dout, tt, hq, pb.dv, q0, sg.nq)),
-                          heads_view(f.dq, tt, hq, pb.dk, q0, sg.nq), heads_view(f.dk, tt, hkv, pb.dk, k0, sg.nkv),
-                          heads_view(f.dv, tt, hkv, pb.dv, k0, sg.nkv), opt);
-    }
-  const std::array<full_desc<const G>, 3> gs{{{f.dq, pb.dk, false}, {f.dk, pb.dk, true}, {f.dv, pb.dv, true}}};
-  const std::array<rows_desc<G>, 3> gd{rows_desc_of(dq, false), rows_desc_of(dk, true), rows_desc_of(dv, true)};
-  from_heads<Acc, C, G, G>(comm, tk, hs, gs, gd, f.gsend, f.grecv, f.acc, f.counts);
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  detail::check_comm(comm, up.ranks(), up.rank(), call);
+  const index_t n = up.tokens().rank(up.rank()).tokens;
+  detail::check_views<T, Acc>(up.dims(), n, q, k, v, out, lse, call);
+  detail::check_gradients<T>(up.dims(), n, dout, dq, dk, dv, call);
+  check_workspace(workspace, up.workspace_bytes(), call);
+  up.pipeline().backward(
+      comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
+      [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks, auto dvs,
+          std::span<std::byte> ws) { up.local(s).backward(b, qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws); });
 }
 
-//! Convenience backward: plans the heads and allocates the workspace for this call.
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+//! Convenience forward: make_plan (precision deduced from q), a temporary workspace, the plan
+//! form, fence.
+template <class B, comm::communicator C, class Q, class K, class V, class O, class L>
+void forward(const B& b, C& comm, const shard::plan& tokens, Q q, K k, V v, O out, L lse, const options& opt = {}) {
+  const auto up = make_plan<default_precision<typename Q::value_type>>(
+      b, comm, tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
+  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(up.workspace_bytes()));
+  forward(b, comm, up, q, k, v, out, lse, ws.bytes());
+  fence(b);
+}
+
+//! Convenience backward (as the convenience forward).
+template <class B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
           class DV>
 void backward(const B& b, C& comm, const shard::plan& tokens, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               const options& opt = {}) {
-  const plan up(tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)});
-  std::vector<std::max_align_t> ws(
-      up.workspace_bytes<typename Q::value_type, typename DQ::value_type>() / sizeof(std::max_align_t) + 1);
-  backward(b, comm, up, q, k, v, out, lse, dout, dq, dk, dv, opt, std::as_writable_bytes(std::span(ws)));
+  const auto up = make_plan<default_precision<typename Q::value_type>>(
+      b, comm, tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
+  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(up.workspace_bytes()));
+  backward(b, comm, up, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
+  fence(b);
 }
 
 }  // namespace loom::attention::ulysses
