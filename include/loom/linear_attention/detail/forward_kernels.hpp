@@ -22,6 +22,7 @@
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/linear_attention/detail/layout.hpp>
+#include <loom/scan/monoid.hpp>
 
 #include <cmath>
 
@@ -30,11 +31,12 @@ namespace loom::linear_attention::detail {
 LOOM_HD inline float exp_acc(float x) { return expf(x); }
 LOOM_HD inline double exp_acc(double x) { return exp(x); }
 
-//! S <- a S + L, the one expression every state pass uses (so the fused and the chunk-parallel
-//! paths produce the same bits).
+//! S <- a S + L: scan's affine combine of "S, then the step (a, L)", the one expression every
+//! state pass and LASP-2's fold use (so the fused and the chunk-parallel paths, and the ranks'
+//! folds, produce the same bits).
 template <class A>
 LOOM_HD inline A decay_add(A a, A s, A l) {
-  return a * s + l;
+  return scan::affine<A>{}.combine({A(1), s}, {a, l}).b;
 }
 
 //! The largest -b_{n-1} for which exp(b_i - b_j) is evaluated as exp(b_i) exp(-b_j).

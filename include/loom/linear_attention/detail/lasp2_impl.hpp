@@ -60,7 +60,7 @@ class state_exchange {
       if (reset)
         for (index_t e = 0; e < sz_; ++e) xh[e] = mq[e];
       else
-        for (index_t e = 0; e < sz_; ++e) xh[e] = blk[h] * xh[e] + mq[e];
+        for (index_t e = 0; e < sz_; ++e) xh[e] = decay_add(blk[h], xh[e], mq[e]);
     }
   }
   void post(C& comm) {
