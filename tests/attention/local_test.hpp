@@ -4,13 +4,16 @@
 #include <loom/attention/local.hpp>
 #include <loom/attention/merge.hpp>
 
+#include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -59,27 +62,32 @@ struct run_result {
   std::vector<double> out, lse, dq, dk, dv;
 };
 
-template <class T>
+// The plan forms over segments of offset type I (int64 or int32), workspace allocated once.
+template <class T, class I = std::int64_t>
 run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::vector<index_t>& cu, bool bwd) {
-  using Acc = la::accum_t<T>;
+  using Acc = loom::accum_t<T>;
+  using P = loom::default_precision<T>;
   const auto b = make_backend();
   buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v)), dout(cast<T>(in.dout)),
       out(static_cast<std::size_t>(s.tq * s.hq * s.dv)), dq(static_cast<std::size_t>(s.tq * s.hq * s.dk)),
       dk(static_cast<std::size_t>(s.tk * s.hkv * s.dk)), dv(static_cast<std::size_t>(s.tk * s.hkv * s.dv));
   buffer<Acc> lse(static_cast<std::size_t>(s.tq * s.hq));
-  buffer<index_t> cub(cu);
+  buffer<I> cub(std::vector<I>(cu.begin(), cu.end()));
   const la::options opt{s.causal, s.window, s.scale};
-  const auto cuv = view_of<const index_t, 1>(cub, {static_cast<index_t>(cu.size())});
-  la::forward(b, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
-              view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
-              view_of<Acc, 2>(lse, {s.tq, s.hq}), opt);
+  const loom::segments docs(view_of<const I, 1>(cub, {static_cast<index_t>(cu.size())}));
+  const auto plan = la::make_plan<P>(b, docs, {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt);
+  const loom::temporary_buffer<backend_under_test, std::byte> ws(
+      b, static_cast<index_t>(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes())));
+  la::forward(b, plan, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+              view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+              view_of<Acc, 2>(lse, {s.tq, s.hq}), ws.bytes());
   run_result<T> r{widen(out.to_host()), widen(lse.to_host()), {}, {}, {}};
   if (bwd) {
-    la::backward(b, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
-                 view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), cuv, view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
+    la::backward(b, plan, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                 view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
                  view_of<const Acc, 2>(lse, {s.tq, s.hq}), view_of<const T, 3>(dout, {s.tq, s.hq, s.dv}),
                  view_of<T, 3>(dq, {s.tq, s.hq, s.dk}), view_of<T, 3>(dk, {s.tk, s.hkv, s.dk}),
-                 view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), opt);
+                 view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), ws.bytes());
     r.dq = widen(dq.to_host());
     r.dk = widen(dk.to_host());
     r.dv = widen(dv.to_host());
@@ -88,20 +96,21 @@ run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::v
 }
 
 // Forward and backward of packed documents in precision P against the oracle.
-template <class P>
+template <class P, class I = std::int64_t>
 void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_t seed, bool bwd = true) {
   using T = typename P::storage_type;
   s.tk = s.tq = cu.back();
   const auto in = make_inputs<T>(s, seed);
   const auto c = lt::packed(cu);
   const auto want = lt::attention_oracle(s, in.q, in.k, in.v, c, c, bwd ? in.dout : std::vector<double>{});
-  const auto got = run_packed<T>(s, in, cu, bwd);
+  const auto got = run_packed<T, I>(s, in, cu, bwd);
   // fp64 ≤ 1e-10; fp32 ≤ 2e-5 relative; bf16 ≤ 2e-2 (the issue's tolerances), on O(1) values.
   const lt::tolerance tol = std::is_same_v<T, double>  ? lt::tolerance{1e-10, 1e-10}
                             : std::is_same_v<T, float> ? lt::tolerance{2e-5, 2e-5}
                                                        : lt::tolerance{2e-2, 2e-2};
   INFO("tokens " << s.tq << " heads " << s.hq << "/" << s.hkv << " dims " << s.dk << "/" << s.dv << " causal "
-                 << s.causal << " window " << s.window << " " << loom::precision_name<P>());
+                 << s.causal << " window (" << s.window.left << ", " << s.window.right << ") offsets " << sizeof(I) * 8
+                 << " bit " << loom::precision_name<P>());
   lt::require_close(got.out, want.out, tol, "out");
   std::vector<double> lse_ok(want.lse), lse_got(got.lse);  // -inf rows must match exactly
   for (std::size_t i = 0; i < lse_ok.size(); ++i) {
@@ -124,16 +133,17 @@ TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp
     if (!lt::sanitized || hkv == 2)  // sanitizer builds: one GQA ratio of the full-size sweep
       check_packed<loom::fp64>({0, 0, 8, hkv, 64, 64, true}, docs, 10 + static_cast<std::uint64_t>(hkv));
   check_packed<loom::fp64>({0, 0, 8, 2, 96, 96, false}, docs, 20);
-  check_packed<loom::fp64>({0, 0, 4, 1, 96, 40, true, 0, 0.3}, {0, 131}, 21);  // dim_v != dim_qk, a given scale
+  check_packed<loom::fp64, std::int32_t>({0, 0, 4, 1, 96, 40, true, {}, 0.3}, {0, 131},
+                                         21);  // dim_v != dim_qk, a given scale
   for (index_t n : {index_t{1}, index_t{7}, index_t{131}, index_t{1021}})
     check_packed<loom::fp64>({0, 0, 2, 1, 64, 64, true}, {0, n}, 30 + static_cast<std::uint64_t>(n), n < 1000);
 }
 
 TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKEND_TAG, "[attention][local]") {
   const std::vector<index_t> docs{0, 0, 1, 8, 8, 138, 141, 1141, 1141};  // empty documents too
-  check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, 37}, docs, 40);
-  check_packed<loom::fp64>({0, 0, 2, 2, 32, 16, false, 50}, {0, 300}, 41);
-  check_packed<loom::fp32>({0, 0, 8, 2, 64, 64, true}, docs, 42);
+  check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, {36, 0}}, docs, 40);
+  check_packed<loom::fp64, std::int32_t>({0, 0, 2, 2, 32, 16, false, {49, -1}}, {0, 300}, 41);
+  check_packed<loom::fp32, std::int32_t>({0, 0, 8, 2, 64, 64, true}, docs, 42);
   check_packed<loom::fp32>({0, 0, 2, 1, 96, 96, false}, {0, 1021}, 43);
   check_packed<loom::bf16>({0, 0, 4, 1, 64, 64, true}, docs, 44);
 }
@@ -201,34 +211,93 @@ TEST_CASE("attention: rejections" LOOM_BACKEND_TAG, "[attention][errors]") {
       l(std::vector<float>(60));
   const std::vector<index_t> cu{0, 10};
   buffer<index_t> cub(cu);
-  const auto cuv = view_of<const index_t, 1>(cub, {2});
+  const loom::segments docs(view_of<const index_t, 1>(cub, {2}));
   const auto qv = view_of<const float, 3>(q, {10, 6, 8});
   const auto ov = view_of<float, 3>(o, {10, 6, 8});
   const auto lv = view_of<float, 2>(l, {10, 6});
   CHECK_THROWS_WITH(
-      la::forward(b, qv, view_of<const float, 3>(k, {10, 4, 8}), view_of<const float, 3>(v, {10, 4, 8}), cuv, ov, lv),
+      la::forward(b, docs, qv, view_of<const float, 3>(k, {10, 4, 8}), view_of<const float, 3>(v, {10, 4, 8}), ov, lv),
       Catch::Contains("q heads (6) must be a multiple of kv heads (4)"));
-  CHECK_THROWS_WITH(
-      la::forward(b, qv, view_of<const float, 3>(k, {10, 2, 16}), view_of<const float, 3>(v, {10, 2, 16}), cuv, ov, lv),
-      Catch::Contains("shape_mismatch") && Catch::Contains("k (dim must match q's) must be [10, 2, 8]"));
+  CHECK_THROWS_WITH(la::forward(b, docs, qv, view_of<const float, 3>(k, {10, 2, 16}),
+                                view_of<const float, 3>(v, {10, 2, 16}), ov, lv),
+                    Catch::Contains("shape_mismatch") && Catch::Contains("k must be [10, 2, 8], got [10, 2, 16]"));
   const auto kv = view_of<const float, 3>(k, {10, 2, 8});
-  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, view_of<float, 3>(o, {10, 6, 7}), lv),
+  CHECK_THROWS_WITH(la::forward(b, docs, qv, kv, kv, view_of<float, 3>(o, {10, 6, 7}), lv),
                     Catch::Contains("out must be [10, 6, 8]"));
-  CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, view_of<float, 2>(l, {6, 10})),
+  CHECK_THROWS_WITH(la::forward(b, docs, qv, kv, kv, ov, view_of<float, 2>(l, {6, 10})),
                     Catch::Contains("lse must be [10, 6]"));
+  // Plans: bad shapes and options are rejected by make_plan, with the option's name.
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, {10, 0, 1, 8, 8});
+      },
+      loom::errc::invalid_argument, {"attention::make_plan: heads must be >= 1"});
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, {10, 2, 1, 0, 8});
+      },
+      loom::errc::invalid_argument, {"head dims must be >= 1"});
+  for (la::window_size w : {la::window_size{-2, 0}, la::window_size{0, -5}}) {
+    la::options bad;
+    bad.window = w;
+    lt::require_loom_error(
+        [&] {
+          (void)la::make_plan(b, docs, {10, 6, 2, 8, 8}, bad);
+        },
+        loom::errc::invalid_argument, {"options.window (left, right) must each be >= -1"});
+  }
+  for (double sc : {0.0, -1.0, std::numeric_limits<double>::infinity()}) {
+    la::options bad;
+    bad.scale = sc;
+    lt::require_loom_error(
+        [&] {
+          (void)la::make_plan(b, {10, 6, 2, 8, 8}, bad);
+        },
+        loom::errc::invalid_argument, {"options.scale must be finite and > 0"});
+  }
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, docs, {10, 6, 2, 8, 8, 9});
+      },
+      loom::errc::invalid_argument, {"with segments, queries and keys are the same tokens"});
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, docs, {11, 6, 2, 8, 8});
+      },
+      loom::errc::invalid_argument, {"(the last offset) must equal the token count 11"});
+  // Per call: the plan's kind, the workspace, the views against the plan.
+  const auto packed = la::make_plan(b, docs, {10, 6, 2, 8, 8});
+  const auto free = la::make_plan(b, {10, 6, 2, 8, 8});
+  const loom::temporary_buffer<backend_under_test, std::byte> ws(
+      b, static_cast<index_t>(packed.workspace_bytes() + loom::workspace_alignment));
+  lt::require_loom_error([&] { la::forward(b, free, qv, kv, kv, ov, lv, ws.bytes()); }, loom::errc::invalid_argument,
+                         {"attention::forward: the plan was made without segments"});
+  lt::require_loom_error([&] { la::forward(b, packed, qv, kv, kv, ov, lv, ws.bytes().first(64)); },
+                         loom::errc::invalid_argument, {"attention::forward: workspace must hold at least"});
+  lt::require_loom_error([&] { la::forward(b, packed, qv, kv, kv, ov, lv, ws.bytes().subspan(8)); },
+                         loom::errc::invalid_argument, {"workspace must start on a 64-byte boundary"});
+  lt::require_loom_error(
+      [&] {
+        la::forward(b, packed, view_of<const float, 3>(q, {5, 6, 8}), kv, kv, ov, lv, ws.bytes());
+      },
+      loom::errc::shape_mismatch, {"attention::forward: q must be [10, 6, 8], got [5, 6, 8]"});
   if constexpr (space::host_accessible) {
-    auto bad = [&](std::vector<index_t> c, const char* what) {
-      buffer<index_t> cb(c);
-      CHECK_THROWS_WITH(
-          la::forward(b, qv, kv, kv, view_of<const index_t, 1>(cb, {static_cast<index_t>(c.size())}), ov, lv),
-          Catch::Contains("cu_seqlens") && Catch::Contains(what));
+    const std::vector<index_t> doc(10), pos(10);
+    const la::coords<> c{loom::tensor_view<const index_t, 1>(doc.data(), {10}),
+                         loom::tensor_view<const index_t, 1>(pos.data(), {10})};
+    lt::require_loom_error([&] { la::forward(b, packed, qv, kv, kv, c, c, ov, lv, ws.bytes()); },
+                           loom::errc::invalid_argument, {"the plan was made with segments"});
+    const la::coords<> short_c{loom::tensor_view<const index_t, 1>(doc.data(), {9}),
+                               loom::tensor_view<const index_t, 1>(pos.data(), {9})};
+    lt::require_loom_error([&] { la::forward(b, free, qv, kv, kv, short_c, c, ov, lv, ws.bytes()); },
+                           loom::errc::shape_mismatch, {"query coordinates must have one entry per token (10)"});
+    auto bad = [&](std::vector<std::int32_t> c32, const char* what) {
+      const loom::segments s32{std::span<const std::int32_t>(c32)};
+      lt::require_loom_error([&] { la::forward(b, s32, qv, kv, kv, ov, lv); }, loom::errc::invalid_argument, {what});
     };
-    bad({0, 6, 4, 10}, "non-decreasing");
-    bad({0, 4, 9}, "must equal the sequence length 10");
-    bad({2, 10}, "[0] must be 0");
-    la::options neg;
-    neg.window = -1;
-    CHECK_THROWS_WITH(la::forward(b, qv, kv, kv, cuv, ov, lv, neg), Catch::Contains("options.window must be >= 0"));
+    bad({0, 6, 4, 10}, "segments must be non-decreasing");
+    bad({0, 4, 9}, "must equal the token count 10");
+    bad({2, 10}, "segments[0] must be 0");
   }
 }
 
@@ -247,7 +316,7 @@ void check_isolated(lt::attn_shape s, const std::vector<index_t>& cu, std::uint6
     const index_t begin = cu[d], end = cu[d + 1];
     if (begin == end) continue;
     const index_t t = begin + (end - begin) / 3;  // the poisoned token, and one that sees it:
-    const index_t last = s.window > 0 ? std::min(end - 1, t + s.window - 1) : end - 1;
+    const index_t last = s.window.left >= 0 ? std::min(end - 1, t + s.window.left) : end - 1;
     for (int which = 0; which < 4; ++which)
       for (double bad : {nan, inf, -inf}) {
         INFO("document " << d << " input "
@@ -283,7 +352,7 @@ TEST_CASE("attention: a non-finite input stays in its document, forward and back
   const std::vector<index_t> docs{0, 40, 101, 163};
   check_isolated<loom::fp32>({0, 0, 4, 2, 32, 24, true}, docs, 70);
   check_isolated<loom::fp32>({0, 0, 2, 1, 16, 16, false}, docs, 71);
-  check_isolated<loom::fp64>({0, 0, 4, 2, 32, 24, true, 23}, docs, 72);
+  check_isolated<loom::fp64>({0, 0, 4, 2, 32, 24, true, {22, 0}}, docs, 72);
   check_isolated<loom::bf16>({0, 0, 2, 2, 16, 16, true}, {0, 1, 100, 163}, 73);
 }
 
@@ -316,8 +385,8 @@ TEST_CASE("attention: overflowing scores and a stale lse are visible" LOOM_BACKE
         out(cast<float>(clean.out)), dq(in.q.size()), dk(in.k.size()), dv(in.v.size());
     buffer<Acc> lse(lse_h);
     buffer<index_t> cub(cu);
-    la::backward(b, view_of<const float, 3>(q, {s.tq, s.hq, s.dk}), view_of<const float, 3>(k, {s.tk, s.hkv, s.dk}),
-                 view_of<const float, 3>(v, {s.tk, s.hkv, s.dv}), view_of<const index_t, 1>(cub, {4}),
+    la::backward(b, loom::segments(view_of<const index_t, 1>(cub, {4})), view_of<const float, 3>(q, {s.tq, s.hq, s.dk}),
+                 view_of<const float, 3>(k, {s.tk, s.hkv, s.dk}), view_of<const float, 3>(v, {s.tk, s.hkv, s.dv}),
                  view_of<const float, 3>(out, {s.tq, s.hq, s.dv}), view_of<const Acc, 2>(lse, {s.tq, s.hq}),
                  view_of<const float, 3>(dout, {s.tq, s.hq, s.dv}), view_of<float, 3>(dq, {s.tq, s.hq, s.dk}),
                  view_of<float, 3>(dk, {s.tk, s.hkv, s.dk}), view_of<float, 3>(dv, {s.tk, s.hkv, s.dv}));
@@ -357,4 +426,91 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
   CHECK(fast_exp(1e30f) == inf);
   CHECK(fast_exp(0.0f) == 1.0f);
   CHECK(fast_exp(-0.0f) == 1.0f);
+}
+
+TEST_CASE("attention: windows (left, right): left-only, right-only, symmetric, causal or not" LOOM_BACKEND_TAG,
+          "[attention][local][window]") {
+  // Odd and prime lengths; documents shorter and longer than a tile and than the windows.
+  const std::vector<index_t> docs{0, 3, 70, 71, 268, 409};
+  const std::vector<la::window_size> windows{{0, 0},   {5, 0},   {63, 0},  {0, 7},  {-1, 13}, {17, 17},
+                                             {64, 64}, {100, 3}, {2, 130}, {-1, 0}, {0, -1}};
+  std::uint64_t seed = 90;
+  for (const auto w : windows)
+    for (bool causal : {true, false}) {
+      if (lt::sanitized && seed % 3 != 0) {
+        ++seed;
+        continue;
+      }
+      check_packed<loom::fp64>({0, 0, 4, 2, 16, 24, causal, w}, docs, seed, true);
+      check_packed<loom::fp32, std::int32_t>({0, 0, 2, 1, 32, 32, causal, w}, {0, 131}, seed + 1000, false);
+      ++seed;
+    }
+}
+
+TEST_CASE("attention: a plan allocates nothing per call and is reusable across calls and threads" LOOM_BACKEND_TAG,
+          "[attention][local][plan]") {
+  using T = float;
+  const lt::attn_shape s{173, 173, 4, 2, 32, 16, true, {40, 3}};
+  const std::vector<index_t> cu{0, 61, 62, 173};
+  const auto in = make_inputs<T>(s, 95);
+  const auto b = make_backend();
+  buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v)), dout(cast<T>(in.dout));
+  buffer<std::int32_t> cub(std::vector<std::int32_t>(cu.begin(), cu.end()));
+  const loom::segments docs(view_of<const std::int32_t, 1>(cub, {4}));
+  const la::options opt{s.causal, s.window, s.scale};
+  const auto plan = la::make_plan(b, docs, {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt);
+  const std::size_t bytes = std::max(plan.workspace_bytes(), plan.backward_workspace_bytes());
+  // One run on its own workspace and outputs: out, lse, dq, dk, dv as host vectors.
+  auto run = [&](const decltype(plan)& p, lt::allocation_report* count) {
+    const loom::temporary_buffer<backend_under_test, std::byte> ws(b, static_cast<index_t>(bytes));
+    buffer<T> out(in.dout.size()), dq(in.q.size()), dk(in.k.size()), dv(in.v.size());
+    buffer<float> lse(static_cast<std::size_t>(s.tq * s.hq));
+    const auto call = [&] {
+      for (int rep = 0; rep < 2; ++rep) {
+        la::forward(b, p, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                    view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+                    view_of<float, 2>(lse, {s.tq, s.hq}), ws.bytes());
+        la::backward(b, p, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                     view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
+                     view_of<const float, 2>(lse, {s.tq, s.hq}), view_of<const T, 3>(dout, {s.tq, s.hq, s.dv}),
+                     view_of<T, 3>(dq, {s.tq, s.hq, s.dk}), view_of<T, 3>(dk, {s.tk, s.hkv, s.dk}),
+                     view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), ws.bytes());
+      }
+    };
+    if (count)
+      *count = lt::count_allocations(call);  // checked by the caller (Catch2 assertions stay on one thread)
+    else
+      call();
+    return std::vector<std::vector<T>>{out.to_host(), lse.to_host(), dq.to_host(), dk.to_host(), dv.to_host()};
+  };
+  const auto fresh = run(la::make_plan(b, docs, {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt), nullptr);
+  lt::allocation_report a;
+  const auto reused = run(plan, &a);
+  CHECK(a.heap == 0);
+  CHECK(a.temporaries == 0);
+  auto same = [](const std::vector<std::vector<T>>& x, const std::vector<std::vector<T>>& y) {
+    for (std::size_t i = 0; i < x.size(); ++i)
+      if (x[i].size() != y[i].size() || std::memcmp(x[i].data(), y[i].data(), x[i].size() * sizeof(T)) != 0)
+        return false;
+    return true;
+  };
+  CHECK(same(fresh, reused));
+  // int64 offsets give the same bits.
+  buffer<std::int64_t> cu64(std::vector<std::int64_t>(cu.begin(), cu.end()));
+  CHECK(same(fresh, run(la::make_plan(b, loom::segments(view_of<const std::int64_t, 1>(cu64, {4})),
+                                      {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt),
+                        nullptr)));
+  const auto want = lt::attention_oracle(s, in.q, in.k, in.v, lt::packed(cu), lt::packed(cu), in.dout);
+  lt::require_close(widen(reused[0]), want.out, {2e-5, 2e-5}, "out");
+  if constexpr (space::host_accessible) {
+    // Two threads share one const plan, each with its own workspace and outputs.
+    std::vector<std::vector<T>> r1, r2;
+    lt::allocation_report a1, a2;
+    std::thread t1([&] { r1 = run(plan, &a1); }), t2([&] { r2 = run(plan, &a2); });
+    t1.join();
+    t2.join();
+    CHECK(same(fresh, r1));
+    CHECK(same(fresh, r2));
+    CHECK(a1.heap + a2.heap == 0);
+  }
 }

@@ -3,6 +3,7 @@
 // fp64 serial oracle of exact attention: the scores of every (query, key) pair materialised, the
 // softmax per row, and the analytic backward. Independent of loom's tiled kernels.
 
+#include <loom/attention/options.hpp>
 #include <loom/core/tensor_view.hpp>
 
 #include <support/random.hpp>
@@ -12,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace loom::test {
@@ -19,9 +21,9 @@ namespace loom::test {
 struct attn_shape {
   index_t tq, tk, hq, hkv, dk, dv;
   bool causal = true;
-  index_t window = 0;
-  double scale = 0;
-  double sc() const { return scale > 0 ? scale : 1.0 / std::sqrt(static_cast<double>(dk)); }
+  loom::attention::window_size window{};  // (left, right), -1: unbounded
+  std::optional<double> scale{};
+  double sc() const { return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(dk)); }
 };
 
 struct attn_coords {
@@ -44,8 +46,10 @@ struct attn_result {
 };
 
 inline bool attn_visible(const attn_shape& s, const attn_coords& qc, index_t i, const attn_coords& kc, index_t j) {
-  return qc.doc[i] == kc.doc[j] && (!s.causal || kc.pos[j] <= qc.pos[i]) &&
-         (s.window <= 0 || qc.pos[i] - kc.pos[j] < s.window);
+  // FlashAttention's window: i - left <= j <= i + right within one document.
+  const index_t qi = qc.pos[i], kj = kc.pos[j];
+  return qc.doc[i] == kc.doc[j] && (!s.causal || kj <= qi) && (s.window.left < 0 || kj >= qi - s.window.left) &&
+         (s.window.right < 0 || kj <= qi + s.window.right);
 }
 
 // q [tq, hq, dk], k [tk, hkv, dk], v [tk, hkv, dv]; dout [tq, hq, dv] or empty (no backward).

@@ -50,7 +50,7 @@ struct ring_result {
 // Runs variant V (and its backward when `bwd`) on P in-process ranks; gathers global results.
 template <class V, class T = double>
 ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
-  using Acc = la::accum_t<T>;
+  using Acc = loom::accum_t<T>;
   const auto& s = g.s;
   ring_result res;
   res.out.assign(g.want.out.size(), 0.0);

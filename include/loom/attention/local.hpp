@@ -1,36 +1,64 @@
 #pragma once
 
 //! @file
-//! Exact attention on one device, tiled with online softmax (never the N x N score matrix):
+//! Exact attention on one device, tiled with online softmax (never the N x N score matrix).
 //!
-//!   loom::attention::forward(b, q, k, v, cu_seqlens, out, lse, opts);        packed documents
-//!   loom::attention::forward(b, q, k, v, q_coords, k_coords, out, lse, opts); any token sets
-//!   loom::attention::backward(b, q, k, v, cu_seqlens, out, lse, dout, dq, dk, dv, opts);
+//!   auto plan = loom::attention::make_plan(b, docs, {tokens, heads_q, heads_kv, dim_qk, dim_v}, opts);
+//!   loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+//!   loom::attention::forward(b, plan, q, k, v, out, lse, ws.span());                 allocates nothing
+//!   loom::attention::backward(b, plan, q, k, v, out, lse, dout, dq, dk, dv, ws.span());
+//!   loom::attention::forward(b, docs, q, k, v, out, lse, opts);                      convenience
 //!
-//! Shapes, GQA and masks: see options.hpp. Rows whose queries see no key get out = 0 and
-//! lse = -inf (the identity of the merge). Precision: storage double, float, bfloat16 or half;
-//! scores, softmax statistics and sums in double for double storage, float otherwise. Work:
-//! 2 (Dqk + Dv) flops per visible (query, key) pair forward; the backward recomputes the scores
-//! (about 2.5x the forward). Extra memory: one scratch of a few tiles per thread, O(N) in all.
-//! Deterministic: every output element is computed by one work item in a fixed order.
+//! `docs` is a loom::segments (int32 or int64 offsets, in the backend's memory space; q and k hold
+//! the same tokens). Any token sets, masked by explicit (document, position) coordinates (ring
+//! attention's blocks), use a plan without segments and pass the coordinates per call:
+//!
+//!   auto plan = loom::attention::make_plan(b, {tq, heads_q, heads_kv, dim_qk, dim_v, tk}, opts);
+//!   loom::attention::forward(b, plan, q, k, v, q_coords, k_coords, out, lse, ws.span());
+//!   loom::attention::forward(b, q, k, v, q_coords, k_coords, out, lse, opts);       convenience
+//!
+//! Shapes, GQA and masks (window (left, right) with FlashAttention's meaning): see options.hpp.
+//! Rows whose queries see no key get out = 0 and lse = -inf (the identity of the merge).
+//!
+//! Plans: make_plan checks the shape and options (and the segments: host offsets fully, device
+//! ones by count) and lays out the workspaces. A plan is immutable; it may be used by several
+//! threads at once, each call with its own workspace and outputs. A plan made with segments keeps
+//! a view of them: the offsets must stay alive and unchanged while the plan is used.
+//! Workspace: plan.workspace_bytes() for forward, plan.backward_workspace_bytes() for backward,
+//! in the backend's memory space, starting on loom::workspace_alignment. It holds the token
+//! coordinates (segments plans), K and V in the layouts the tile products read (accumulation
+//! type), one scratch of a few tiles per thread (host) or per work item (device), and the
+//! backward's row terms: O(N (Hkv (Dqk + Dv) + Hq)) in all.
+//!
+//! Precision: the plan is templated on a loom::precision policy P (default loom::fp32, as
+//! make_plan sees no element types; make_plan<loom::fp64>(...) for double). Scores, softmax
+//! statistics and sums use P::accum_type, and lse must hold it; q, k, v, out and the gradients
+//! may be double, float, bfloat16 or half (converted on load and store). The convenience forms
+//! deduce P from q (loom::default_precision).
+//!
+//! Completion: host backends are complete on return; on device backends the plan forms are
+//! stream-ordered on the backend's stream and return without a sync; the convenience forms fence.
+//! Work: 2 (Dqk + Dv) flops per visible (query, key) pair forward; the backward recomputes the
+//! scores (about 2.5x the forward). Deterministic: every output element is computed by one work
+//! item in a fixed order.
 
 #include <loom/attention/detail/local_kernels.hpp>
 #include <loom/attention/options.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
+#include <loom/core/precision.hpp>
 #include <loom/core/segments.hpp>
-#include <loom/scan/detail/validate.hpp>
+#include <loom/core/workspace.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
+#include <span>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 
 namespace loom::attention {
-
-//! The accumulation type for storage T.
-template <class T>
-using accum_t = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>, double, float>;
 
 namespace detail {
 
@@ -47,56 +75,64 @@ token_coords coords_of(const coords<Space>& c) {
   return {c.doc.data(), c.pos.data(), c.doc.stride(0), c.pos.stride(0)};
 }
 
+//! expect_extents, and a unit stride in the last dimension of rank-3 views.
 template <class V>
-void expect_shape(const V& v, std::array<index_t, V::rank> ext, std::string_view call, std::string_view name) {
-  for (std::size_t d = 0; d < V::rank; ++d)
-    if (v.extent(d) != ext[d]) {
-      std::string e = "[";
-      for (std::size_t i = 0; i < V::rank; ++i) e += (i ? ", " : "") + std::to_string(ext[i]);
-      LOOM_FAIL(errc::shape_mismatch, call, ": ", name, " must be ", e, "], got ", loom::detail::extents_string(v));
-    }
+void expect_view(const V& v, const std::array<index_t, V::rank>& ext, std::string_view call, std::string_view name) {
+  expect_extents(v, ext, call, name);
   if constexpr (V::rank == 3)
     LOOM_EXPECTS(v.stride(2) == 1 || v.extent(2) <= 1, errc::invalid_argument, call, ": ", name,
                  " must be contiguous in its last dimension (stride 1), got stride ", v.stride(2));
 }
 
-//! Checks q, k, v and the (out-side) views; returns the problem.
-template <class Q, class K, class V>
-problem check_qkv(const Q& q, const K& k, const V& v, const options& opt, std::string_view call) {
-  static_assert(Q::rank == 3 && K::rank == 3 && V::rank == 3, "attention: q, k and v are [tokens, heads, dim]");
-  const problem pb{q.extent(0), k.extent(0), q.extent(1), k.extent(1),
-                   q.extent(2), v.extent(2), opt.causal,  opt.window};
-  LOOM_EXPECTS(pb.hkv >= 1 && pb.hq >= 1, errc::invalid_argument, call, ": heads must be >= 1, got q heads ", pb.hq,
-               ", kv heads ", pb.hkv);
-  LOOM_EXPECTS(pb.hq % pb.hkv == 0, errc::invalid_argument, call, ": q heads (", pb.hq,
-               ") must be a multiple of kv heads (", pb.hkv, ")");
-  LOOM_EXPECTS(pb.dk >= 1 && pb.dv >= 1, errc::invalid_argument, call, ": head dims must be >= 1, got dim_qk ", pb.dk,
-               ", dim_v ", pb.dv);
-  expect_shape(q, {pb.tq, pb.hq, pb.dk}, call, "q");
-  expect_shape(k, {pb.tk, pb.hkv, pb.dk}, call, "k (dim must match q's)");
-  expect_shape(v, {pb.tk, pb.hkv, pb.dv}, call, "v (tokens and heads must match k's)");
-  LOOM_EXPECTS(opt.window >= 0, errc::invalid_argument, call, ": options.window must be >= 0 (0: no window), got ",
-               opt.window);
-  LOOM_EXPECTS(opt.scale >= 0 && std::isfinite(opt.scale), errc::invalid_argument, call,
-               ": options.scale must be finite and >= 0 (0: 1/sqrt(dim)), got ", opt.scale);
-  return pb;
+//! Checks a shape and options; returns the problem.
+inline problem check_problem(const shape& s, const options& opt, std::string_view call) {
+  LOOM_EXPECTS(s.tokens >= 0 && s.keys() >= 0, errc::invalid_argument, call, ": token counts must be >= 0, got ",
+               s.tokens, " queries, ", s.keys(), " keys");
+  LOOM_EXPECTS(s.heads_q >= 1 && s.heads_kv >= 1, errc::invalid_argument, call, ": heads must be >= 1, got q heads ",
+               s.heads_q, ", kv heads ", s.heads_kv);
+  LOOM_EXPECTS(s.heads_q % s.heads_kv == 0, errc::invalid_argument, call, ": q heads (", s.heads_q,
+               ") must be a multiple of kv heads (", s.heads_kv, ")");
+  LOOM_EXPECTS(s.dim_qk >= 1 && s.dim_v >= 1, errc::invalid_argument, call, ": head dims must be >= 1, got dim_qk ",
+               s.dim_qk, ", dim_v ", s.dim_v);
+  LOOM_EXPECTS(opt.window.left >= -1 && opt.window.right >= -1, errc::invalid_argument, call,
+               ": options.window (left, right) must each be >= -1 (-1: unbounded), got (", opt.window.left, ", ",
+               opt.window.right, ")");
+  LOOM_EXPECTS(!opt.scale || (*opt.scale > 0 && std::isfinite(*opt.scale)), errc::invalid_argument, call,
+               ": options.scale must be finite and > 0 (or none: 1/sqrt(dim_qk)), got ", opt.scale.value_or(0.0));
+  return problem{s.tokens, s.keys(),   s.heads_q,       s.heads_kv,      s.dim_qk,
+                 s.dim_v,  opt.causal, opt.window.left, opt.window.right};
 }
 
-//! out [Tq, Hq, Dv] and lse [Tq, Hq] of problem pb.
-template <class O, class L>
-void check_outputs(const problem& pb, const O& out, const L& lse, std::string_view call) {
-  expect_shape(out, {pb.tq, pb.hq, pb.dv}, call, "out");
-  expect_shape(lse, {pb.tq, pb.hq}, call, "lse");
+//! The shape of q, k, v (for the convenience forms).
+template <class Q, class K, class V>
+shape shape_of(const Q& q, const K& k, const V& v) {
+  static_assert(Q::rank == 3 && K::rank == 3 && V::rank == 3, "attention: q, k and v are [tokens, heads, dim]");
+  return {q.extent(0), q.extent(1), k.extent(1), q.extent(2), v.extent(2), k.extent(0)};
+}
+
+//! q, k, v, out, lse against problem pb.
+template <class Q, class K, class V, class O, class L>
+void check_views(const problem& pb, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                 std::string_view call) {
+  static_assert(Q::rank == 3 && K::rank == 3 && V::rank == 3, "attention: q, k and v are [tokens, heads, dim]");
+  expect_view(q, {pb.tq, pb.hq, pb.dk}, call, "q");
+  expect_view(k, {pb.tk, pb.hkv, pb.dk}, call, "k");
+  expect_view(v, {pb.tk, pb.hkv, pb.dv}, call, "v");
+  expect_view(out, {pb.tq, pb.hq, pb.dv}, call, "out");
+  expect_view(lse, {pb.tq, pb.hq}, call, "lse");
 }
 
 //! dout [Tq, Hq, Dv], dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv] of problem pb.
 template <class DO, class DQ, class DK, class DV>
 void check_gradients(const problem& pb, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
                      std::string_view call) {
-  expect_shape(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
-  expect_shape(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
-  expect_shape(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
-  expect_shape(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
+  static_assert(std::is_same_v<typename DQ::value_type, typename DK::value_type> &&
+                    std::is_same_v<typename DQ::value_type, typename DV::value_type>,
+                "attention::backward: dq, dk and dv must have one element type");
+  expect_view(dout, {pb.tq, pb.hq, pb.dv}, call, "dout");
+  expect_view(dq, {pb.tq, pb.hq, pb.dk}, call, "dq");
+  expect_view(dk, {pb.tk, pb.hkv, pb.dk}, call, "dk");
+  expect_view(dv, {pb.tk, pb.hkv, pb.dv}, call, "dv");
 }
 
 template <class Space>
@@ -108,7 +144,7 @@ void check_coords(const coords<Space>& c, index_t n, std::string_view call, std:
 
 template <class Acc>
 Acc scale_of(const options& opt, index_t dk) {
-  return static_cast<Acc>(opt.scale > 0 ? opt.scale : 1.0 / std::sqrt(static_cast<double>(dk)));
+  return static_cast<Acc>(opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(dk)));
 }
 
 //! Number of scratch slots: one per thread on the host, one per item on a device.
@@ -119,164 +155,352 @@ index_t slots_for(const B& b, index_t items) {
   return s < items ? (s > 0 ? s : 1) : (items > 0 ? items : 1);
 }
 
-//! The prepared K/V layouts of a call (see prepared_kv), in a temporary of B's memory.
-template <backend B, class Acc>
-struct prepared_layouts {
-  temporary_buffer<B, Acc> buf;
-  prepared_kv<Acc> layouts;
-  template <class K, class V>
-  prepared_layouts(const B& b, const problem& pb, const K& k, const V& v, bool kt, bool vt, bool kr, bool vr)
-      : buf(b, prepared_kv<Acc>::size(pb.hkv, pb.k_tiles() * tile_k, pb.dk, pb.dv, kt, vt, kr, vr)) {
-    const index_t pad = pb.k_tiles() * tile_k, per = pb.hkv * pad;
-    Acc* at = buf.data();
-    layouts.tk_pad = pad;
-    layouts.dk = pb.dk;
-    layouts.dv = pb.dv;
-    if (kt) layouts.kt = std::exchange(at, at + per * pb.dk);
-    if (vt) layouts.vt = std::exchange(at, at + per * pb.dv);
-    if (kr) layouts.kr = std::exchange(at, at + per * pb.dk);
-    if (vr) layouts.vr = std::exchange(at, at + per * pb.dv);
-    if (pb.tk > 0)
-      for_each_index(
-          b, pb.hkv * pb.k_tiles(),
-          prepare_kv_kernel<typename K::value_type, typename V::value_type, Acc>{pb, rows_of(k), rows_of(v), layouts});
-  }
+//! Where the buffers of one local call sit in its workspace (byte offsets), for problem pb on
+//! backend b. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
+//! workspace and carves it per call; nothing is allocated.
+struct local_layout {
+  std::size_t kv = 0, scratch = 0, delta = 0, bytes = 0;
+  index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
 };
 
-//! (segment, offset) of every token of a packed sequence.
-struct coords_from_offsets {
-  const index_t* offsets;
-  index_t segments;
-  index_t* doc;
-  index_t* pos;
-  LOOM_HD void operator()(index_t t) const {
-    const index_t lo = segment_of(offsets, segments, t);
-    doc[t] = lo;
-    pos[t] = t - offsets[lo];
+template <class Acc, backend B>
+local_layout layout_of(const B& b, const problem& pb, bool backward) {
+  using F = forward_kernel<float, float, float, float, Acc>;
+  using KV = backward_kv_kernel<float, float, float, float, float, Acc>;
+  using QK = backward_q_kernel<float, float, float, float, float, Acc>;
+  local_layout l;
+  workspace_layout w;
+  const index_t pad = pb.k_tiles() * tile_k;
+  l.slots = slots_for(b, pb.q_tiles() * pb.hq);
+  if (!backward) {
+    l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
+    l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv));
+  } else {
+    l.kv_slots = slots_for(b, pb.k_tiles() * pb.hkv);
+    l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
+    l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
+    l.delta = w.add<Acc>(pb.tq * pb.hq);
   }
-};
+  l.bytes = w.bytes();
+  return l;
+}
 
-//! Coordinates of a packed sequence in B's memory, kept alive by the returned holder.
-template <backend B>
-struct packed_coords {
-  temporary_buffer<B, index_t> buf;
-  coords<typename backend_traits<B>::memory_space> c;
-  template <class Off>
-  packed_coords(const B& b, const Off& cu, index_t n, std::string_view call) : buf(b, 2 * (n > 0 ? n : 1)) {
-    scan::detail::check_offsets(cu, n, call, "cu_seqlens");
-    LOOM_EXPECTS(cu.stride(0) == 1, errc::invalid_argument, call, ": cu_seqlens must be contiguous");
-    using S = typename backend_traits<B>::memory_space;
-    c.doc = tensor_view<const index_t, 1, S>(buf.data(), {n});
-    c.pos = tensor_view<const index_t, 1, S>(buf.data() + n, {n});
-    for_each_index(b, n, coords_from_offsets{cu.data(), cu.extent(0) - 1, buf.data(), buf.data() + n});
-  }
-};
+//! Workspace bytes of forward_on / backward_on for problem pb (ring attention sizes its own
+//! workspace with these, for its largest block).
+template <class Acc, backend B>
+std::size_t forward_bytes(const B& b, const problem& pb) {
+  return layout_of<Acc>(b, pb, false).bytes;
+}
+template <class Acc, backend B>
+std::size_t backward_bytes(const B& b, const problem& pb) {
+  return layout_of<Acc>(b, pb, true).bytes;
+}
 
-}  // namespace detail
+//! K and V of problem pb in the selected prepared layouts, written into `at`.
+template <class Acc, backend B, class K, class V>
+prepared_kv<Acc> prepare(const B& b, const problem& pb, const K& k, const V& v, Acc* at, bool kt, bool vt, bool kr,
+                         bool vr) {
+  prepared_kv<Acc> p;
+  const index_t pad = pb.k_tiles() * tile_k, per = pb.hkv * pad;
+  p.tk_pad = pad;
+  p.dk = pb.dk;
+  p.dv = pb.dv;
+  if (kt) p.kt = std::exchange(at, at + per * pb.dk);
+  if (vt) p.vt = std::exchange(at, at + per * pb.dv);
+  if (kr) p.kr = std::exchange(at, at + per * pb.dk);
+  if (vr) p.vr = std::exchange(at, at + per * pb.dv);
+  if (pb.tk > 0)
+    for_each_index(
+        b, pb.hkv * pb.k_tiles(),
+        prepare_kv_kernel<typename K::value_type, typename V::value_type, Acc>{pb, rows_of(k), rows_of(v), p});
+  return p;
+}
 
-//! Attention of the queries over the keys, masked by token coordinates (options.hpp).
-//! out [Tq, Hq, Dv], lse [Tq, Hq] of the accumulation type.
-//! @throws loom::error(invalid_argument) for heads_q not a multiple of heads_kv and bad options;
-//! (shape_mismatch) for views or coordinates of the wrong extents.
-template <backend B, class Q, class K, class V, class O, class L, class Space>
-void forward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse,
-             const options& opt = {}) {
-  constexpr std::string_view call = "attention::forward";
-  using Acc = accum_t<typename Q::value_type>;
-  static_assert(std::is_same_v<typename L::value_type, Acc>,
-                "attention::forward: lse must have the accumulation type (float, or double for double storage)");
-  const detail::problem pb = detail::check_qkv(q, k, v, opt, call);
-  detail::check_outputs(pb, out, lse, call);
-  detail::check_coords(qc, pb.tq, call, "query");
-  detail::check_coords(kc, pb.tk, call, "key");
+//! The forward of checked views on a workspace of at least forward_bytes<Acc>(b, pb) bytes
+//! (aligned). No checks, no fence, no allocation.
+template <class Acc, backend B, class Q, class K, class V, class O, class L>
+void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc, const token_coords& kc,
+                O out, L lse, std::span<std::byte> ws) {
   if (pb.tq == 0) return;
-  using Kn = detail::forward_kernel<typename Q::value_type, typename K::value_type, typename V::value_type,
-                                    typename O::value_type, Acc>;
-  const index_t items = pb.q_tiles() * pb.hq;
-  const index_t slots = detail::slots_for(b, items);
-  const detail::prepared_layouts<B, Acc> kv(b, pb, k, v, true, false, false, true);
-  temporary_buffer<B, Acc> ws(b, slots * Kn::scratch(pb.dk, pb.dv));
-  for_each_index(b, slots,
-                 Kn{pb, detail::rows_of(q), kv.layouts, detail::rows_of(out), detail::rows2_of(lse),
-                    detail::coords_of(qc), detail::coords_of(kc), detail::scale_of<Acc>(opt, pb.dk), ws.data(), slots});
-  fence(b);
+  using Kn = forward_kernel<typename Q::value_type, typename K::value_type, typename V::value_type,
+                            typename O::value_type, Acc>;
+  const local_layout l = layout_of<Acc>(b, pb, false);
+  const workspace_carver w(ws);
+  const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, false, false, true);
+  for_each_index(b, l.slots,
+                 Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots});
 }
 
-//! Packed documents: q, k and v hold the same tokens, delimited by cu_seqlens (documents + 1
-//! offsets, starting at 0, non-decreasing, ending at the token count).
-template <backend B, class Q, class K, class V, class C, class O, class L>
-void forward(const B& b, Q q, K k, V v, C cu_seqlens, O out, L lse, const options& opt = {}) {
-  LOOM_EXPECTS(k.extent(0) == q.extent(0), errc::shape_mismatch,
-               "attention::forward: with cu_seqlens, q and k must hold the same tokens, got ", q.extent(0), " and ",
-               k.extent(0));
-  detail::packed_coords<B> pc(b, cu_seqlens, q.extent(0), "attention::forward");
-  forward(b, q, k, v, pc.c, pc.c, out, lse, opt);
-}
-
-//! Gradients of the attention of forward(): dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv],
-//! given the forward's out and lse (for a ring, the final merged ones) and dout. With
-//! `accumulate`, the gradients are added to what dq, dk, dv hold (for sums over key blocks).
-template <backend B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV, class Space>
-void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse, DO dout, DQ dq,
-              DK dk, DV dv, const options& opt = {}, bool accumulate = false) {
-  constexpr std::string_view call = "attention::backward";
-  using Acc = accum_t<typename Q::value_type>;
-  static_assert(std::is_same_v<typename L::value_type, Acc>,
-                "attention::backward: lse must have the accumulation type");
-  static_assert(std::is_same_v<typename DQ::value_type, typename DK::value_type> &&
-                    std::is_same_v<typename DQ::value_type, typename DV::value_type>,
-                "attention::backward: dq, dk and dv must have one element type");
-  const detail::problem pb = detail::check_qkv(q, k, v, opt, call);
-  detail::check_outputs(pb, out, lse, call);
-  detail::check_gradients(pb, dout, dq, dk, dv, call);
-  detail::check_coords(qc, pb.tq, call, "query");
-  detail::check_coords(kc, pb.tk, call, "key");
+//! The backward of checked views on a workspace of at least backward_bytes<Acc>(b, pb) bytes.
+//! With `accumulate`, the gradients are added to what dq, dk, dv hold (ring attention's sums over
+//! key blocks). No checks, no fence, no allocation.
+template <class Acc, backend B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
+void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc,
+                 const token_coords& kc, O out, L lse, DO dout, DQ dq, DK dk, DV dv, bool accumulate,
+                 std::span<std::byte> ws) {
   using TQ = typename Q::value_type;
   using TK = typename K::value_type;
   using TV = typename V::value_type;
   using TD = typename DO::value_type;
   using TG = typename DQ::value_type;
-  temporary_buffer<B, Acc> delta(b, pb.tq * pb.hq);
+  const local_layout l = layout_of<Acc>(b, pb, true);
+  const workspace_carver w(ws);
+  Acc* delta = w.at<Acc>(l.delta);
   if (pb.tq > 0)
     for_each_index(b, pb.tq * pb.hq,
-                   detail::delta_kernel<typename O::value_type, TD, Acc>{detail::rows_of(out), detail::rows_of(dout),
-                                                                         delta.data(), pb.hq, pb.dv});
-  const detail::prepared_layouts<B, Acc> kv(b, pb, k, v, true, true, true, false);
-  const detail::backward_args<TQ, TK, TV, TD, TG, Acc> args{pb,
-                                                            detail::rows_of(q),
-                                                            detail::rows_of(k),
-                                                            detail::rows_of(v),
-                                                            detail::rows_of(dout),
-                                                            detail::rows2_of(lse),
-                                                            delta.data(),
-                                                            detail::rows_of(dq),
-                                                            detail::rows_of(dk),
-                                                            detail::rows_of(dv),
-                                                            detail::coords_of(qc),
-                                                            detail::coords_of(kc),
-                                                            detail::scale_of<Acc>(opt, pb.dk),
-                                                            accumulate,
-                                                            kv.layouts};
-  using KV = detail::backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
-  using QK = detail::backward_q_kernel<TQ, TK, TV, TD, TG, Acc>;
-  const index_t kv_items = pb.k_tiles() * pb.hkv, q_items = pb.q_tiles() * pb.hq;
-  const index_t kv_slots = detail::slots_for(b, kv_items), q_slots = detail::slots_for(b, q_items);
-  const index_t need = std::max(kv_slots * KV::scratch(pb.dk, pb.dv), q_slots * QK::scratch(pb.dk, pb.dv));
-  temporary_buffer<B, Acc> ws(b, need);
-  if (pb.tk > 0) for_each_index(b, kv_slots, KV{args, ws.data(), kv_slots});
-  if (pb.tq > 0) for_each_index(b, q_slots, QK{args, ws.data(), q_slots});
+                   delta_kernel<typename O::value_type, TD, Acc>{rows_of(out), rows_of(dout), delta, pb.hq, pb.dv});
+  const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, true, true, false);
+  const backward_args<TQ, TK, TV, TD, TG, Acc> args{
+      pb,          rows_of(q),  rows_of(k), rows_of(v), rows_of(dout), rows2_of(lse), delta, rows_of(dq),
+      rows_of(dk), rows_of(dv), qc,         kc,         scale,         accumulate,    kv};
+  using KV = backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
+  using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc>;
+  Acc* scratch = w.at<Acc>(l.scratch);
+  if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots});
+  if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots});
+}
+
+//! (segment, offset) of every token of a packed sequence.
+template <class Space>
+struct coords_from_segments {
+  segments<Space> seg;
+  index_t* doc;
+  index_t* pos;
+  LOOM_HD void operator()(index_t t) const {
+    const index_t d = seg.of(t);
+    doc[t] = d;
+    pos[t] = t - seg[d];
+  }
+};
+
+}  // namespace detail
+
+template <class B, precision_policy P = fp32>
+class plan;
+
+//! Plans attention over the packed documents `docs` (q and k hold the same shape.tokens tokens;
+//! shape.tokens_k must be -1 or equal) with options `opt`.
+//! @throws loom::error(invalid_argument) for heads < 1, heads_q not a multiple of heads_kv,
+//! dims < 1, a window value below -1, a scale not finite and > 0, bad segments (check_segments),
+//! tokens_k != tokens.
+template <precision_policy P = fp32, backend B, memory_space Space>
+plan<B, P> make_plan(const B& b, const segments<Space>& docs, const shape& s, const options& opt = {});
+
+//! Plans attention of shape.tokens queries over shape.keys() keys masked by coordinates given
+//! per call. @throws as the segments form (without the segment checks).
+template <precision_policy P = fp32, backend B>
+plan<B, P> make_plan(const B& b, const shape& s, const options& opt = {});
+
+//! A local attention plan (see the file comment). Make it with attention::make_plan.
+//! Immutable; may be shared between threads for reading.
+template <class B, precision_policy P>
+class plan {
+ public:
+  using backend_type = B;
+  using precision = P;
+  using storage_type = typename P::storage_type;
+  using accum_type = typename P::accum_type;
+  using space = typename backend_traits<B>::memory_space;
+
+  [[nodiscard]] const shape& dims() const noexcept { return shape_; }
+  [[nodiscard]] const options& opts() const noexcept { return opt_; }
+  //! True for a plan made with segments (forward / backward without coordinates).
+  [[nodiscard]] bool packed() const noexcept { return packed_; }
+  //! The documents of a packed plan (bound to the token count).
+  [[nodiscard]] const segments<space>& documents() const noexcept { return seg_; }
+  //! Workspace bytes of forward.
+  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return fwd_bytes_; }
+  //! Workspace bytes of backward (at least workspace_bytes() is not implied: size a buffer for
+  //! both with the max of the two).
+  [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return bwd_bytes_; }
+
+  //! The kernels' problem and scale (for loom's own callers).
+  [[nodiscard]] const detail::problem& problem() const noexcept { return pb_; }
+  [[nodiscard]] accum_type scale() const noexcept { return scale_; }
+  //! Byte offset of the packed coordinates (doc, then pos) and of the kernels' workspace.
+  [[nodiscard]] std::size_t coords_offset() const noexcept { return 0; }
+  [[nodiscard]] std::size_t kernel_offset() const noexcept { return kernel_at_; }
+
+ private:
+  shape shape_{};
+  options opt_{};
+  detail::problem pb_{};
+  accum_type scale_{};
+  segments<space> seg_{};
+  bool packed_ = false;
+  std::size_t kernel_at_ = 0, fwd_bytes_ = 0, bwd_bytes_ = 0;
+
+  template <precision_policy Q, backend B2, memory_space S2>
+  friend plan<B2, Q> make_plan(const B2&, const segments<S2>&, const shape&, const options&);
+  template <precision_policy Q, backend B2>
+  friend plan<B2, Q> make_plan(const B2&, const shape&, const options&);
+};
+
+template <precision_policy P, backend B>
+plan<B, P> make_plan(const B& b, const shape& s, const options& opt) {
+  using Acc = typename P::accum_type;
+  plan<B, P> p;
+  p.shape_ = s;
+  p.opt_ = opt;
+  p.pb_ = detail::check_problem(s, opt, "attention::make_plan");
+  p.scale_ = detail::scale_of<Acc>(opt, s.dim_qk);
+  p.fwd_bytes_ = detail::forward_bytes<Acc>(b, p.pb_);
+  p.bwd_bytes_ = detail::backward_bytes<Acc>(b, p.pb_);
+  return p;
+}
+
+template <precision_policy P, backend B, memory_space Space>
+plan<B, P> make_plan(const B& b, const segments<Space>& docs, const shape& s, const options& opt) {
+  constexpr std::string_view call = "attention::make_plan";
+  static_assert(std::is_same_v<Space, typename backend_traits<B>::memory_space>,
+                "attention::make_plan: the segments must live in the backend's memory space");
+  LOOM_EXPECTS(s.tokens_k < 0 || s.tokens_k == s.tokens, errc::invalid_argument, call,
+               ": with segments, queries and keys are the same tokens (shape.tokens_k -1 or ", s.tokens, "), got ",
+               s.tokens_k);
+  plan<B, P> p = make_plan<P>(b, s, opt);
+  p.seg_ = check_segments(docs, s.tokens, call, "segments");
+  p.packed_ = true;
+  workspace_layout w;
+  (void)w.add<index_t>(2 * s.tokens);
+  p.kernel_at_ = w.bytes();
+  p.fwd_bytes_ += p.kernel_at_;
+  p.bwd_bytes_ += p.kernel_at_;
+  return p;
+}
+
+namespace detail {
+template <class P, class L>
+constexpr void check_lse() {
+  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, typename P::accum_type>,
+                "attention: lse must hold the plan's accumulation type (P::accum_type: float for loom::fp32, "
+                "bf16 and fp16; double for loom::fp64; make the plan with make_plan<loom::fp64> for double)");
+}
+
+//! The token coordinates of a packed plan, computed into the workspace (stream-ordered).
+template <class B, class P>
+token_coords packed_coords(const B& b, const plan<B, P>& p, std::span<std::byte> ws) {
+  const index_t n = p.dims().tokens;
+  index_t* doc = workspace_carver(ws).at<index_t>(p.coords_offset());
+  if (n > 0) for_each_index(b, n, coords_from_segments<typename plan<B, P>::space>{p.documents(), doc, doc + n});
+  return {doc, doc + n, 1, 1};
+}
+
+template <class B, class P>
+void check_kind(const plan<B, P>& p, bool packed, std::string_view call) {
+  LOOM_EXPECTS(p.packed() == packed, errc::invalid_argument, call,
+               packed ? ": the plan was made without segments; pass the query and key coordinates"
+                      : ": the plan was made with segments; call it without coordinates");
+}
+}  // namespace detail
+
+//! Forward on a coordinates plan: out [Tq, Hq, Dv], lse [Tq, Hq] of P::accum_type. Allocates
+//! nothing, does not fence. `workspace`: plan.workspace_bytes(), aligned.
+//! @throws loom::error(shape_mismatch) views or coordinates not of the plan's extents;
+//! (invalid_argument) a short or misaligned workspace, a plan made with segments.
+template <class B, precision_policy P, class Q, class K, class V, class O, class L, class Space>
+void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out,
+             L lse, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::forward";
+  detail::check_lse<P, L>();
+  detail::check_kind(p, false, call);
+  const detail::problem& pb = p.problem();
+  detail::check_views(pb, q, k, v, out, lse, call);
+  detail::check_coords(qc, pb.tq, call, "query");
+  detail::check_coords(kc, pb.tk, call, "key");
+  check_workspace(workspace, p.workspace_bytes(), call);
+  detail::forward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, workspace);
+}
+
+//! Forward on a segments plan (see the coordinates form for the contract).
+template <class B, precision_policy P, class Q, class K, class V, class O, class L>
+void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::forward";
+  detail::check_lse<P, L>();
+  detail::check_kind(p, true, call);
+  const detail::problem& pb = p.problem();
+  detail::check_views(pb, q, k, v, out, lse, call);
+  check_workspace(workspace, p.workspace_bytes(), call);
+  const detail::token_coords c = detail::packed_coords(b, p, workspace);
+  detail::forward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, workspace.subspan(p.kernel_offset()));
+}
+
+//! Gradients of the attention of forward(): dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv]
+//! (overwritten), given the forward's out and lse (for a ring, the final merged ones) and dout.
+//! Coordinates plan; `workspace`: plan.backward_workspace_bytes(). Allocates nothing, no fence.
+//! @throws as forward.
+template <class B, precision_policy P, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+          class DV, class Space>
+void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out,
+              L lse, DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::backward";
+  detail::check_lse<P, L>();
+  detail::check_kind(p, false, call);
+  const detail::problem& pb = p.problem();
+  detail::check_views(pb, q, k, v, out, lse, call);
+  detail::check_gradients(pb, dout, dq, dk, dv, call);
+  detail::check_coords(qc, pb.tq, call, "query");
+  detail::check_coords(kc, pb.tk, call, "key");
+  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  detail::backward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, dout, dq, dk,
+                      dv, false, workspace);
+}
+
+//! Backward on a segments plan.
+template <class B, precision_policy P, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+          class DV>
+void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+              std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::backward";
+  detail::check_lse<P, L>();
+  detail::check_kind(p, true, call);
+  const detail::problem& pb = p.problem();
+  detail::check_views(pb, q, k, v, out, lse, call);
+  detail::check_gradients(pb, dout, dq, dk, dv, call);
+  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  const detail::token_coords c = detail::packed_coords(b, p, workspace);
+  detail::backward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, dout, dq, dk, dv, false,
+                      workspace.subspan(p.kernel_offset()));
+}
+
+//! Convenience forward over packed documents: make_plan (precision from q), a temporary
+//! workspace, the plan form, fence.
+template <backend B, memory_space Space, class Q, class K, class V, class O, class L>
+void forward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, const options& opt = {}) {
+  const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.workspace_bytes()));
+  forward(b, p, q, k, v, out, lse, ws.bytes());
   fence(b);
 }
 
-//! Packed documents (see the packed forward).
-template <backend B, class Q, class K, class V, class C, class O, class L, class DO, class DQ, class DK, class DV>
-void backward(const B& b, Q q, K k, V v, C cu_seqlens, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+//! Convenience forward masked by coordinates.
+template <backend B, class Q, class K, class V, class O, class L, class Space>
+void forward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse,
+             const options& opt = {}) {
+  const auto p = make_plan<default_precision<typename Q::value_type>>(b, detail::shape_of(q, k, v), opt);
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.workspace_bytes()));
+  forward(b, p, q, k, v, qc, kc, out, lse, ws.bytes());
+  fence(b);
+}
+
+//! Convenience backward over packed documents.
+template <backend B, memory_space Space, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+          class DV>
+void backward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               const options& opt = {}) {
-  LOOM_EXPECTS(k.extent(0) == q.extent(0), errc::shape_mismatch,
-               "attention::backward: with cu_seqlens, q and k must hold the same tokens, got ", q.extent(0), " and ",
-               k.extent(0));
-  detail::packed_coords<B> pc(b, cu_seqlens, q.extent(0), "attention::backward");
-  backward(b, q, k, v, pc.c, pc.c, out, lse, dout, dq, dk, dv, opt);
+  const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.backward_workspace_bytes()));
+  backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
+  fence(b);
+}
+
+//! Convenience backward masked by coordinates.
+template <backend B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV, class Space>
+void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse, DO dout, DQ dq,
+              DK dk, DV dv, const options& opt = {}) {
+  const auto p = make_plan<default_precision<typename Q::value_type>>(b, detail::shape_of(q, k, v), opt);
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.backward_workspace_bytes()));
+  backward(b, p, q, k, v, qc, kc, out, lse, dout, dq, dk, dv, ws.bytes());
+  fence(b);
 }
 
 }  // namespace loom::attention

@@ -56,10 +56,10 @@ void merge(const B& b, OA out_a, LA lse_a, OB out_b, LB lse_b) {
   constexpr std::string_view call = "attention::merge";
   static_assert(std::is_floating_point_v<typename LA::value_type>, "attention::merge: lse_a must be float or double");
   const index_t t = out_a.extent(0), h = out_a.extent(1), d = out_a.extent(2);
-  detail::expect_shape(out_a, {t, h, d}, call, "out_a");
-  detail::expect_shape(out_b, {t, h, d}, call, "out_b");
-  detail::expect_shape(lse_a, {t, h}, call, "lse_a");
-  detail::expect_shape(lse_b, {t, h}, call, "lse_b");
+  expect_extents(out_a, {t, h, d}, call, "out_a");
+  expect_extents(out_b, {t, h, d}, call, "out_b");
+  expect_extents(lse_a, {t, h}, call, "lse_a");
+  expect_extents(lse_b, {t, h}, call, "lse_b");
   for_each_index(
       b, t * h,
       detail::merge_kernel<typename OA::element_type, typename LA::element_type, typename OB::value_type,

@@ -37,8 +37,8 @@ template <class Q, class K, class V, class O, class L>
 problem check_forward(const Q& q, const K& k, const V& v, const O& out, const L& lse, const options& opt,
                       std::string_view call) {
   static_assert(Q::space::host_accessible, "ring attention runs on host memory");
-  const problem pb = check_qkv(q, k, v, opt, call);
-  check_outputs(pb, out, lse, call);
+  const problem pb = check_problem(shape_of(q, k, v), opt, call);
+  check_views(pb, q, k, v, out, lse, call);
   return pb;
 }
 
@@ -128,8 +128,8 @@ void backward(const B& b, C& comm, pass_kv, const shard::plan& plan, Q q, K k, V
       post_shift(comm, reqs, kc, kn, rows, 0);
       post_shift(comm, reqs, vc, vn, rows, 1);
     }
-    attention::backward(b, q, kc.cview(), vc.cview(), sc.of(me), sc.of(src), out, lse, dout, gq.view(), gk.view(),
-                        gv.view(), opt, /*accumulate=*/true);
+    local_backward_acc(b, q, kc.cview(), vc.cview(), sc.of(me), sc.of(src), out, lse, dout, gq.view(), gk.view(),
+                       gv.view(), opt);
     if (p > 1) {  // the accumulators move on (after the last step: home)
       const index_t rows = plan.rank(ring_next(me, p, -(s + 1))).tokens;
       post_shift(comm, reqs, gk, gkn, rows, 2);

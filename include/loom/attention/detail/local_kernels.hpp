@@ -41,7 +41,7 @@ struct token_coords {
 struct problem {
   index_t tq, tk, hq, hkv, dk, dv;
   bool causal;
-  index_t window;
+  index_t left, right;  //!< window (options.hpp), -1: unbounded
   LOOM_HD index_t group() const { return hq / hkv; }
   LOOM_HD index_t q_tiles() const { return (tq + tile_q - 1) / tile_q; }
   LOOM_HD index_t k_tiles() const { return (tk + tile_k - 1) / tile_k; }
@@ -133,7 +133,7 @@ struct pair_visible {
   const token_coords &qc, &kc;
   index_t q0, k0;
   LOOM_HD bool operator()(index_t i, index_t l) const {
-    return visible(qc.d(q0 + i), qc.p(q0 + i), kc.d(k0 + l), kc.p(k0 + l), pb.causal, pb.window);
+    return visible(qc.d(q0 + i), qc.p(q0 + i), kc.d(k0 + l), kc.p(k0 + l), pb.causal, pb.left, pb.right);
   }
 };
 //! The same with the roles swapped: row i of the product is key k0 + i, l runs over queries.
@@ -150,7 +150,7 @@ LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_c
   for (index_t i = 0; i < nq; ++i) {
     const index_t qd = qc.d(q0 + i), qp = qc.p(q0 + i);
     for (index_t j = 0; j < nk; ++j)
-      s[i * tile_k + j] = visible(qd, qp, kc.d(k0 + j), kc.p(k0 + j), pb.causal, pb.window)
+      s[i * tile_k + j] = visible(qd, qp, kc.d(k0 + j), kc.p(k0 + j), pb.causal, pb.left, pb.right)
                               ? finite_or_nan(s[i * tile_k + j])
                               : neg_inf<Acc>();
   }
@@ -192,7 +192,7 @@ struct forward_kernel {
     const tile_bounds qb = qc.bounds(q0, nq);
     for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
-      const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.window);
+      const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
       const bool full = kind == tile_kind::full;
@@ -353,7 +353,7 @@ struct backward_kv_kernel {
     for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
-        const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.window);
+        const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.left, pb.right);
         if (kind == tile_kind::skip) continue;
         a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
         backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.tk_pad, lrow, drow, s, dp);
@@ -400,7 +400,7 @@ struct backward_q_kernel {
     const tile_bounds qb = a.qc.bounds(q0, nq);
     for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
-      const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.window);
+      const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
                       a.kv.tk_pad, lrow, drow, s, dp);

@@ -59,7 +59,7 @@ template <class T, class Acc>
 comm::signature attention_signature(std::uint64_t plan, const problem& pb, const options& opt) {
   return comm::signature{}
       .add("the shapes (q heads, kv heads, head dims)", pb.hq, pb.hkv, pb.dk, pb.dv)
-      .add("the options (causal, window, scale)", opt.causal, opt.window, opt.scale)
+      .add("the options (causal, window, scale)", words_of(opt))
       .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
       .add_digest("the plan", plan);
 }
@@ -151,6 +151,17 @@ void copy_out(const block2<T>& in, V v) {
   using E = typename V::value_type;
   for (index_t t = 0; t < in.n; ++t)
     for (index_t h = 0; h < in.h; ++h) v(t, h) = static_cast<E>(in.data[static_cast<std::size_t>(t * in.h + h)]);
+}
+
+//! The local backward adding into dq, dk, dv (sums over key blocks).
+template <class B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV, class Space>
+void local_backward_acc(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse,
+                        DO dout, DQ dq, DK dk, DV dv, const options& opt) {
+  using Acc = loom::accum_t<typename Q::value_type>;
+  const problem pb = check_problem(shape_of(q, k, v), opt, "ring attention");
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(backward_bytes<Acc>(b, pb)));
+  backward_on(b, pb, scale_of<Acc>(opt, pb.dk), q, k, v, coords_of(qc), coords_of(kc), out, lse, dout, dq, dk, dv, true,
+              ws.bytes());
 }
 
 inline int ring_next(int r, int p, int s = 1) { return ((r + s) % p + p) % p; }

@@ -106,9 +106,9 @@ void backward(const B& b, C& comm, pass_q, const shard::plan& plan, Q q, K k, V 
       post_shift(comm, reqs, dc, dn, nn, 6);
       post_shift(comm, reqs, lc, ln, nn, 7);
     }
-    attention::backward(b, qc.cview(), k, v, sc.of(src), sc.of(me), oc.cview(),
-                        tensor_view<const Acc, 2>(lc.data.data(), {n, pb.hq}), dc.cview(), gq.view(), gk.view(),
-                        gv.view(), opt, /*accumulate=*/true);
+    local_backward_acc(b, qc.cview(), k, v, sc.of(src), sc.of(me), oc.cview(),
+                       tensor_view<const Acc, 2>(lc.data.data(), {n, pb.hq}), dc.cview(), gq.view(), gk.view(),
+                       gv.view(), opt);
     if (p > 1) post_shift(comm, reqs, gq, gqn, nn, 8);
     comm::wait_all(comm, std::span(reqs));
     if (p > 1) std::swap(gq, gqn);

@@ -163,22 +163,29 @@ LOOM_HD inline tile_bounds bounds_of(const index_t* doc, index_t doc_stride, con
 enum class tile_kind { skip, full, partial };
 
 //! How a (query tile, key tile) pair is masked, from the tiles' bounds alone (conservative:
-//! "partial" means check every element).
-LOOM_HD inline tile_kind classify(const tile_bounds& q, const tile_bounds& k, bool causal, index_t window) {
+//! "partial" means check every element). Window (left, right) as in options.hpp, -1 unbounded:
+//! a pair is skipped when every (i, j) has j > i (causal), i - j > left or j - i > right, and is
+//! full when every pair is inside all of them.
+LOOM_HD inline tile_kind classify(const tile_bounds& q, const tile_bounds& k, bool causal, index_t left,
+                                  index_t right) {
   if (k.doc_max < q.doc_min || k.doc_min > q.doc_max) return tile_kind::skip;
   const bool same = q.one_doc() && k.one_doc() && q.doc_min == k.doc_min;
   if (same) {
     if (causal && k.pos_min > q.pos_max) return tile_kind::skip;
-    if (window > 0 && q.pos_min - k.pos_max >= window) return tile_kind::skip;
+    if (left >= 0 && q.pos_min - k.pos_max > left) return tile_kind::skip;
+    if (right >= 0 && k.pos_min - q.pos_max > right) return tile_kind::skip;
     const bool causal_ok = !causal || k.pos_max <= q.pos_min;
-    const bool window_ok = window <= 0 || q.pos_max - k.pos_min < window;
-    if (causal_ok && window_ok) return tile_kind::full;
+    const bool left_ok = left < 0 || q.pos_max - k.pos_min <= left;
+    const bool right_ok = right < 0 || k.pos_max - q.pos_min <= right;
+    if (causal_ok && left_ok && right_ok) return tile_kind::full;
   }
   return tile_kind::partial;
 }
 
-LOOM_HD inline bool visible(index_t qd, index_t qp, index_t kd, index_t kp, bool causal, index_t window) {
-  return qd == kd && (!causal || kp <= qp) && (window <= 0 || qp - kp < window);
+//! Whether query (qd, qp) sees key (kd, kp): same document, j <= i when causal, and
+//! i - left <= j <= i + right (-1: unbounded).
+LOOM_HD inline bool visible(index_t qd, index_t qp, index_t kd, index_t kp, bool causal, index_t left, index_t right) {
+  return qd == kd && (!causal || kp <= qp) && (left < 0 || qp - kp <= left) && (right < 0 || kp - qp <= right);
 }
 
 }  // namespace loom::attention::detail
