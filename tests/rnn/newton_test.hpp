@@ -510,12 +510,14 @@ TEST_CASE("rnn: rejections" LOOM_BACKEND_TAG, "[rnn][errors]") {
     auto o = opt;
     expect(
         [&] {
-          lr::forward(b, c, xv, view<const double, 2>{}, hv, loom::segments{std::span<const index_t>(bad_off)}, o);
+          lr::forward(b, c, xv, view<const double, 2>{}, hv,
+                      loom::segments<space>(view<const index_t, 1>(bad_off.data(), {4})), o);
         },
         loom::errc::invalid_argument, "non-decreasing");
     expect(
         [&] {
-          lr::forward(b, c, xv, view<const double, 2>{}, hv, loom::segments{std::span<const index_t>(short_off)}, o);
+          lr::forward(b, c, xv, view<const double, 2>{}, hv,
+                      loom::segments<space>(view<const index_t, 1>(short_off.data(), {3})), o);
         },
         loom::errc::invalid_argument, "must equal the token count 10");
     // a declared structure that does not match the cell (with verify_jacobian)
@@ -613,7 +615,7 @@ TEST_CASE(
         const workspace mine(plan.workspace_bytes());
         lr::report r(plan);
         std::vector<double> hk(static_cast<std::size_t>(p.n * p.d));
-        lr::forward(b, plan, c, xv, h0v, loom::tensor_view<double, 2>(hk.data(), {p.n, p.d}), r, mine.span());
+        lr::forward(b, plan, c, xv, h0v, view<double, 2>(hk.data(), {p.n, p.d}), r, mine.span());
         got[k] = hk;
       });
     for (auto& th : t) th.join();

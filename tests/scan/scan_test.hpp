@@ -274,9 +274,10 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
           ls::inclusive_scan(b, ls::plus<float>{}, vi, vo,
                              loom::segments<space>(view_of<const index_t, 1>(off, {static_cast<index_t>(o.size())}))),
           Catch::Contains("invalid_argument") && Catch::Contains(what));
-      const auto o32 = narrowed(o);
+      buffer<std::int32_t> o32(narrowed(o));
       CHECK_THROWS_WITH(
-          ls::make_plan(b, ls::plus<float>{}, 10, loom::segments<space>(std::span<const std::int32_t>(o32))),
+          ls::make_plan(b, ls::plus<float>{}, 10,
+                        loom::segments<space>(view_of<const std::int32_t, 1>(o32, {static_cast<index_t>(o.size())}))),
           Catch::Contains("scan::make_plan") && Catch::Contains(what));
     };
     bad({1, 10}, "docs[0] must be 0");
@@ -544,11 +545,13 @@ TEST_CASE("recurrence: gradients of b, A and the initial state match finite diff
     const auto adj = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, w, offsets, wf, true, 0);
     std::vector<double> da(a.size());
     const auto off = narrowed(offsets);
-    ls::transition_gradient(b, ls::block_diagonal<2>{}, loom::tensor_view<const double, 2>(adj.first.data(), {n, d}),
-                            loom::tensor_view<const double, 2>(h.data(), {n, d}),
-                            loom::tensor_view<double, 4>(da.data(), {n, d / 2, 2, 2}),
-                            loom::segments{std::span<const std::int32_t>(off)},
-                            ls::states<double>{loom::tensor_view<const double, 2>(init.data(), {segs, d}), {}});
+    // (host memory, typed as the backend's space: this block runs on host backends only)
+    ls::transition_gradient(
+        b, ls::block_diagonal<2>{}, loom::tensor_view<const double, 2, space>(adj.first.data(), {n, d}),
+        loom::tensor_view<const double, 2, space>(h.data(), {n, d}),
+        loom::tensor_view<double, 4, space>(da.data(), {n, d / 2, 2, 2}),
+        loom::segments<space>(loom::tensor_view<const std::int32_t, 1, space>(off.data(), {segs + 1})),
+        ls::states<double, space>{loom::tensor_view<const double, 2, space>(init.data(), {segs, d}), {}});
     for (std::size_t i = 0; i < bv.size(); ++i) REQUIRE(std::abs(adj.first[i] - fd(1, i)) < 1e-8);
     for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(std::abs(da[i] - fd(0, i)) < 1e-8);
     for (std::size_t i = 0; i < init.size(); ++i) REQUIRE(std::abs(adj.second[i] - fd(2, i)) < 1e-8);
@@ -904,7 +907,7 @@ TEST_CASE(
             const workspace mine(plan.workspace_bytes());
             std::vector<float> o(static_cast<std::size_t>(n));
             for (int rep = 0; rep < 3; ++rep)
-              ls::inclusive_scan(b, plan, vi, loom::tensor_view<float, 1>(o.data(), {n}), mine.span());
+              ls::inclusive_scan(b, plan, vi, loom::tensor_view<float, 1, space>(o.data(), {n}), mine.span());
             got[k] = o;
           });
         for (auto& th : t) th.join();
@@ -962,7 +965,7 @@ TEST_CASE(
       t[k] = std::thread([&, k] {
         const workspace mine(plan.workspace_bytes());
         std::vector<float> h(static_cast<std::size_t>(n * d));
-        ls::linear_recurrence(b, plan, av, xv, loom::tensor_view<float, 2>(h.data(), {n, d}),
+        ls::linear_recurrence(b, plan, av, xv, loom::tensor_view<float, 2, space>(h.data(), {n, d}),
                               ls::states<float, space>{iv, {}}, mine.span());
         got[k] = h;
       });

@@ -393,7 +393,7 @@ report forward(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segmen
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
 report forward(const B& b, const Cell& c, XV x, H0V h0, HV h, const options& opt = {}) {
-  return forward(b, c, x, h0, h, loom::segments<typename HV::space>{}, opt);
+  return forward(b, c, x, h0, h, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 template <backend B, cell Cell, class XV, class H0V, class HV, memory_space Space>
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segments<Space>& docs,
@@ -405,7 +405,7 @@ void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segme
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const options& opt = {}) {
-  sequential(b, c, x, h0, h, loom::segments<typename HV::space>{}, opt);
+  sequential(b, c, x, h0, h, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class DXV, class DH0V, class DTV,
           memory_space Space>
@@ -419,7 +419,7 @@ void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V
 template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class DXV, class DH0V, class DTV>
 void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,
               const options& opt = {}) {
-  backward(b, c, x, h0, h, dh, dx, dh0, dtheta, loom::segments<typename HV::space>{}, opt);
+  backward(b, c, x, h0, h, dh, dx, dh0, dtheta, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 
 }  // namespace loom::rnn

@@ -245,7 +245,7 @@ void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const loom:
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
-  inclusive_scan(b, comm, m, in, out, loom::segments<typename In::space>{}, opt);
+  inclusive_scan(b, comm, m, in, out, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out, memory_space Space>
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
@@ -258,7 +258,7 @@ void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M:
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
                     const options& opt = {}) {
-  exclusive_scan(b, comm, m, in, out, init, loom::segments<typename In::space>{}, opt);
+  exclusive_scan(b, comm, m, in, out, init, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 
 //! Cross-rank linear recurrence: A, b and h are this rank's rows of the global sequence.

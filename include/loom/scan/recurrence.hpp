@@ -154,6 +154,7 @@ struct recurrence_access {
   static recurrence_plan<B, St, Space, Acc, Across> make(const B& b, window w, index_t d,
                                                          const loom::segments<Space>& docs, const options& opt,
                                                          std::string_view call, Extra&& extra) {
+    check_docs_space<B, Space>();
     check_options(opt, call);
     LOOM_EXPECTS(w.count >= 0, errc::invalid_argument, call, ": the number of time steps must be >= 0, got ", w.count);
     LOOM_EXPECTS(d >= 0, errc::invalid_argument, call, ": the state size d must be >= 0, got ", d);
@@ -351,7 +352,7 @@ void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const loom::segment
 }
 template <backend B, structure St, class AV, class BV, class HV>
 void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const options& opt = {}) {
-  using Space = typename HV::space;
+  using Space = typename backend_traits<B>::memory_space;
   linear_recurrence(b, st, a, bv, h, loom::segments<Space>{}, states<typename HV::value_type, Space>{}, opt);
 }
 template <backend B, structure St, class AV, class GV, class LV, memory_space Space, class T>
@@ -364,7 +365,7 @@ void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const l
 }
 template <backend B, structure St, class AV, class GV, class LV>
 void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const options& opt = {}) {
-  using Space = typename LV::space;
+  using Space = typename backend_traits<B>::memory_space;
   linear_recurrence_adjoint(b, st, a, g, lambda, loom::segments<Space>{},
                             adjoint_states<typename LV::value_type, Space>{}, opt);
 }
@@ -465,7 +466,7 @@ void transition_gradient(const B& b, St st, LV lambda, HV h, DAV da, const loom:
 }
 template <backend B, structure St, class LV, class HV, class DAV>
 void transition_gradient(const B& b, St st, LV lambda, HV h, DAV da) {
-  using Space = typename HV::space;
+  using Space = typename backend_traits<B>::memory_space;
   transition_gradient(b, st, lambda, h, da, loom::segments<Space>{}, states<typename HV::value_type, Space>{});
 }
 

@@ -82,6 +82,14 @@ inline void check_options(const options& opt, std::string_view call) {
 }
 
 struct plan_access;
+
+//! Documents must be readable by the backend: in its memory space, or host memory on a host backend.
+template <class B, class Space>
+constexpr void check_docs_space() {
+  using BS = typename backend_traits<B>::memory_space;
+  static_assert(std::is_same_v<Space, BS> || (Space::host_accessible && BS::host_accessible),
+                "make_plan: the documents' offsets must live in the backend's memory space");
+}
 }  // namespace detail
 
 template <backend B, monoid M, memory_space Space, bool Across>
@@ -141,6 +149,7 @@ struct plan_access {
   template <bool Across, backend B, monoid M, memory_space Space, class Extra>
   static monoid_plan<B, M, Space, Across> monoid(const B& b, const M& m, window w, const loom::segments<Space>& docs,
                                                  const options& opt, std::string_view call, Extra&& extra) {
+    check_docs_space<B, Space>();
     check_options(opt, call);
     LOOM_EXPECTS(w.count >= 0, errc::invalid_argument, call, ": the length must be >= 0, got ", w.count);
     monoid_plan<B, M, Space, Across> p;
@@ -278,7 +287,7 @@ void inclusive_scan(const B& b, const M& m, In in, Out out, const loom::segments
 }
 template <backend B, monoid M, class In, class Out>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const options& opt = {}) {
-  inclusive_scan(b, m, in, out, loom::segments<typename In::space>{}, opt);
+  inclusive_scan(b, m, in, out, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 template <backend B, monoid M, class In, class Out, memory_space Space>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init,
@@ -290,7 +299,7 @@ void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_ty
 }
 template <backend B, monoid M, class In, class Out>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init, const options& opt = {}) {
-  exclusive_scan(b, m, in, out, init, loom::segments<typename In::space>{}, opt);
+  exclusive_scan(b, m, in, out, init, loom::segments<typename backend_traits<B>::memory_space>{}, opt);
 }
 
 }  // namespace loom::scan
