@@ -49,7 +49,7 @@ void run_all(Comm& comm, const example::batch& in, results& uly, results& hyb, r
              std::string& choice) {
   const loom::serial b{};
   const int me = comm.rank(), p = comm.size();
-  const la::ulysses::shape s{hq, hkv, dim, dim};
+  const la::head_shape s{hq, hkv, dim, dim};
   const loom::segments docs{std::span<const index_t>(in.cu)};
 
   // Ulysses: the sequence sharded contiguously; one plan, one workspace for forward and backward.

@@ -192,7 +192,7 @@ const auto hybrid_bwd = [](auto& c, const auto& plan, auto q, auto k, auto v, au
                            auto dv,
                            auto ws) { lh::backward(loom::serial{}, c, plan, q, k, v, o, l, d, dq, dk, dv, ws); };
 
-lu::shape shape_of(const lt::attn_shape& s) { return {s.hq, s.hkv, s.dk, s.dv}; }
+la::head_shape shape_of(const lt::attn_shape& s) { return {s.hq, s.hkv, s.dk, s.dv}; }
 
 template <class T = double>
 sp_result run_ulysses(const global_inputs& g, int p, const shard::plan& plan, bool bwd,
@@ -534,6 +534,42 @@ TEST_CASE("ulysses and hybrid: per-call checks against the plan, on the calling 
 }
 
 namespace {
+// Requires that forward and backward on a plan made by make(comm) allocate nothing on any rank
+// (the communicator's own queues excepted: it is wrapped in loom::test::uncounted).
+template <class Make, class Fwd, class Bwd>
+void require_no_allocation(const global_inputs& g, int p, Make make, Fwd fwd, Bwd bwd) {
+  using uncounted = lt::uncounted<loom::comm::local>;
+  std::vector<lt::allocation_report> f(static_cast<std::size_t>(p)), bw(f.size());
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    uncounted comm(lc);
+    const auto plan = make(comm);
+    auto io = take_rows<float>(plan, comm.rank(), g);
+    loom::workspace_buffer ws(plan.workspace_bytes());
+    const auto r = static_cast<std::size_t>(comm.rank());
+    f[r] = lt::count_allocations([&] { fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span()); });
+    bw[r] = lt::count_allocations([&] {
+      bwd(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(), ws.span());
+    });
+  });
+  for (int r = 0; r < p; ++r) {
+    INFO("rank " << r);
+    CHECK(f[static_cast<std::size_t>(r)].heap == 0);
+    CHECK(f[static_cast<std::size_t>(r)].temporaries == 0);
+    CHECK(bw[static_cast<std::size_t>(r)].heap == 0);
+    CHECK(bw[static_cast<std::size_t>(r)].temporaries == 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("ulysses: a plan-taking call allocates nothing", "[attention][ulysses][allocations]") {
+  const auto g = make_global({0, 0, 8, 2, 8, 8, true}, docs, 900);
+  const auto seq = plan_of<shard::zigzag>(docs, 3);
+  require_no_allocation(
+      g, 3, [&](auto& c) { return lu::make_plan<loom::fp32>(loom::serial{}, c, seq, shape_of(g.s), opts_of(g.s)); },
+      ulysses_fwd, ulysses_bwd);
+}
+
+namespace {
 // Runs forward then backward `calls` times on each rank with one plan made by make(comm) (or
 // plans[rank] when given), each call's results gathered into its own sp_result; counts the
 // collectives of make_plan and of the calls.
@@ -614,37 +650,41 @@ TEST_CASE("hybrid: one plan reused across calls is bitwise a fresh plan", "[atte
   for (const auto& r : res) CHECK(bitwise_equal(r, fresh));
 }
 
+namespace {
+constexpr int agreement_calls = 4;
+// The collectives each rank ran in make(comm) and in `agreement_calls` forward + backward calls.
+template <class Make, class Fwd, class Bwd>
+std::pair<std::vector<std::int64_t>, std::vector<std::int64_t>> count_collectives(const global_inputs& g, int p,
+                                                                                  Make make, Fwd fwd, Bwd bwd) {
+  std::vector<std::int64_t> at_plan(static_cast<std::size_t>(p)), per_calls(at_plan.size());
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    counting comm(lc);
+    const auto plan = make(comm);
+    const std::int64_t c0 = comm.counts().collectives;
+    for (int c = 0; c < agreement_calls; ++c) {
+      auto io = take_rows<float>(plan, comm.rank(), g);
+      loom::workspace_buffer ws(plan.workspace_bytes());
+      fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+      bwd(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(), ws.span());
+    }
+    at_plan[static_cast<std::size_t>(comm.rank())] = c0;
+    per_calls[static_cast<std::size_t>(comm.rank())] = comm.counts().collectives - c0;
+  });
+  return {at_plan, per_calls};
+}
+}  // namespace
+
 TEST_CASE("ulysses: the agreement runs once per plan, not per call", "[attention][ulysses]") {
   // Per call only the exchange's all_to_allv: three in the forward (q, k, v; out; lse), three in
-  // the backward (q, k, v, out, dout; lse; dq, dk, dv); the ring inside the hybrid moves its
-  // blocks point to point.
+  // the backward (q, k, v, out, dout; lse; dq, dk, dv).
   const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 930);
-  constexpr int calls = 4;
-  auto count = [&](int p, auto make, auto fwd, auto bwd) {
-    std::vector<std::int64_t> at_plan(static_cast<std::size_t>(p)), per_calls(at_plan.size());
-    loom::comm::run_local(p, [&](loom::comm::local& lc) {
-      counting comm(lc);
-      const auto plan = make(comm);
-      const std::int64_t c0 = comm.counts().collectives;
-      for (int c = 0; c < calls; ++c) {
-        auto io = take_rows<float>(plan, comm.rank(), g);
-        loom::workspace_buffer ws(plan.workspace_bytes());
-        fwd(comm, plan, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
-        bwd(comm, plan, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
-            ws.span());
-      }
-      at_plan[static_cast<std::size_t>(comm.rank())] = c0;
-      per_calls[static_cast<std::size_t>(comm.rank())] = comm.counts().collectives - c0;
-    });
-    return std::pair{at_plan, per_calls};
-  };
   const auto seq = plan_of<shard::zigzag>(docs, 4);
-  const auto [u_plan, u_calls] = count(
-      4, [&](counting& c) { return lu::make_plan<loom::fp32>(loom::serial{}, c, seq, shape_of(g.s), opts_of(g.s)); },
+  const auto [at_plan, per_calls] = count_collectives(
+      g, 4, [&](counting& c) { return lu::make_plan<loom::fp32>(loom::serial{}, c, seq, shape_of(g.s), opts_of(g.s)); },
       ulysses_fwd, ulysses_bwd);
   for (int r = 0; r < 4; ++r) {
-    CHECK(u_plan[static_cast<std::size_t>(r)] == 1);  // make_plan: one agreement
-    CHECK(u_calls[static_cast<std::size_t>(r)] == 6 * calls);
+    CHECK(at_plan[static_cast<std::size_t>(r)] == 1);  // make_plan: one agreement
+    CHECK(per_calls[static_cast<std::size_t>(r)] == 6 * agreement_calls);
   }
 }
 

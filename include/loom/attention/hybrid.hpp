@@ -89,7 +89,7 @@ class plan;
 //! @throws loom::error(invalid_argument) on every rank: R not dividing comm.size(), U > heads_q,
 //! the shape and option errors of ulysses::make_plan, ranks disagreeing.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const ulysses::shape& s,
+plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const head_shape& s,
                         const options& opt = {});
 
 //! A hybrid plan of one rank (file comment). Make it with hybrid::make_plan.
@@ -104,7 +104,7 @@ class plan {
   //! The rank this plan was made on (in the whole grid).
   [[nodiscard]] int rank() const noexcept { return s_->me; }
   [[nodiscard]] grid dims() const noexcept { return s_->g; }
-  [[nodiscard]] const ulysses::shape& shape() const noexcept { return s_->dims; }
+  [[nodiscard]] const head_shape& shape() const noexcept { return s_->dims; }
   [[nodiscard]] const options& opts() const noexcept { return s_->opt; }
   [[nodiscard]] index_t total_tokens() const noexcept { return s_->ring.total_tokens(); }
   //! The ring sharding over the R ring ranks.
@@ -164,7 +164,7 @@ class plan {
   struct state {
     grid g;
     int me = 0;
-    ulysses::shape dims;
+    head_shape dims;
     options opt;
     shard::plan ring;
     C ucomm, rcomm;
@@ -195,11 +195,11 @@ class plan {
   }
 
   template <precision_policy Q, class B2, comm::communicator C2>
-  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const shard::plan&, const ulysses::shape&, const options&);
+  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const shard::plan&, const head_shape&, const options&);
 };
 
 template <precision_policy P, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const ulysses::shape& s,
+plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const head_shape& s,
                         const options& opt) {
   constexpr std::string_view call = "hybrid::make_plan";
   using T = typename P::storage_type;

@@ -275,12 +275,11 @@ machine measure(const B& b, C& comm, std::size_t bytes = std::size_t{1} << 22) {
   const index_t n = 1024, h = 4, d = 64;
   std::vector<float> x(static_cast<std::size_t>(n * h * d), 0.5f), o(x.size()), l(static_cast<std::size_t>(n * h));
   const tensor_view<const float, 3> xv(x.data(), {n, h, d});
-  const std::vector<index_t> cu{0, n};
   options opt;
   opt.causal = false;
   auto t0 = std::chrono::steady_clock::now();
-  attention::forward(b, xv, xv, xv, tensor_view<const index_t, 1>(cu.data(), {2}),
-                     tensor_view<float, 3>(o.data(), {n, h, d}), tensor_view<float, 2>(l.data(), {n, h}), opt);
+  attention::forward(b, loom::segments<>::whole(n), xv, xv, xv, tensor_view<float, 3>(o.data(), {n, h, d}),
+                     tensor_view<float, 2>(l.data(), {n, h}), opt);
   const double fsec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::vector<float> s(bytes / sizeof(float)), r(s.size());
   const int p = comm.size(), me = comm.rank();
@@ -302,7 +301,6 @@ machine measure(const B& b, C& comm, std::size_t bytes = std::size_t{1} << 22) {
 namespace loom::sequence_parallel {
 
 using strategy = attention::planner::strategy;
-using shape = attention::ulysses::shape;
 
 //! How make_plan shards the sequence: over the P ranks for the ring variants and Ulysses, over
 //! the R ring ranks for the hybrid (each ring shard then split contiguously over U ranks).
@@ -341,7 +339,7 @@ class plan;
 //! @throws loom::error(invalid_argument) on every rank: the planner's errors (shape, machine), a
 //! forced strategy that is not feasible, the concrete make_plan's errors, ranks disagreeing.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const shape& s,
+plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const attention::head_shape& s,
                         const options& opt = {});
 
 //! The plan of the strategy make_plan picked, on one rank: its choice (inspect it with
@@ -410,11 +408,13 @@ class plan {
   std::shared_ptr<const state> s_;
 
   template <precision_policy Q, class B2, comm::communicator C2>
-  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const loom::segments<>&, const shape&, const options&);
+  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const loom::segments<>&, const attention::head_shape&,
+                                   const options&);
 };
 
 template <precision_policy P, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const shape& s, const options& opt) {
+plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const attention::head_shape& s,
+                        const options& opt) {
   constexpr std::string_view call = "sequence_parallel::make_plan";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;

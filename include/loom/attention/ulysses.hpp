@@ -63,11 +63,6 @@
 
 namespace loom::attention::ulysses {
 
-//! Heads and head dims of an attention layer.
-struct shape {
-  index_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
-};
-
 //! Bytes one rank sends to the other ranks in one call (see the file comment's formulas).
 struct traffic {
   std::size_t forward = 0, backward = 0;
@@ -78,10 +73,10 @@ using namespace loom::attention::detail;
 
 //! The plan of the local attention of one head segment, over the whole sequence's documents.
 template <class B, class P>
-using local_plan_t = local_inner;
+using local_plan_t = attention::plan<B, P>;
 
 //! The shape checks of make_plan (Ulysses and hybrid); `ranks` is the exchange group's size.
-inline void check_shape(const shape& s, int ranks, std::string_view call) {
+inline void check_shape(const head_shape& s, int ranks, std::string_view call) {
   LOOM_EXPECTS(s.heads_q >= 1 && s.heads_kv >= 1, errc::invalid_argument, call, ": heads must be >= 1, got heads_q ",
                s.heads_q, ", heads_kv ", s.heads_kv);
   LOOM_EXPECTS(s.heads_q % s.heads_kv == 0, errc::invalid_argument, call, ": heads_q (", s.heads_q,
@@ -94,7 +89,7 @@ inline void check_shape(const shape& s, int ranks, std::string_view call) {
 }
 
 //! Bytes rank r of an exchange group sends per call (file comment).
-inline traffic exchange_bytes(const shard::plan& tokens, const head_split& h, const shape& s, int r, std::size_t b,
+inline traffic exchange_bytes(const shard::plan& tokens, const head_split& h, const head_shape& s, int r, std::size_t b,
                               std::size_t a, std::size_t g) {
   const auto n = static_cast<std::size_t>(tokens.rank(r).tokens);
   const auto rest = static_cast<std::size_t>(tokens.total_tokens()) - n;
@@ -114,7 +109,7 @@ inline traffic exchange_bytes(const shard::plan& tokens, const head_split& h, co
 
 //! The per-call checks of a view set against a plan's rank: storage types, extents.
 template <class T, class Acc, class Q, class K, class V, class O, class L>
-void check_views(const shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+void check_views(const head_shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
                  std::string_view call) {
   static_assert(Q::space::host_accessible, "sequence parallel attention runs on host memory");
   static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
@@ -134,7 +129,7 @@ void check_views(const shape& s, index_t n, const Q& q, const K& k, const V& v, 
                  ": q, k, v and out must be contiguous in their last dimension (stride 1)");
 }
 template <class T, class DO, class DQ, class DK, class DV>
-void check_gradients(const shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
+void check_gradients(const head_shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
                      std::string_view call) {
   static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
                     std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
@@ -157,10 +152,10 @@ void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
 
 //! The signature of a sequence parallel plan: sharding digest, shape, options, element types.
 template <class T, class Acc>
-comm::signature plan_signature(std::uint64_t digest, const shape& s, const options& opt) {
+comm::signature plan_signature(std::uint64_t digest, const head_shape& s, const options& opt) {
   return comm::signature{}
       .add("the shapes (q heads, kv heads, head dims)", s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
-      .add("the options (causal, window, scale)", opt.causal, opt.window, opt.scale)
+      .add("the options (causal, window, scale)", words_of(opt))
       .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
       .add_digest("the plan", digest);
 }
@@ -177,7 +172,7 @@ class plan;
 //! bad options (those of attention::make_plan), or ranks disagreeing on the sharding, shape,
 //! options or precision.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const shape& s, const options& opt = {});
+plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s, const options& opt = {});
 
 //! A Ulysses plan of one rank (see the file comment). Make it with ulysses::make_plan. Immutable;
 //! copies share one state; several threads may use one plan at once (each call with its own
@@ -193,7 +188,7 @@ class plan {
   //! The rank this plan was made on.
   [[nodiscard]] int rank() const noexcept { return s_->pipe.rank(); }
   [[nodiscard]] const shard::plan& tokens() const noexcept { return s_->pipe.tokens(); }
-  [[nodiscard]] const shape& dims() const noexcept { return s_->dims; }
+  [[nodiscard]] const head_shape& dims() const noexcept { return s_->dims; }
   [[nodiscard]] const options& opts() const noexcept { return s_->opt; }
   [[nodiscard]] const detail::head_split& heads() const noexcept { return s_->pipe.heads(); }
   //! Query heads [first, second) rank r computes.
@@ -215,7 +210,7 @@ class plan {
 
  private:
   struct state {
-    shape dims;
+    head_shape dims;
     options opt;
     std::vector<detail::local_plan_t<B, P>> local;
     detail::head_pipeline<storage_type, accum_type> pipe;
@@ -223,11 +218,11 @@ class plan {
   std::shared_ptr<const state> s_;
 
   template <precision_policy Q, class B2, comm::communicator C>
-  friend plan<B2, Q> make_plan(const B2&, C&, const shard::plan&, const shape&, const options&);
+  friend plan<B2, Q> make_plan(const B2&, C&, const shard::plan&, const head_shape&, const options&);
 };
 
 template <precision_policy P, class B, comm::communicator C>
-plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const shape& s, const options& opt) {
+plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s, const options& opt) {
   constexpr std::string_view call = "ulysses::make_plan";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
@@ -245,11 +240,11 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const shape
     std::size_t fwd = 0, bwd = 0;
     for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
       const auto sh = st->pipe.segment(i);
-      (void)sh;
-      (void)b;
-      st->local.push_back(detail::local_inner(st->pipe.tokens().segments(), opt));
+      st->local.push_back(attention::make_plan<P>(
+          b, st->pipe.tokens().segments(),
+          attention::shape{st->pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
       fwd = std::max(fwd, st->local.back().workspace_bytes());
-      bwd = std::max(bwd, st->local.back().workspace_bytes());
+      bwd = std::max(bwd, st->local.back().backward_workspace_bytes());
     }
     st->pipe.reserve_inner(fwd, bwd);
     return detail::plan_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
@@ -273,7 +268,7 @@ void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L 
   check_workspace(workspace, up.workspace_bytes(), call);
   up.pipeline().forward(comm, q, k, v, out, lse, workspace,
                         [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
-                          up.local(s).forward(b, qs, ks, vs, os, ls, ws);
+                          attention::forward(b, up.local(s), qs, ks, vs, os, ls, ws);
                         });
 }
 
@@ -295,7 +290,7 @@ void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L
   up.pipeline().backward(
       comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
       [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks, auto dvs,
-          std::span<std::byte> ws) { up.local(s).backward(b, qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws); });
+          std::span<std::byte> ws) { attention::backward(b, up.local(s), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws); });
 }
 
 //! Convenience forward: make_plan (precision deduced from q), a temporary workspace, the plan

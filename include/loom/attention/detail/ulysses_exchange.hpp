@@ -418,36 +418,4 @@ class head_pipeline {
   std::size_t forward_bytes_ = 0, backward_bytes_ = 0, inner_forward_ = 0, inner_backward_ = 0;
 };
 
-//! Heads and head dims of one attention call.
-struct attn_shape {
-  index_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
-};
-
-//! The inner local attention of a head segment: the local kernel over documents `seg` (the
-//! coordinates of every token, made once).
-struct local_inner {
-  std::vector<index_t> doc, pos;
-  options opt;
-  local_inner(const loom::segments<>& seg, const options& o) : opt(o) {
-    for (index_t d = 0; d < seg.count(); ++d)
-      for (index_t t = seg[d]; t < seg[d + 1]; ++t) {
-        doc.push_back(d);
-        pos.push_back(t - seg[d]);
-      }
-  }
-  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return 0; }
-  [[nodiscard]] coords<> c() const {
-    const auto n = static_cast<index_t>(doc.size());
-    return {tensor_view<const index_t, 1>(doc.data(), {n}), tensor_view<const index_t, 1>(pos.data(), {n})};
-  }
-  template <class B, class Q, class K, class V, class O, class L>
-  void forward(const B& b, Q q, K k, V v, O out, L lse, std::span<std::byte>) const {
-    attention::forward(b, q, k, v, c(), c(), out, lse, opt);
-  }
-  template <class B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
-  void backward(const B& b, Q q, K k, V v, O out, L lse, DO d, DQ dq, DK dk, DV dv, std::span<std::byte>) const {
-    attention::backward(b, q, k, v, c(), c(), out, lse, d, dq, dk, dv, opt);
-  }
-};
-
 }  // namespace loom::attention::detail
