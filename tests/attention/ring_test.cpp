@@ -8,6 +8,8 @@
 #include <loom/comm/counting.hpp>
 #include <loom/comm/local.hpp>
 
+#include <support/allocations.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/ranks.hpp>
 #include <support/tolerance.hpp>
@@ -18,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "oracle.hpp"
@@ -44,12 +47,88 @@ std::vector<T> rows_of(const shard::plan& plan, int r, const std::vector<double>
 
 struct ring_result {
   std::vector<double> out, lse, dq, dk, dv;
-  long sends_per_rank = 0;
+  long sends_per_rank = 0;              // point-to-point messages of one forward on rank 0
+  long plan_collectives = 0;            // collectives make_plan ran, the most over the ranks
+  long forward_collectives = 0;         // collectives of all the forward calls, rank 0
+  long long heap = 0, temporaries = 0;  // allocations of the plan-taking calls, every rank
 };
 
-// Runs variant V (and its backward when `bwd`) on P in-process ranks; gathers global results.
+using counted_comm = lt::uncounted<loom::comm::counting<loom::comm::local>>;
+
+// Runs variant V (and its backward when `bwd`) on P in-process ranks through one plan per rank
+// and `calls` calls of each; gathers global results. The communicator's own allocations are not
+// counted (lt::uncounted); the calls' are, on each rank's thread. `plans`, when given, are used
+// instead of fresh ones (one per rank, made by an earlier run).
 template <class V, class T = double>
-ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
+ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, bool bwd, int calls = 1,
+                     const std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>>* plans = nullptr) {
+  using Acc = loom::accum_t<T>;
+  using P = loom::default_precision<T>;
+  const auto& s = g.s;
+  ring_result res;
+  res.out.assign(g.want.out.size(), 0.0);
+  res.lse.assign(g.want.lse.size(), 0.0);
+  res.dq.assign(g.q.size(), 0.0);
+  res.dk.assign(g.k.size(), 0.0);
+  res.dv.assign(g.v.size(), 0.0);
+  std::mutex mu;
+  const la::options opt{s.causal, s.window, s.scale};
+  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+    auto rec = std::make_shared<loom::comm::traffic>();
+    counted_comm comm(loom::comm::counting<loom::comm::local>(lc, rec));
+    const int r = comm.rank();
+    const index_t n = plan.rank(r).tokens;
+    auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
+         v = rows_of<T>(plan, r, g.v, s.hkv * s.dv), dout = rows_of<T>(plan, r, g.dout, s.hq * s.dv);
+    std::vector<T> out(static_cast<std::size_t>(n * s.hq * s.dv)), dq(q.size()), dk(k.size()), dv(v.size());
+    std::vector<Acc> lse(static_cast<std::size_t>(n * s.hq));
+    const loom::tensor_view<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
+        vv(v.data(), {n, s.hkv, s.dv});
+    const auto rp = plans ? (*plans)[static_cast<std::size_t>(r)]
+                          : lr::make_plan<P>(loom::serial{}, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
+    const long planned = rec->collectives.load();
+    loom::workspace_buffer ws(std::max(rp.workspace_bytes(), rp.backward_workspace_bytes()));
+    const long m0 = rec->messages.load();
+    const auto fwd = lt::count_allocations([&] {
+      for (int c = 0; c < calls; ++c)
+        lr::forward(loom::serial{}, comm, rp, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
+                    loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), ws.span());
+    });
+    const long sends = (rec->messages.load() - m0) / calls, fcoll = rec->collectives.load() - planned;
+    lt::allocation_report bwa;
+    if (bwd)
+      bwa = lt::count_allocations([&] {
+        for (int c = 0; c < calls; ++c)
+          lr::backward(loom::serial{}, comm, rp, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
+                       loom::tensor_view<const Acc, 2>(lse.data(), {n, s.hq}),
+                       loom::tensor_view<const T, 3>(dout.data(), {n, s.hq, s.dv}),
+                       loom::tensor_view<T, 3>(dq.data(), {n, s.hq, s.dk}),
+                       loom::tensor_view<T, 3>(dk.data(), {n, s.hkv, s.dk}),
+                       loom::tensor_view<T, 3>(dv.data(), {n, s.hkv, s.dv}), ws.span());
+      });
+    auto widen = [](const auto& x) { return std::vector<double>(x.begin(), x.end()); };
+    std::lock_guard<std::mutex> lock(mu);
+    res.heap += fwd.heap + bwa.heap;
+    res.temporaries += fwd.temporaries + bwa.temporaries;
+    res.plan_collectives = std::max(res.plan_collectives, planned);
+    if (r == 0) {
+      res.sends_per_rank = sends;
+      res.forward_collectives = fcoll;
+    }
+    plan.gather<double>(r, widen(out), s.hq * s.dv, res.out);
+    plan.gather<double>(r, widen(lse), s.hq, res.lse);
+    if (bwd) {
+      plan.gather<double>(r, widen(dq), s.hq * s.dk, res.dq);
+      plan.gather<double>(r, widen(dk), s.hkv * s.dk, res.dk);
+      plan.gather<double>(r, widen(dv), s.hkv * s.dv, res.dv);
+    }
+  });
+  return res;
+}
+
+// The same through the convenience forms (one agreement per call).
+template <class V, class T = double>
+ring_result run_convenience(const global_inputs& g, int p, const shard::plan& plan, bool bwd) {
   using Acc = loom::accum_t<T>;
   const auto& s = g.s;
   ring_result res;
@@ -59,10 +138,10 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
   res.dk.assign(g.k.size(), 0.0);
   res.dv.assign(g.v.size(), 0.0);
   std::mutex mu;
-  std::vector<long> sends(static_cast<std::size_t>(p));
   const la::options opt{s.causal, s.window, s.scale};
   loom::comm::run_local(p, [&](loom::comm::local& lc) {
-    loom::comm::counting<loom::comm::local> comm(lc);
+    auto rec = std::make_shared<loom::comm::traffic>();
+    loom::comm::counting<loom::comm::local> comm(lc, rec);
     const int r = comm.rank();
     const index_t n = plan.rank(r).tokens;
     auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
@@ -73,18 +152,17 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
         vv(v.data(), {n, s.hkv, s.dv});
     lr::forward(loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
                 loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), opt);
-    sends[static_cast<std::size_t>(r)] = comm.counts().messages;
-    if (bwd) {
-      using BV = std::conditional_t<std::is_same_v<V, lr::bidirectional_kv>, lr::pass_kv, V>;
+    const long fcoll = rec->collectives.load();
+    if (bwd)
       lr::backward(
-          loom::serial{}, comm, BV{}, plan, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
+          loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
           loom::tensor_view<const Acc, 2>(lse.data(), {n, s.hq}),
           loom::tensor_view<const T, 3>(dout.data(), {n, s.hq, s.dv}),
           loom::tensor_view<T, 3>(dq.data(), {n, s.hq, s.dk}), loom::tensor_view<T, 3>(dk.data(), {n, s.hkv, s.dk}),
           loom::tensor_view<T, 3>(dv.data(), {n, s.hkv, s.dv}), opt);
-    }
     auto widen = [](const auto& x) { return std::vector<double>(x.begin(), x.end()); };
     std::lock_guard<std::mutex> lock(mu);
+    if (r == 0) res.forward_collectives = fcoll;
     plan.gather<double>(r, widen(out), s.hq * s.dv, res.out);
     plan.gather<double>(r, widen(lse), s.hq, res.lse);
     if (bwd) {
@@ -93,8 +171,14 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
       plan.gather<double>(r, widen(dv), s.hkv * s.dv, res.dv);
     }
   });
-  res.sends_per_rank = sends[0];
   return res;
+}
+
+bool bitwise(const ring_result& a, const ring_result& b) {
+  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+  };
+  return same(a.out, b.out) && same(a.lse, b.lse) && same(a.dq, b.dq) && same(a.dk, b.dk) && same(a.dv, b.dv);
 }
 
 void check(const ring_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
@@ -136,8 +220,8 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
       CHECK(kv.sends_per_rank == 2 * (p - 1));  // forward: P - 1 K/V block transfers per rank
       check(run_ring<lr::pass_q>(g, p, plan, true), g, true, tol, "pass_q");
       check(run_ring<lr::all_gather_kv>(g, p, plan, true), g, true, tol, "all_gather_kv");
-      const auto bi = run_ring<lr::bidirectional_kv>(g, p, plan, false);
-      check(bi, g, false, tol, "bidirectional_kv");
+      const auto bi = run_ring<lr::bidirectional_kv>(g, p, plan, true);
+      check(bi, g, true, tol, "bidirectional_kv (its backward is pass-KV's)");
       CHECK(bi.sends_per_rank == 2 * (p - 1));  // the same blocks in half the steps, both directions
     }
   }
@@ -260,4 +344,140 @@ TEST_CASE("ring attention: a non-finite input stays in its document on every ran
       sweep(lr::bidirectional_kv{}, false, "bidirectional_kv");
     }
   }
+}
+
+namespace {
+
+// Plans of every rank, made on their own rank threads.
+template <class V, class T>
+std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>> make_plans(const global_inputs& g, int p,
+                                                                              const shard::plan& plan) {
+  const auto& s = g.s;
+  std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>> plans(static_cast<std::size_t>(p));
+  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+    plans[static_cast<std::size_t>(comm.rank())] = lr::make_plan<loom::default_precision<T>>(
+        loom::serial{}, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, la::options{s.causal, s.window, s.scale});
+  });
+  return plans;
+}
+
+template <class V>
+void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan, const char* name) {
+  INFO(name << ", P = " << p);
+  const auto one = run_ring<V, float>(g, p, plan, true, 1), three = run_ring<V, float>(g, p, plan, true, 3);
+  check(one, g, true, {2e-5, 2e-5}, name);
+  // The agreement runs once, in make_plan: one all_gather; calls add only the variant's own
+  // collectives (none for the ring passes).
+  CHECK(one.plan_collectives == 1);
+  CHECK(three.plan_collectives == 1);
+  CHECK(three.forward_collectives == 3 * one.forward_collectives);
+  if (std::is_same_v<V, lr::pass_kv> || std::is_same_v<V, lr::bidirectional_kv>) CHECK(one.forward_collectives == 0);
+  // Nothing allocates on a plan-taking call, on any rank.
+  CHECK(one.heap == 0);
+  CHECK(one.temporaries == 0);
+  CHECK(three.heap == 0);
+  CHECK(bitwise(one, three));
+  // The convenience form: the same bits, plus one agreement per call.
+  const auto conv = run_convenience<V, float>(g, p, plan, true);
+  CHECK(bitwise(one, conv));
+  CHECK(conv.forward_collectives == 1 + one.forward_collectives);
+  // One set of plans shared by two groups of rank threads at once (each with its own
+  // workspaces and outputs): the same bits as fresh plans.
+  const auto plans = make_plans<V, float>(g, p, plan);
+  ring_result a, b;
+  std::thread ta([&] { a = run_ring<V, float>(g, p, plan, true, 1, &plans); }),
+      tb([&] { b = run_ring<V, float>(g, p, plan, true, 2, &plans); });
+  ta.join();
+  tb.join();
+  CHECK(bitwise(one, a));
+  CHECK(bitwise(one, b));
+  CHECK(a.plan_collectives == 0);  // the plans were made before
+  CHECK(a.heap + b.heap == 0);
+}
+
+}  // namespace
+
+TEST_CASE("ring attention: one agreement per plan, no allocation per call, reuse across calls and threads",
+          "[attention][ring][plan]") {
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 311};
+  const auto g = make_global({0, 0, 4, 2, 16, 8, true, {37, 0}}, docs, 1000);
+  for (int p : {1, 3}) {
+    const auto plan = plan_of<shard::zigzag>(docs, p);
+    check_plan_lifecycle<lr::pass_kv>(g, p, plan, "pass_kv");
+    check_plan_lifecycle<lr::pass_q>(g, p, plan, "pass_q");
+    check_plan_lifecycle<lr::all_gather_kv>(g, p, plan, "all_gather_kv");
+    check_plan_lifecycle<lr::bidirectional_kv>(g, p, plan, "bidirectional_kv");
+  }
+}
+
+TEST_CASE("ring attention: windows (left, right) across rank boundaries", "[attention][ring][window]") {
+  const std::vector<index_t> docs{0, 5, 262, 263, 401};
+  const la::window_size ws[] = {{40, 0}, {0, 29}, {23, 23}, {-1, 61}};
+  std::uint64_t seed = 1100;
+  for (const auto w : ws)
+    for (bool causal : {true, false}) {
+      const auto g = make_global({0, 0, 4, 2, 16, 16, causal, w}, docs, seed++);
+      INFO("window (" << w.left << ", " << w.right << ") causal " << causal);
+      const auto plan = plan_of<shard::zigzag>(docs, 3);
+      check(run_ring<lr::pass_kv>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_kv");
+      check(run_ring<lr::pass_q>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_q");
+      check(run_ring<lr::all_gather_kv>(g, 2, plan_of<shard::per_document>(docs, 2), true), g, true, {1e-10, 1e-10},
+            "all_gather_kv");
+      check(run_ring<lr::bidirectional_kv>(g, 4, plan_of<shard::contiguous>(docs, 4), false), g, false, {1e-10, 1e-10},
+            "bidirectional_kv");
+    }
+}
+
+TEST_CASE("ring attention: make_plan agrees once; per-call checks against the plan", "[attention][ring][errors]") {
+  const std::vector<index_t> docs{0, 40};
+  const auto plan = plan_of<shard::contiguous>(docs, 2);
+  // Disagreements are every rank's error, from make_plan.
+  auto what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    (void)lr::make_plan(loom::serial{}, comm, plan, {4, comm.rank() == 0 ? index_t{2} : index_t{4}, 8, 8});
+  });
+  CHECK(lt::all_contain(what, "ring::make_plan: ranks disagree on the shapes"));
+  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    if (comm.rank() == 0)
+      (void)lr::make_plan(loom::serial{}, comm, lr::pass_q{}, plan, {4, 2, 8, 8});
+    else
+      (void)lr::make_plan(loom::serial{}, comm, lr::pass_kv{}, plan, {4, 2, 8, 8});
+  });
+  CHECK(lt::all_contain(what, "ranks disagree on the ring variant"));
+  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    la::options o;
+    o.window = {comm.rank() == 1 ? index_t{-3} : index_t{4}, 0};
+    (void)lr::make_plan(loom::serial{}, comm, plan, {4, 2, 8, 8}, o);
+  });
+  CHECK(lt::all_contain(what, "options.window (left, right) must each be >= -1"));
+  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    (void)lr::make_plan(loom::serial{}, comm, plan_of<shard::contiguous>(docs, 3), {4, 2, 8, 8});
+  });
+  CHECK(lt::all_contain(what, "the plan is for 3 ranks but the communicator has 2"));
+  // Per call, on this rank (here every rank makes the same mistake, so none waits on another).
+  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    const auto rp = lr::make_plan(loom::serial{}, comm, plan, {4, 2, 8, 8});
+    const index_t n = rp.tokens();
+    std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
+        l(static_cast<std::size_t>(n * 4));
+    loom::workspace_buffer ws(rp.workspace_bytes());
+    lr::forward(loom::serial{}, comm, rp, loom::tensor_view<const float, 3>(q.data(), {n, 4, 8}),
+                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
+                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
+                loom::tensor_view<float, 3>(o.data(), {n, 4, 8}), loom::tensor_view<float, 2>(l.data(), {n, 4}),
+                ws.span().first(ws.size() - 64));
+  });
+  CHECK(lt::all_contain(what, "ring::forward: workspace must hold at least"));
+  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+    const auto rp = lr::make_plan(loom::serial{}, comm, lr::all_gather_kv{}, plan, {4, 2, 8, 8});
+    const index_t n = rp.tokens();
+    std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
+        l(static_cast<std::size_t>(n * 4));
+    loom::workspace_buffer ws(rp.workspace_bytes());
+    lr::forward(loom::serial{}, comm, rp, loom::tensor_view<const float, 3>(q.data(), {n, 4, 8}),
+                loom::tensor_view<const float, 3>(kv.data(), {n, 1, 16}),
+                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
+                loom::tensor_view<float, 3>(o.data(), {n, 4, 8}), loom::tensor_view<float, 2>(l.data(), {n, 4}),
+                ws.span());
+  });
+  CHECK(lt::all_contain(what, "ring::forward: k must be [20, 2, 8], got [20, 1, 16]"));
 }

@@ -1,88 +1,114 @@
 #pragma once
 
 //! @file
-//! Bidirectional ring attention (TokenRing's idea: both directions of every link busy at once).
+//! Bidirectional ring attention (TokenRing's idea: both directions of every link busy at once),
+//! the ring::bidirectional_kv variant of ring.hpp:
+//!
+//!   auto plan = ring::make_plan(b, comm, ring::bidirectional_kv{}, sharding, shape, opts);
+//!   ring::forward(b, comm, plan, q, k, v, out, lse, ws.span());
+//!
 //! K/V blocks travel clockwise and counter-clockwise at the same time: after step s a rank has
 //! seen the blocks of ranks r - s and r + s, so the P - 1 foreign blocks arrive in ceil((P - 1) / 2)
-//! steps instead of P - 1, each step moving two blocks (one per direction) per rank. The transfer of
-//! step s + 1 is posted before the blocks of step s are computed. Same contract, plans and
-//! results as ring::forward(pass_kv) (see ring.hpp); merges run in a fixed order (own block, then
-//! for each step the clockwise block, then the counter-clockwise one), so results are bitwise
-//! reproducible for a fixed P. Forward only; the backward of the same layout is ring::backward
-//! with pass_kv, which needs only the forward's out and lse.
+//! steps instead of P - 1, each step moving two blocks (one per direction) per rank. The transfer
+//! of step s + 1 is posted before the blocks of step s are computed. Same contract, plans and
+//! results as pass_kv (see ring.hpp); merges run in a fixed order (own block, then for each step
+//! the clockwise block, then the counter-clockwise one), so results are bitwise reproducible for a
+//! fixed P. The backward of a bidirectional plan is pass-KV's, which needs only the forward's out
+//! and lse.
 
 #include <loom/attention/ring.hpp>
 
-namespace loom::attention::ring {
+namespace loom::attention::detail {
 
-struct bidirectional_kv {};
-
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L>
-void forward(const B& b, C& comm, bidirectional_kv, const shard::plan& plan, Q q, K k, V v, O out, L lse,
-             const options& opt = {}) {
-  using namespace detail;
-  constexpr std::string_view call = "ring::forward(bidirectional_kv)";
-  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
-      comm, plan, opt, call, [&] { return check_forward(q, k, v, out, lse, opt, call); });
-  using T = typename K::value_type;
-  using Acc = accum_t<typename Q::value_type>;
-  const int p = comm.size(), me = comm.rank();
-  const int foreign = p - 1, cw_steps = (foreign + 1) / 2, ccw_steps = foreign / 2;
-  const shard_coords sc(plan);
-  block3<T> kcw(pb.tk, pb.hkv, pb.dk), vcw(pb.tk, pb.hkv, pb.dv);
-  copy_in(k, kcw);
-  copy_in(v, vcw);
-  block3<T> kccw = kcw, vccw = vcw, kcw_n(0, pb.hkv, pb.dk), vcw_n(0, pb.hkv, pb.dv), kccw_n(0, pb.hkv, pb.dk),
-            vccw_n(0, pb.hkv, pb.dv);
-  block3<Acc> acc(pb.tq, pb.hq, pb.dv), part(pb.tq, pb.hq, pb.dv);
-  block2<Acc> lacc(pb.tq, pb.hq), lpart(pb.tq, pb.hq);
-  std::vector<typename C::request> reqs;
-  // Posts step s's transfers: the clockwise chain brings r - s from r - 1, the counter-clockwise
-  // chain brings r + s from r + 1.
-  auto post = [&](int s) {
-    reqs.clear();
-    if (s <= cw_steps) {
-      const index_t rows = plan.rank(ring_next(me, p, -s)).tokens;
-      kcw_n.resize(rows);
-      vcw_n.resize(rows);
-      reqs.push_back(comm.isend(kcw.span(), ring_next(me, p), 10));
-      reqs.push_back(comm.isend(vcw.span(), ring_next(me, p), 11));
-      reqs.push_back(comm.irecv(kcw_n.span(), ring_next(me, p, -1), 10));
-      reqs.push_back(comm.irecv(vcw_n.span(), ring_next(me, p, -1), 11));
-    }
-    if (s <= ccw_steps) {
-      const index_t rows = plan.rank(ring_next(me, p, s)).tokens;
-      kccw_n.resize(rows);
-      vccw_n.resize(rows);
-      reqs.push_back(comm.isend(kccw.span(), ring_next(me, p, -1), 12));
-      reqs.push_back(comm.isend(vccw.span(), ring_next(me, p, -1), 13));
-      reqs.push_back(comm.irecv(kccw_n.span(), ring_next(me, p), 12));
-      reqs.push_back(comm.irecv(vccw_n.span(), ring_next(me, p), 13));
-    }
+template <>
+struct runner<ring::bidirectional_kv> {
+  using kv = runner<ring::pass_kv>;
+  template <class T, class Acc>
+  struct fwd {
+    block<T> kcw, vcw, kccw, vccw, kcw_n, vcw_n, kccw_n, vccw_n;
+    block<Acc> acc, part, lacc, lpart;
+    std::span<std::byte> local;
   };
-  auto add = [&](const block3<T>& kb, const block3<T>& vb, int src, bool first) {
-    auto& o = first ? acc : part;
-    auto& l = first ? lacc : lpart;
-    attention::forward(b, q, kb.cview(), vb.cview(), sc.of(me), sc.of(src), o.view(), l.view(), opt);
-    if (!first) merge(b, acc.view(), lacc.view(), part.cview(), lpart.cview());
-  };
-  if (cw_steps >= 1) post(1);
-  add(kcw, vcw, me, true);
-  for (int s = 1; s <= cw_steps; ++s) {
-    comm::wait_all(comm, std::span(reqs));
-    reqs.clear();
-    std::swap(kcw, kcw_n);
-    std::swap(vcw, vcw_n);
-    if (s <= ccw_steps) {
-      std::swap(kccw, kccw_n);
-      std::swap(vccw, vccw_n);
-    }
-    if (s + 1 <= cw_steps) post(s + 1);
-    add(kcw, vcw, ring_next(me, p, -s), false);
-    if (s <= ccw_steps) add(kccw, vccw, ring_next(me, p, s), false);
+  template <class T, class Acc, class A>
+  static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
+    const auto& s = st.dims;
+    const index_t m = st.max_rows, n = st.mine;
+    fwd<T, Acc> w;
+    for (block<T>* k : {&w.kcw, &w.kccw, &w.kcw_n, &w.kccw_n}) *k = take_block<T>(a, m, s.heads_kv, s.dim_qk);
+    for (block<T>* v : {&w.vcw, &w.vccw, &w.vcw_n, &w.vccw_n}) *v = take_block<T>(a, m, s.heads_kv, s.dim_v);
+    w.acc = take_block<Acc>(a, n, s.heads_q, s.dim_v);
+    w.part = take_block<Acc>(a, n, s.heads_q, s.dim_v);
+    w.lacc = take_block<Acc>(a, n, s.heads_q, 1);
+    w.lpart = take_block<Acc>(a, n, s.heads_q, 1);
+    w.local = take_bytes(a, st.local_forward);
+    return w;
   }
-  copy_out(acc, out);
-  copy_out(lacc, lse);
-}
+  template <class T, class Acc, class A>
+  static auto backward_buffers(A& a, const ring_state& st) {
+    return kv::backward_buffers<T, Acc>(a, st);
+  }
+  template <class T, class Acc>
+  static void size(ring_state& st) {
+    size_from<runner, T, Acc>(st, st.mine, st.max_rows, st.mine, st.max_rows);
+  }
 
-}  // namespace loom::attention::ring
+  template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
+  static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
+    workspace_carver a(ws);
+    auto w = forward_buffers<T, Acc>(a, st);
+    const int p = st.ranks, me = st.me;
+    const int foreign = p - 1, cw_steps = (foreign + 1) / 2, ccw_steps = foreign / 2;
+    const index_t n = st.mine;
+    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
+    w.kcw.n = w.vcw.n = w.kccw.n = w.vccw.n = n;
+    copy_in(k, w.kcw);
+    copy_in(v, w.vcw);
+    copy_in(k, w.kccw);
+    copy_in(v, w.vccw);
+    requests<C> reqs;
+    // Posts step s's transfers: the clockwise chain brings r - s from r - 1, the counter-clockwise
+    // chain brings r + s from r + 1.
+    auto post = [&](int s) {
+      if (s <= cw_steps) {
+        const index_t rows = st.rows(ring_next(me, p, -s));
+        reqs.shift(comm, w.kcw, w.kcw_n, rows, 10);
+        reqs.shift(comm, w.vcw, w.vcw_n, rows, 11);
+      }
+      if (s <= ccw_steps) {
+        const index_t rows = st.rows(ring_next(me, p, s));
+        reqs.shift(comm, w.kccw, w.kccw_n, rows, 12, -1);
+        reqs.shift(comm, w.vccw, w.vccw_n, rows, 13, -1);
+      }
+    };
+    auto add = [&](const block<T>& kb, const block<T>& vb, int src, bool first) {
+      const auto& o = first ? w.acc : w.part;
+      const auto& l = first ? w.lacc : w.lpart;
+      forward_on(b, st.local(n, kb.n), scale, q, kb.cview(), vb.cview(), st.coords_of(me), st.coords_of(src), o.view(),
+                 l.view2(), w.local, st.cap);
+      if (!first) merge(b, w.acc.view(), w.lacc.view2(), w.part.cview(), w.lpart.cview2());
+    };
+    if (cw_steps >= 1) post(1);
+    add(w.kcw, w.vcw, me, true);
+    for (int s = 1; s <= cw_steps; ++s) {
+      reqs.wait(comm);
+      std::swap(w.kcw, w.kcw_n);
+      std::swap(w.vcw, w.vcw_n);
+      if (s <= ccw_steps) {
+        std::swap(w.kccw, w.kccw_n);
+        std::swap(w.vccw, w.vccw_n);
+      }
+      if (s + 1 <= cw_steps) post(s + 1);
+      add(w.kcw, w.vcw, ring_next(me, p, -s), false);
+      if (s <= ccw_steps) add(w.kccw, w.vccw, ring_next(me, p, s), false);
+    }
+    copy_out(w.acc, out);
+    copy_out2(w.lacc, lse);
+  }
+
+  template <class T, class Acc, class B, class C, class... Views>
+  static void backward(const B& b, C& comm, const ring_state& st, Views... views) {
+    kv::backward<T, Acc>(b, comm, st, views...);
+  }
+};
+
+}  // namespace loom::attention::detail

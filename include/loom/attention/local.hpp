@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <limits>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -147,36 +148,45 @@ Acc scale_of(const options& opt, index_t dk) {
   return static_cast<Acc>(opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(dk)));
 }
 
-//! Number of scratch slots: one per thread on the host, one per item on a device.
+//! The most scratch slots a call on b uses: the thread count on the host (one slot per thread),
+//! unbounded on a device (one slot per work item). Plans record it, so that a call made with
+//! another thread count never needs more workspace than the plan reserved.
 template <backend B>
-index_t slots_for(const B& b, index_t items) {
-  index_t s = items;
-  if constexpr (backend_traits<B>::memory_space::host_accessible) s = backend_traits<B>::concurrency(b);
-  return s < items ? (s > 0 ? s : 1) : (items > 0 ? items : 1);
+index_t slot_cap(const B& b) {
+  if constexpr (backend_traits<B>::memory_space::host_accessible) {
+    const index_t c = backend_traits<B>::concurrency(b);
+    return c > 0 ? c : 1;
+  } else {
+    (void)b;
+    return std::numeric_limits<index_t>::max();
+  }
 }
 
-//! Where the buffers of one local call sit in its workspace (byte offsets), for problem pb on
-//! backend b. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
+//! Scratch slots for `items` work items under a cap: min(cap, items), at least 1.
+inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (items > 0 ? items : 1) : cap; }
+
+//! Where the buffers of one local call sit in its workspace (byte offsets), for problem pb and a
+//! slot cap. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
 //! workspace and carves it per call; nothing is allocated.
 struct local_layout {
   std::size_t kv = 0, scratch = 0, delta = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
 };
 
-template <class Acc, backend B>
-local_layout layout_of(const B& b, const problem& pb, bool backward) {
+template <class Acc>
+local_layout layout_of(const problem& pb, bool backward, index_t cap) {
   using F = forward_kernel<float, float, float, float, Acc>;
   using KV = backward_kv_kernel<float, float, float, float, float, Acc>;
   using QK = backward_q_kernel<float, float, float, float, float, Acc>;
   local_layout l;
   workspace_layout w;
   const index_t pad = pb.k_tiles() * tile_k;
-  l.slots = slots_for(b, pb.q_tiles() * pb.hq);
+  l.slots = slots_for(cap, pb.q_tiles() * pb.hq);
   if (!backward) {
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
     l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv));
   } else {
-    l.kv_slots = slots_for(b, pb.k_tiles() * pb.hkv);
+    l.kv_slots = slots_for(cap, pb.k_tiles() * pb.hkv);
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
     l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
@@ -185,15 +195,15 @@ local_layout layout_of(const B& b, const problem& pb, bool backward) {
   return l;
 }
 
-//! Workspace bytes of forward_on / backward_on for problem pb (ring attention sizes its own
-//! workspace with these, for its largest block).
-template <class Acc, backend B>
-std::size_t forward_bytes(const B& b, const problem& pb) {
-  return layout_of<Acc>(b, pb, false).bytes;
+//! Workspace bytes of forward_on / backward_on for problem pb under a slot cap (ring attention
+//! sizes its own workspace with these, for its largest block: the sizes grow with the tokens).
+template <class Acc>
+std::size_t forward_bytes(const problem& pb, index_t cap) {
+  return layout_of<Acc>(pb, false, cap).bytes;
 }
-template <class Acc, backend B>
-std::size_t backward_bytes(const B& b, const problem& pb) {
-  return layout_of<Acc>(b, pb, true).bytes;
+template <class Acc>
+std::size_t backward_bytes(const problem& pb, index_t cap) {
+  return layout_of<Acc>(pb, true, cap).bytes;
 }
 
 //! K and V of problem pb in the selected prepared layouts, written into `at`.
@@ -216,34 +226,34 @@ prepared_kv<Acc> prepare(const B& b, const problem& pb, const K& k, const V& v, 
   return p;
 }
 
-//! The forward of checked views on a workspace of at least forward_bytes<Acc>(b, pb) bytes
-//! (aligned). No checks, no fence, no allocation.
+//! The forward of checked views on a workspace of at least forward_bytes<Acc>(pb, cap) bytes
+//! (aligned), with at most `cap` scratch slots. No checks, no fence, no allocation.
 template <class Acc, backend B, class Q, class K, class V, class O, class L>
 void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc, const token_coords& kc,
-                O out, L lse, std::span<std::byte> ws) {
+                O out, L lse, std::span<std::byte> ws, index_t cap) {
   if (pb.tq == 0) return;
   using Kn = forward_kernel<typename Q::value_type, typename K::value_type, typename V::value_type,
                             typename O::value_type, Acc>;
-  const local_layout l = layout_of<Acc>(b, pb, false);
+  const local_layout l = layout_of<Acc>(pb, false, cap);
   const workspace_carver w(ws);
   const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, false, false, true);
   for_each_index(b, l.slots,
                  Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots});
 }
 
-//! The backward of checked views on a workspace of at least backward_bytes<Acc>(b, pb) bytes.
+//! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes.
 //! With `accumulate`, the gradients are added to what dq, dk, dv hold (ring attention's sums over
 //! key blocks). No checks, no fence, no allocation.
 template <class Acc, backend B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
 void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc,
                  const token_coords& kc, O out, L lse, DO dout, DQ dq, DK dk, DV dv, bool accumulate,
-                 std::span<std::byte> ws) {
+                 std::span<std::byte> ws, index_t cap) {
   using TQ = typename Q::value_type;
   using TK = typename K::value_type;
   using TV = typename V::value_type;
   using TD = typename DO::value_type;
   using TG = typename DQ::value_type;
-  const local_layout l = layout_of<Acc>(b, pb, true);
+  const local_layout l = layout_of<Acc>(pb, true, cap);
   const workspace_carver w(ws);
   Acc* delta = w.at<Acc>(l.delta);
   if (pb.tq > 0)
@@ -320,6 +330,8 @@ class plan {
   //! Byte offset of the packed coordinates (doc, then pos) and of the kernels' workspace.
   [[nodiscard]] std::size_t coords_offset() const noexcept { return 0; }
   [[nodiscard]] std::size_t kernel_offset() const noexcept { return kernel_at_; }
+  //! The most scratch slots a call uses (the backend's thread count when planned, on the host).
+  [[nodiscard]] index_t slot_cap() const noexcept { return cap_; }
 
  private:
   shape shape_{};
@@ -329,6 +341,7 @@ class plan {
   segments<space> seg_{};
   bool packed_ = false;
   std::size_t kernel_at_ = 0, fwd_bytes_ = 0, bwd_bytes_ = 0;
+  index_t cap_ = 1;
 
   template <precision_policy Q, backend B2, memory_space S2>
   friend plan<B2, Q> make_plan(const B2&, const segments<S2>&, const shape&, const options&);
@@ -344,8 +357,9 @@ plan<B, P> make_plan(const B& b, const shape& s, const options& opt) {
   p.opt_ = opt;
   p.pb_ = detail::check_problem(s, opt, "attention::make_plan");
   p.scale_ = detail::scale_of<Acc>(opt, s.dim_qk);
-  p.fwd_bytes_ = detail::forward_bytes<Acc>(b, p.pb_);
-  p.bwd_bytes_ = detail::backward_bytes<Acc>(b, p.pb_);
+  p.cap_ = detail::slot_cap(b);
+  p.fwd_bytes_ = detail::forward_bytes<Acc>(p.pb_, p.cap_);
+  p.bwd_bytes_ = detail::backward_bytes<Acc>(p.pb_, p.cap_);
   return p;
 }
 
@@ -408,7 +422,8 @@ void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space>
   detail::check_coords(qc, pb.tq, call, "query");
   detail::check_coords(kc, pb.tk, call, "key");
   check_workspace(workspace, p.workspace_bytes(), call);
-  detail::forward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, workspace);
+  detail::forward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, workspace,
+                     p.slot_cap());
 }
 
 //! Forward on a segments plan (see the coordinates form for the contract).
@@ -421,7 +436,7 @@ void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, std::
   detail::check_views(pb, q, k, v, out, lse, call);
   check_workspace(workspace, p.workspace_bytes(), call);
   const detail::token_coords c = detail::packed_coords(b, p, workspace);
-  detail::forward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, workspace.subspan(p.kernel_offset()));
+  detail::forward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, workspace.subspan(p.kernel_offset()), p.slot_cap());
 }
 
 //! Gradients of the attention of forward(): dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv]
@@ -442,7 +457,7 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space
   detail::check_coords(kc, pb.tk, call, "key");
   check_workspace(workspace, p.backward_workspace_bytes(), call);
   detail::backward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, dout, dq, dk,
-                      dv, false, workspace);
+                      dv, false, workspace, p.slot_cap());
 }
 
 //! Backward on a segments plan.
@@ -459,7 +474,7 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
   check_workspace(workspace, p.backward_workspace_bytes(), call);
   const detail::token_coords c = detail::packed_coords(b, p, workspace);
   detail::backward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, dout, dq, dk, dv, false,
-                      workspace.subspan(p.kernel_offset()));
+                      workspace.subspan(p.kernel_offset()), p.slot_cap());
 }
 
 //! Convenience forward over packed documents: make_plan (precision from q), a temporary

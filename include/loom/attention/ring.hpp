@@ -2,154 +2,330 @@
 
 //! @file
 //! Exact attention over the ranks of a communicator, for a sequence sharded by a shard::plan
-//! (contiguous, zigzag or per_document; see loom/shard/plan.hpp). Each rank passes its own
-//! rows: q [n_r, Hq, Dqk], k [n_r, Hkv, Dqk], v [n_r, Hkv, Dv], out [n_r, Hq, Dv], lse [n_r, Hq], with
-//! n_r = plan.rank(r).tokens in the plan's local order. Masks use the global (document, position)
-//! of every token, taken from the plan, so every variant gives the local kernel's answer.
+//! (contiguous, zigzag or per_document; see loom/shard/plan.hpp).
 //!
-//! Variants (tag types), with what one rank receives (b = bytes of one element of storage,
-//! n = tokens per rank, A = bytes of the accumulation type):
-//!   ring::pass_kv        K/V travel the ring, P - 1 steps; the next block's transfer is posted
-//!                        before the current block's compute (overlap). Forward: (P - 1) n Hkv
-//!                        (Dqk + Dv) b. Backward: the same K/V again plus the dK/dV accumulators,
-//!                        P n Hkv (Dqk + Dv) A.
-//!   ring::pass_q         Q travels, K/V stay; the P partial (out, lse) come back with one
-//!                        all_to_allv and are merged in rank order (Meta's pass-Q, for a large KV
-//!                        cache). Forward: (P - 1) n Hq Dqk b + (P - 1) n Hq (Dv + 1) A.
-//!   ring::all_gather_kv  K/V gathered once (Llama-3 style; any mask), padded to the largest
-//!                        shard: (P - 1) max_n Hkv (Dqk + Dv) b; the backward reduce-scatters dK/dV.
-//! Collective: every rank calls with the same plan, shapes and options (checked: a mismatch is a
-//! loom::error on every rank). Results are bitwise reproducible for a fixed backend and P. Host
-//! memory only: the views are host-accessible, the communicator local or MPI.
+//!   auto plan = ring::make_plan(b, comm, sharding, {heads_q, heads_kv, dim_qk, dim_v}, opts);   pass-KV
+//!   auto plan = ring::make_plan<loom::bf16>(b, comm, ring::pass_q{}, sharding, shape, opts);    a variant
+//!   loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+//!   ring::forward(b, comm, plan, q, k, v, out, lse, ws.span());                  allocates nothing
+//!   ring::backward(b, comm, plan, q, k, v, out, lse, dout, dq, dk, dv, ws.span());
+//!   ring::forward(b, comm, ring::pass_kv{}, sharding, q, k, v, out, lse, opts);  convenience
+//!
+//! Each rank passes its own rows: q [n_r, Hq, Dqk], k [n_r, Hkv, Dqk], v [n_r, Hkv, Dv],
+//! out [n_r, Hq, Dv], lse [n_r, Hq], with n_r = sharding.rank(r).tokens in the plan's local order.
+//! Masks (causal, window) use the global (document, position) of every token, taken from the
+//! shard plan, so every variant gives the local kernel's answer.
+//!
+//! Variants: a tag given to make_plan right after the communicator (none: pass_kv), held by the
+//! plan's type; what one rank receives (b = bytes of one storage element, n = tokens per rank,
+//! A = bytes of the accumulation type):
+//!   ring::pass_kv          K/V travel the ring, P - 1 steps; the next block's transfer is posted
+//!                          before the current block's compute (overlap). Forward: (P - 1) n Hkv
+//!                          (Dqk + Dv) b. Backward: the same K/V again plus the dK/dV
+//!                          accumulators, P n Hkv (Dqk + Dv) A.
+//!   ring::pass_q           Q travels, K/V stay; the P partial (out, lse) come back with one
+//!                          all_to_allv and are merged in rank order (Meta's pass-Q, for a large KV
+//!                          cache). Forward: (P - 1) n Hq Dqk b + (P - 1) n Hq (Dv + 1) A.
+//!   ring::all_gather_kv    K/V gathered once (Llama-3 style; any mask), padded to the largest
+//!                          shard: (P - 1) max_n Hkv (Dqk + Dv) b; the backward reduce-scatters dK/dV.
+//!   ring::bidirectional_kv K/V both ways round the ring at once (bidirectional.hpp); its backward
+//!                          is pass-KV's.
+//!
+//! The plan: make_plan checks the shape and options, derives every rank's token coordinates and
+//! the transfer sizes from the shard plan, lays out the workspace, and runs the cross-rank
+//! agreement once (comm::agree, one all_gather: same sharding, shape, options, precision and
+//! variant on every rank; a rejection or a disagreement is the same loom::error on every rank).
+//! Calls add no agreement. The plan belongs to the rank that made it; it is immutable, copies
+//! share one state, and several threads may use it at once (each call with its own workspace,
+//! outputs and communicator). Per call, the views are checked against the plan on this rank
+//! only: a mismatch throws a loom::error there, and the other ranks, waiting in a transfer, get
+//! the communicator's timeout error. The convenience forms check the views inside the agreement
+//! instead, so a mismatch there is every rank's error.
+//!
+//! Precision: the plan is templated on a precision policy P (loom::fp32 by default, as make_plan
+//! sees no element types): q, k, v, out, dout, dq, dk, dv hold P::storage_type and lse
+//! P::accum_type. The convenience forms deduce P from q.
+//!
+//! Workspace: plan.workspace_bytes() (forward) and plan.backward_workspace_bytes(), host memory,
+//! aligned to loom::workspace_alignment: every block that travels or accumulates (sized for the
+//! largest shard) and the local kernel's workspace for the largest block. Results are bitwise
+//! reproducible for a fixed backend and P. Host memory only (the views host-accessible, the
+//! communicator local or MPI); calls are complete on return.
 
 #include <loom/attention/detail/ring_common.hpp>
+#include <loom/backend/temporary.hpp>
+#include <loom/core/precision.hpp>
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <type_traits>
 
 namespace loom::attention::ring {
 
 struct pass_kv {};
 struct pass_q {};
 struct all_gather_kv {};
+struct bidirectional_kv {};
+
+//! One of the four variant tags.
+template <class V>
+concept variant = std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv> ||
+    std::is_same_v<V, bidirectional_kv>;
+
+//! Heads and head dims (the tokens come from the shard plan).
+using shape = head_shape;
 
 namespace detail {
 using namespace loom::attention::detail;
 
-template <class Q, class K, class V, class O, class L>
-problem check_forward(const Q& q, const K& k, const V& v, const O& out, const L& lse, const options& opt,
-                      std::string_view call) {
-  static_assert(Q::space::host_accessible, "ring attention runs on host memory");
-  const problem pb = check_problem(shape_of(q, k, v), opt, call);
-  check_views(pb, q, k, v, out, lse, call);
-  return pb;
+template <class V>
+constexpr std::string_view name_of() {
+  if constexpr (std::is_same_v<V, pass_kv>)
+    return "pass_kv";
+  else if constexpr (std::is_same_v<V, pass_q>)
+    return "pass_q";
+  else if constexpr (std::is_same_v<V, all_gather_kv>)
+    return "all_gather_kv";
+  else
+    return "bidirectional_kv";
+}
+template <class V>
+constexpr int id_of() {
+  return std::is_same_v<V, pass_kv> ? 0 : std::is_same_v<V, pass_q> ? 1 : std::is_same_v<V, all_gather_kv> ? 2 : 3;
 }
 
-template <class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
-problem check_backward(const Q& q, const K& k, const V& v, const O& out, const L& lse, const DO& dout, const DQ& dq,
-                       const DK& dk, const DV& dv, const options& opt, std::string_view call) {
-  const problem pb = check_forward(q, k, v, out, lse, opt, call);
-  check_gradients(pb, dout, dq, dk, dv, call);
-  return pb;
+//! The per-call checks of a view set against this rank's rows: storage types, extents.
+template <class T, class Acc, class Q, class K, class V, class O, class L>
+void check_views(const shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                 std::string_view call) {
+  static_assert(Q::space::host_accessible && K::space::host_accessible && V::space::host_accessible &&
+                    O::space::host_accessible && L::space::host_accessible,
+                "ring attention runs on host memory");
+  static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename O::value_type>, T>,
+                "ring attention: q, k, v and out must hold the plan's storage type (P::storage_type)");
+  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, Acc>,
+                "ring attention: lse must hold the plan's accumulation type (P::accum_type)");
+  expect_view(q, {n, s.heads_q, s.dim_qk}, call, "q");
+  expect_view(k, {n, s.heads_kv, s.dim_qk}, call, "k");
+  expect_view(v, {n, s.heads_kv, s.dim_v}, call, "v");
+  expect_view(out, {n, s.heads_q, s.dim_v}, call, "out");
+  expect_view(lse, {n, s.heads_q}, call, "lse");
+}
+template <class T, class DO, class DQ, class DK, class DV>
+void check_gradients(const shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
+                     std::string_view call) {
+  static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DK::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DV::value_type>, T>,
+                "ring attention: dout, dq, dk and dv must hold the plan's storage type (P::storage_type)");
+  expect_view(dout, {n, s.heads_q, s.dim_v}, call, "dout");
+  expect_view(dq, {n, s.heads_q, s.dim_qk}, call, "dq");
+  expect_view(dk, {n, s.heads_kv, s.dim_qk}, call, "dk");
+  expect_view(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
 }
 
-//! Posts the transfer of `cur` to the next rank and of the previous rank's block into `next`.
-template <comm::communicator C, class T>
-void post_shift(C& comm, std::vector<typename C::request>& reqs, const block3<T>& cur, block3<T>& next,
-                index_t next_rows, int tag) {
-  const int p = comm.size(), me = comm.rank();
-  next.resize(next_rows);
-  reqs.push_back(comm.isend(cur.span(), ring_next(me, p), tag));
-  reqs.push_back(comm.irecv(next.span(), ring_next(me, p, -1), tag));
+//! This rank of comm against the rank and size a plan was made for.
+template <comm::communicator C>
+void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
+  LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
+               ": the plan was made for rank ", rank, " of ", ranks, ", but the communicator is rank ", comm.rank(),
+               " of ", comm.size());
 }
 }  // namespace detail
 
-//! Ring pass-KV forward. See the file comment for the contract.
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L>
-void forward(const B& b, C& comm, pass_kv, const shard::plan& plan, Q q, K k, V v, O out, L lse,
-             const options& opt = {}) {
-  using namespace detail;
-  constexpr std::string_view call = "ring::forward(pass_kv)";
-  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
-      comm, plan, opt, call, [&] { return check_forward(q, k, v, out, lse, opt, call); });
-  using T = typename K::value_type;
-  using Acc = accum_t<typename Q::value_type>;
-  const int p = comm.size(), me = comm.rank();
-  const shard_coords sc(plan);
-  block3<T> kc(pb.tk, pb.hkv, pb.dk), vc(pb.tk, pb.hkv, pb.dv), kn(0, pb.hkv, pb.dk), vn(0, pb.hkv, pb.dv);
-  copy_in(k, kc);
-  copy_in(v, vc);
-  block3<Acc> acc(pb.tq, pb.hq, pb.dv), part(pb.tq, pb.hq, pb.dv);
-  block2<Acc> lacc(pb.tq, pb.hq), lpart(pb.tq, pb.hq);
-  std::vector<typename C::request> reqs;
-  for (int s = 0; s < p; ++s) {
-    const int src = ring_next(me, p, -s);
-    reqs.clear();
-    if (s + 1 < p) {
-      const index_t rows = plan.rank(ring_next(me, p, -(s + 1))).tokens;
-      post_shift(comm, reqs, kc, kn, rows, 0);
-      post_shift(comm, reqs, vc, vn, rows, 1);
-    }
-    auto& o = s == 0 ? acc : part;
-    auto& l = s == 0 ? lacc : lpart;
-    attention::forward(b, q, kc.cview(), vc.cview(), sc.of(me), sc.of(src), o.view(), l.view(), opt);
-    if (s > 0) merge(b, acc.view(), lacc.view(), part.cview(), lpart.cview());
-    comm::wait_all(comm, std::span(reqs));
-    std::swap(kc, kn);
-    std::swap(vc, vn);
-  }
-  copy_out(acc, out);
-  copy_out(lacc, lse);
+template <class V, class B, precision_policy P>
+class plan;
+
+namespace detail {
+template <class P, class V, class B, comm::communicator C, class Local>
+plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding, const shape& s, const options& opt,
+                                std::string_view call, Local&& local_checks);
 }
 
-//! Ring pass-KV backward: K/V travel again with fp32 (accumulation type) dK/dV accumulators that
-//! collect every rank's contribution and arrive home after P steps; dQ accumulates locally.
-//! out and lse are the forward's (final) results; dq, dk, dv [n_r, ...] are overwritten.
-template <backend B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
-          class DV>
-void backward(const B& b, C& comm, pass_kv, const shard::plan& plan, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
+//! A ring attention plan of one rank for variant V (see the file comment). Make it with
+//! ring::make_plan. Immutable; copies share one state; may be shared between threads for reading.
+template <class V, class B, precision_policy P = fp32>
+class plan {
+ public:
+  using variant_type = V;
+  using precision = P;
+  using storage_type = typename P::storage_type;
+  using accum_type = typename P::accum_type;
+
+  [[nodiscard]] int ranks() const noexcept { return s_->ranks; }
+  //! The rank this plan was made on.
+  [[nodiscard]] int rank() const noexcept { return s_->me; }
+  [[nodiscard]] const shard::plan& sharding() const noexcept { return s_->sharding; }
+  [[nodiscard]] const shape& dims() const noexcept { return s_->dims; }
+  [[nodiscard]] const options& opts() const noexcept { return s_->opt; }
+  //! Tokens this rank holds.
+  [[nodiscard]] index_t tokens() const noexcept { return s_->mine; }
+  //! Workspace bytes of forward and of backward on this rank.
+  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return s_->forward_bytes; }
+  [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return s_->backward_bytes; }
+  //! The derived state (for loom's own callers).
+  [[nodiscard]] const detail::ring_state& state() const noexcept { return *s_; }
+
+ private:
+  std::shared_ptr<const detail::ring_state> s_;
+
+  template <class P2, class V2, class B2, comm::communicator C, class Local>
+  friend plan<V2, B2, P2> detail::make_plan_checked(const B2&, C&, const shard::plan&, const shape&, const options&,
+                                                    std::string_view, Local&&);
+};
+
+namespace detail {
+template <class P, class V, class B, comm::communicator C, class Local>
+plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding, const shape& s, const options& opt,
+                                std::string_view call, Local&& local_checks) {
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  static_assert(backend_traits<B>::memory_space::host_accessible, "ring attention runs on host memory");
+  std::shared_ptr<ring_state> st;
+  comm::agree(comm, call, [&] {
+    LOOM_EXPECTS(sharding.ranks() == comm.size(), errc::invalid_argument, call, ": the plan is for ", sharding.ranks(),
+                 " ranks but the communicator has ", comm.size());
+    const index_t n = sharding.rank(comm.rank()).tokens;
+    (void)check_problem({n, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v}, opt, call);
+    local_checks(n);
+    st = std::make_shared<ring_state>(sharding, s, opt, comm.size(), comm.rank());
+    st->cap = slot_cap(b);
+    runner<V>::template size<T, Acc>(*st);
+    return attention_signature<T, Acc>(digest_of(sharding), s, opt).add("the ring variant", id_of<V>());
+  });
+  plan<V, B, P> out;
+  out.s_ = std::move(st);
+  return out;
+}
+}  // namespace detail
+
+//! Plans ring attention of variant V on this rank for the rows `sharding` gives every rank (the
+//! same shard plan on every rank), heads and dims `s`, masks and scale `opt`. Collective over
+//! comm: one agreement (one all_gather of comm::agreement_bytes per rank).
+//! @throws loom::error(invalid_argument) on every rank: heads < 1, dims < 1, heads_q not a
+//! multiple of heads_kv, bad options (those of attention::make_plan), a sharding for another
+//! number of ranks, or ranks disagreeing on the sharding, shape, options, precision or variant.
+template <precision_policy P = fp32, class B, comm::communicator C, variant V>
+plan<V, B, P> make_plan(const B& b, C& comm, V, const shard::plan& sharding, const shape& s, const options& opt = {}) {
+  return detail::make_plan_checked<P, V>(b, comm, sharding, s, opt, "ring::make_plan", [](index_t) {});
+}
+
+//! Plans pass-KV ring attention (see the tagged form).
+template <precision_policy P = fp32, class B, comm::communicator C>
+plan<pass_kv, B, P> make_plan(const B& b, C& comm, const shard::plan& sharding, const shape& s,
+                              const options& opt = {}) {
+  return make_plan<P>(b, comm, pass_kv{}, sharding, s, opt);
+}
+
+//! Forward on a plan: out and lse of this rank's queries over every rank's keys. Allocates
+//! nothing. `workspace`: plan.workspace_bytes() bytes, aligned.
+//! @throws loom::error on this rank only: (shape_mismatch) views not of the plan's extents;
+//! (invalid_argument) a short or misaligned workspace, a communicator of another rank or size.
+template <class B, class V, precision_policy P, comm::communicator C, class Q, class K, class Vv, class O, class L>
+void forward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O out, L lse,
+             std::span<std::byte> workspace) {
+  constexpr std::string_view call = "ring::forward";
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  const auto& st = rp.state();
+  detail::check_comm(comm, st.ranks, st.me, call);
+  detail::check_views<T, Acc>(st.dims, st.mine, q, k, v, out, lse, call);
+  check_workspace(workspace, rp.workspace_bytes(), call);
+  detail::runner<V>::template forward<T, Acc>(b, comm, st, q, k, v, out, lse, workspace);
+}
+
+//! Backward on a plan: dq, dk, dv of this rank's rows (overwritten), given the forward's out and
+//! lse and dout. Allocates nothing; `workspace`: plan.backward_workspace_bytes(). Errors as forward.
+template <class B, class V, precision_policy P, comm::communicator C, class Q, class K, class Vv, class O, class L,
+          class DO, class DQ, class DK, class DV>
+void backward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+              std::span<std::byte> workspace) {
+  constexpr std::string_view call = "ring::backward";
+  using T = typename P::storage_type;
+  using Acc = typename P::accum_type;
+  const auto& st = rp.state();
+  detail::check_comm(comm, st.ranks, st.me, call);
+  detail::check_views<T, Acc>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_gradients<T>(st.dims, st.mine, dout, dq, dk, dv, call);
+  check_workspace(workspace, rp.backward_workspace_bytes(), call);
+  detail::runner<V>::template backward<T, Acc>(b, comm, st, q, k, v, out, lse, dout, dq, dk, dv, workspace);
+}
+
+namespace detail {
+//! The convenience forms' plan: precision from q, shape from the views, the views' checks inside
+//! the agreement (a mismatch on one rank is every rank's error).
+template <class V, class B, comm::communicator C, class Q, class K, class Vv, class O, class L, class More>
+auto convenience_plan(const B& b, C& comm, const shard::plan& sharding, const Q& q, const K& k, const Vv& v,
+                      const O& out, const L& lse, const options& opt, std::string_view call, More&& more) {
+  using P = default_precision<std::remove_cv_t<typename Q::value_type>>;
+  const shape s{q.extent(1), k.extent(1), q.extent(2), v.extent(2)};
+  return make_plan_checked<P, V>(b, comm, sharding, s, opt, call, [&](index_t n) {
+    LOOM_EXPECTS(q.extent(0) == n, errc::shape_mismatch, call, ": q holds ", q.extent(0),
+                 " tokens but the plan gives rank ", comm.rank(), " ", n);
+    LOOM_EXPECTS(k.extent(0) == n && v.extent(0) == n, errc::shape_mismatch, call, ": k and v hold ", k.extent(0),
+                 " and ", v.extent(0), " tokens but the plan gives rank ", comm.rank(), " ", n);
+    check_views<typename P::storage_type, typename P::accum_type>(s, n, q, k, v, out, lse, call);
+    more(s, n);
+  });
+}
+template <class V>
+constexpr auto forward_name() {
+  if constexpr (std::is_same_v<V, pass_kv>)
+    return "ring::forward(pass_kv)";
+  else if constexpr (std::is_same_v<V, pass_q>)
+    return "ring::forward(pass_q)";
+  else if constexpr (std::is_same_v<V, all_gather_kv>)
+    return "ring::forward(all_gather_kv)";
+  else
+    return "ring::forward(bidirectional_kv)";
+}
+template <class V>
+constexpr auto backward_name() {
+  if constexpr (std::is_same_v<V, pass_kv>)
+    return "ring::backward(pass_kv)";
+  else if constexpr (std::is_same_v<V, pass_q>)
+    return "ring::backward(pass_q)";
+  else if constexpr (std::is_same_v<V, all_gather_kv>)
+    return "ring::backward(all_gather_kv)";
+  else
+    return "ring::backward(bidirectional_kv)";
+}
+}  // namespace detail
+
+//! Convenience forward: make_plan (precision from q; the views checked in the agreement), a
+//! temporary workspace, the plan form. One agreement per call.
+template <class B, comm::communicator C, variant V, class Q, class K, class Vv, class O, class L>
+void forward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv v, O out, L lse,
+             const options& opt = {}) {
+  const auto rp = detail::convenience_plan<V>(b, comm, sharding, q, k, v, out, lse, opt, detail::forward_name<V>(),
+                                              [](const shape&, index_t) {});
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(rp.workspace_bytes()));
+  forward(b, comm, rp, q, k, v, out, lse, ws.bytes());
+  fence(b);
+}
+
+//! Convenience backward (as the convenience forward).
+template <class B, comm::communicator C, variant V, class Q, class K, class Vv, class O, class L, class DO, class DQ,
+          class DK, class DV>
+void backward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv v, O out, L lse, DO dout, DQ dq, DK dk,
               DV dv, const options& opt = {}) {
-  using namespace detail;
-  constexpr std::string_view call = "ring::backward(pass_kv)";
-  const problem pb = agree_ring<typename K::value_type, accum_t<typename Q::value_type>>(
-      comm, plan, opt, call, [&] { return check_backward(q, k, v, out, lse, dout, dq, dk, dv, opt, call); });
-  using T = typename K::value_type;
-  using Acc = accum_t<typename Q::value_type>;
-  const int p = comm.size(), me = comm.rank();
-  const shard_coords sc(plan);
-  block3<T> kc(pb.tk, pb.hkv, pb.dk), vc(pb.tk, pb.hkv, pb.dv), kn(0, pb.hkv, pb.dk), vn(0, pb.hkv, pb.dv);
-  copy_in(k, kc);
-  copy_in(v, vc);
-  block3<Acc> gq(pb.tq, pb.hq, pb.dk), gk(pb.tk, pb.hkv, pb.dk), gv(pb.tk, pb.hkv, pb.dv), gkn(0, pb.hkv, pb.dk),
-      gvn(0, pb.hkv, pb.dv);
-  std::vector<typename C::request> reqs;
-  for (int s = 0; s < p; ++s) {
-    const int src = ring_next(me, p, -s);
-    reqs.clear();
-    if (s + 1 < p) {
-      const index_t rows = plan.rank(ring_next(me, p, -(s + 1))).tokens;
-      post_shift(comm, reqs, kc, kn, rows, 0);
-      post_shift(comm, reqs, vc, vn, rows, 1);
-    }
-    local_backward_acc(b, q, kc.cview(), vc.cview(), sc.of(me), sc.of(src), out, lse, dout, gq.view(), gk.view(),
-                       gv.view(), opt);
-    if (p > 1) {  // the accumulators move on (after the last step: home)
-      const index_t rows = plan.rank(ring_next(me, p, -(s + 1))).tokens;
-      post_shift(comm, reqs, gk, gkn, rows, 2);
-      post_shift(comm, reqs, gv, gvn, rows, 3);
-    }
-    comm::wait_all(comm, std::span(reqs));
-    if (p > 1) {
-      std::swap(gk, gkn);
-      std::swap(gv, gvn);
-    }
-    if (s + 1 < p) {
-      std::swap(kc, kn);
-      std::swap(vc, vn);
-    }
-  }
-  copy_out(gq, dq);
-  copy_out(gk, dk);
-  copy_out(gv, dv);
+  constexpr std::string_view call = detail::backward_name<V>();
+  const auto rp =
+      detail::convenience_plan<V>(b, comm, sharding, q, k, v, out, lse, opt, call, [&](const shape& s, index_t n) {
+        detail::check_gradients<std::remove_cv_t<typename Q::value_type>>(s, n, dout, dq, dk, dv, call);
+      });
+  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(rp.backward_workspace_bytes()));
+  backward(b, comm, rp, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
+  fence(b);
 }
 
 }  // namespace loom::attention::ring
 
+#include <loom/attention/bidirectional.hpp>
 #include <loom/attention/detail/ring_variants.hpp>

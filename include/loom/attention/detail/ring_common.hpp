@@ -1,13 +1,15 @@
 #pragma once
 
 //! @file
-//! What the ring variants share: the token coordinates of every rank's shard (from the plan, so
-//! nothing but K/V/Q data travels), agreement checks across ranks, and host buffers.
+//! What the ring variants share: the plan state (token coordinates of every rank's shard, from
+//! the shard plan, so nothing but K/V/Q data travels; the transfer counts; the workspace sizes),
+//! the cross-rank signature, and host blocks carved from the caller's workspace.
 
 #include <loom/attention/local.hpp>
 #include <loom/attention/merge.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/core/workspace.hpp>
 #include <loom/shard/plan.hpp>
 
 #include <array>
@@ -17,31 +19,6 @@
 #include <vector>
 
 namespace loom::attention::detail {
-
-//! (document, position) of the tokens of every rank's shard, in each rank's local order.
-struct shard_coords {
-  std::vector<std::vector<index_t>> doc, pos;
-  explicit shard_coords(const shard::plan& plan) {
-    const auto p = static_cast<std::size_t>(plan.ranks());
-    doc.resize(p);
-    pos.resize(p);
-    for (std::size_t r = 0; r < p; ++r) {
-      const auto& rp = plan.rank(static_cast<int>(r));
-      doc[r].resize(static_cast<std::size_t>(rp.tokens));
-      pos[r].resize(static_cast<std::size_t>(rp.tokens));
-      for (const auto& pc : rp.pieces)
-        for (index_t i = 0; i < pc.length; ++i) {
-          doc[r][static_cast<std::size_t>(pc.local_begin + i)] = pc.document;
-          pos[r][static_cast<std::size_t>(pc.local_begin + i)] = pc.doc_offset + i;
-        }
-    }
-  }
-  [[nodiscard]] coords<> of(int r) const {
-    const auto n = static_cast<index_t>(doc[static_cast<std::size_t>(r)].size());
-    return {tensor_view<const index_t, 1>(doc[static_cast<std::size_t>(r)].data(), {n}),
-            tensor_view<const index_t, 1>(pos[static_cast<std::size_t>(r)].data(), {n})};
-  }
-};
 
 //! The digest of a shard plan: rank count, documents and every rank's pieces.
 inline std::uint64_t digest_of(const shard::plan& plan) {
@@ -53,117 +30,165 @@ inline std::uint64_t digest_of(const shard::plan& plan) {
   return h.value();
 }
 
-//! The signature of an attention call: the plan's digest, the shapes, the options and the
-//! element types (storage of q, k, v and out; the accumulation type).
+//! The signature of an attention plan: the shard plan's digest, the shapes, the options and the
+//! element types (storage; the accumulation type).
 template <class T, class Acc>
-comm::signature attention_signature(std::uint64_t plan, const problem& pb, const options& opt) {
+comm::signature attention_signature(std::uint64_t plan, const head_shape& s, const options& opt) {
   return comm::signature{}
-      .add("the shapes (q heads, kv heads, head dims)", pb.hq, pb.hkv, pb.dk, pb.dv)
+      .add("the shapes (q heads, kv heads, head dims)", s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
       .add("the options (causal, window, scale)", words_of(opt))
       .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
       .add_digest("the plan", plan);
 }
 
-//! Every rank must call with the same plan, shapes and options: `views()` checks this rank's
-//! arguments and returns its problem; then one agreement (comm/agreement.hpp) makes a rejection
-//! or a disagreement the same loom::error on every rank, before any data moves.
-template <class T, class Acc, comm::communicator C, class Views>
-problem agree_on(C& comm, std::uint64_t plan_digest, const options& opt, std::string_view call, Views&& views,
-                 int label = -1) {
-  problem pb{};
-  comm::agree(
-      comm, call,
-      [&] {
-        pb = views();
-        return attention_signature<T, Acc>(plan_digest, pb, opt);
-      },
-      label);
-  return pb;
-}
+inline int ring_next(int r, int p, int s = 1) { return ((r + s) % p + p) % p; }
 
-//! This rank's checks against a shard plan: its size and this rank's token count.
-template <comm::communicator C>
-void check_plan_rank(const C& comm, const shard::plan& plan, const problem& local, std::string_view call) {
-  LOOM_EXPECTS(plan.ranks() == comm.size(), errc::invalid_argument, call, ": the plan is for ", plan.ranks(),
-               " ranks but the communicator has ", comm.size());
-  const auto& mine = plan.rank(comm.rank());
-  LOOM_EXPECTS(local.tq == mine.tokens, errc::shape_mismatch, call, ": q holds ", local.tq,
-               " tokens but the plan gives rank ", comm.rank(), " ", mine.tokens);
-  LOOM_EXPECTS(local.tk == mine.tokens, errc::shape_mismatch, call, ": k and v hold ", local.tk,
-               " tokens but the plan gives rank ", comm.rank(), " ", mine.tokens);
-}
+//! Everything a ring plan derives from the shard plan, the shapes and the options on one rank.
+struct ring_state {
+  shard::plan sharding;
+  head_shape dims{};
+  options opt{};
+  int ranks = 1, me = 0;
+  index_t mine = 0, max_rows = 0, total = 0;
+  std::vector<index_t> doc, pos;  //!< (document, position) of every rank's tokens, in rank order
+  std::vector<index_t> begin;     //!< rank r's tokens start at doc[begin[r]]; ranks + 1 values
+  std::vector<std::size_t> send_counts, send_displs, recv_counts, recv_displs;  //!< pass-Q's all_to_allv
+  index_t cap = 1;                                    //!< scratch slots of the local kernel (local.hpp)
+  std::size_t local_forward = 0, local_backward = 0;  //!< the local kernel's workspace, largest block
+  std::size_t forward_bytes = 0, backward_bytes = 0;
 
-//! agree_on for the ring variants: the views, then the plan against this rank.
-template <class T, class Acc, comm::communicator C, class Views>
-problem agree_ring(C& comm, const shard::plan& plan, const options& opt, std::string_view call, Views&& views) {
-  return agree_on<T, Acc>(comm, digest_of(plan), opt, call, [&] {
-    const problem pb = views();
-    check_plan_rank(comm, plan, pb, call);
-    return pb;
-  });
-}
-
-//! A host [n, h, d] block of T.
-template <class T>
-struct block3 {
-  std::vector<T> data;
-  index_t n = 0, h = 0, d = 0;
-  block3() = default;
-  block3(index_t n_, index_t h_, index_t d_) : data(static_cast<std::size_t>(n_ * h_ * d_)), n(n_), h(h_), d(d_) {}
-  void resize(index_t n_) {
-    n = n_;
-    data.resize(static_cast<std::size_t>(n * h * d));
+  [[nodiscard]] index_t rows(int r) const { return sharding.rank(r).tokens; }
+  [[nodiscard]] token_coords coords_of(int r) const {
+    const auto at = static_cast<std::size_t>(begin[static_cast<std::size_t>(r)]);
+    return {doc.data() + at, pos.data() + at, 1, 1};
   }
-  tensor_view<T, 3> view() { return {data.data(), {n, h, d}}; }
-  tensor_view<const T, 3> cview() const { return {data.data(), {n, h, d}}; }
-  std::span<const T> span() const { return data; }
-  std::span<T> span() { return data; }
+  [[nodiscard]] token_coords all_coords() const { return {doc.data(), pos.data(), 1, 1}; }
+  //! The local problem of tq queries against tk keys.
+  [[nodiscard]] problem local(index_t tq, index_t tk) const {
+    return {tq,         tk,         dims.heads_q,    dims.heads_kv,   dims.dim_qk,
+            dims.dim_v, opt.causal, opt.window.left, opt.window.right};
+  }
+
+  ring_state() = default;
+  ring_state(const shard::plan& sp, const head_shape& s, const options& o, int p, int r)
+      : sharding(sp), dims(s), opt(o), ranks(p), me(r) {
+    begin.assign(static_cast<std::size_t>(p) + 1, 0);
+    for (int q = 0; q < p; ++q) {
+      max_rows = std::max(max_rows, rows(q));
+      begin[static_cast<std::size_t>(q) + 1] = begin[static_cast<std::size_t>(q)] + rows(q);
+    }
+    total = begin.back();
+    mine = rows(r);
+    doc.resize(static_cast<std::size_t>(total));
+    pos.resize(doc.size());
+    for (int q = 0; q < p; ++q)
+      for (const auto& pc : sharding.rank(q).pieces)
+        for (index_t i = 0; i < pc.length; ++i) {
+          const auto at = static_cast<std::size_t>(begin[static_cast<std::size_t>(q)] + pc.local_begin + i);
+          doc[at] = pc.document;
+          pos[at] = pc.doc_offset + i;
+        }
+    // pass-Q: partials (out, then lse) of every rank's queries against my K/V, per owner
+    const index_t row = s.heads_q * (s.dim_v + 1);
+    std::size_t at = 0;
+    for (int q = 0; q < p; ++q) {
+      send_displs.push_back(at);
+      send_counts.push_back(static_cast<std::size_t>(rows(q) * row));
+      at += send_counts.back();
+      recv_counts.push_back(static_cast<std::size_t>(mine * row));
+      recv_displs.push_back(static_cast<std::size_t>(q * mine * row));
+    }
+  }
 };
 
+//! A host [n, h, d] block carved from a workspace (capacity fixed when carved; n may shrink).
 template <class T>
-struct block2 {
-  std::vector<T> data;
-  index_t n = 0, h = 0;
-  block2() = default;
-  block2(index_t n_, index_t h_) : data(static_cast<std::size_t>(n_ * h_)), n(n_), h(h_) {}
-  tensor_view<T, 2> view() { return {data.data(), {n, h}}; }
-  tensor_view<const T, 2> cview() const { return {data.data(), {n, h}}; }
+struct block {
+  T* p = nullptr;
+  index_t n = 0, h = 0, d = 0;
+  [[nodiscard]] tensor_view<T, 3> view() const { return {p, {n, h, d}}; }
+  [[nodiscard]] tensor_view<const T, 3> cview() const { return {p, {n, h, d}}; }
+  //! A [n, h] view of a block with d = 1 (lse rows).
+  [[nodiscard]] tensor_view<T, 2> view2() const { return {p, {n, h}}; }
+  [[nodiscard]] tensor_view<const T, 2> cview2() const { return {p, {n, h}}; }
+  [[nodiscard]] std::span<const T> csend() const { return {p, static_cast<std::size_t>(n * h * d)}; }
+  [[nodiscard]] std::span<T> span() const { return {p, static_cast<std::size_t>(n * h * d)}; }
+  void zero() const {
+    for (index_t e = 0; e < n * h * d; ++e) p[e] = T(0);
+  }
 };
 
-//! Copies a strided [n, h, d] view into a contiguous block (and back).
+//! Sizes a workspace: the carving code run against it records the layout and hands out nulls.
+struct ws_sizer {
+  workspace_layout l;
+  template <class T>
+  T* take(index_t count) {
+    (void)l.add<T>(count);
+    return nullptr;
+  }
+};
+
+//! rows x h x d elements of T from a carver or a sizer.
+template <class T, class A>
+block<T> take_block(A& a, index_t rows, index_t h, index_t d) {
+  return {a.template take<T>(rows * h * d), rows, h, d};
+}
+
+//! The local kernel's workspace from a carver or a sizer.
+template <class A>
+std::span<std::byte> take_bytes(A& a, std::size_t bytes) {
+  return {a.template take<std::byte>(static_cast<index_t>(bytes)), bytes};
+}
+
+//! Copies a strided [n, h, d] view into a contiguous block of the same rows (and back).
 template <class V, class T>
-void copy_in(const V& v, block3<T>& out) {
+void copy_in(const V& v, block<T>& out) {
   for (index_t t = 0; t < out.n; ++t)
     for (index_t h = 0; h < out.h; ++h)
-      for (index_t c = 0; c < out.d; ++c)
-        out.data[static_cast<std::size_t>((t * out.h + h) * out.d + c)] = static_cast<T>(v(t, h, c));
+      for (index_t c = 0; c < out.d; ++c) out.p[(t * out.h + h) * out.d + c] = static_cast<T>(v(t, h, c));
+}
+template <class V, class T>
+void copy_in2(const V& v, block<T>& out) {
+  for (index_t t = 0; t < out.n; ++t)
+    for (index_t h = 0; h < out.h; ++h) out.p[t * out.h + h] = static_cast<T>(v(t, h));
 }
 template <class T, class V>
-void copy_out(const block3<T>& in, V v) {
+void copy_out(const block<T>& in, V v) {
   using E = typename V::value_type;
   for (index_t t = 0; t < in.n; ++t)
     for (index_t h = 0; h < in.h; ++h)
-      for (index_t c = 0; c < in.d; ++c)
-        v(t, h, c) = static_cast<E>(in.data[static_cast<std::size_t>((t * in.h + h) * in.d + c)]);
+      for (index_t c = 0; c < in.d; ++c) v(t, h, c) = static_cast<E>(in.p[(t * in.h + h) * in.d + c]);
 }
 template <class T, class V>
-void copy_out(const block2<T>& in, V v) {
+void copy_out2(const block<T>& in, V v) {
   using E = typename V::value_type;
   for (index_t t = 0; t < in.n; ++t)
-    for (index_t h = 0; h < in.h; ++h) v(t, h) = static_cast<E>(in.data[static_cast<std::size_t>(t * in.h + h)]);
+    for (index_t h = 0; h < in.h; ++h) v(t, h) = static_cast<E>(in.p[t * in.h + h]);
 }
 
-//! The local backward adding into dq, dk, dv (sums over key blocks).
-template <class B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV, class Space>
-void local_backward_acc(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse,
-                        DO dout, DQ dq, DK dk, DV dv, const options& opt) {
-  using Acc = loom::accum_t<typename Q::value_type>;
-  const problem pb = check_problem(shape_of(q, k, v), opt, "ring attention");
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(backward_bytes<Acc>(b, pb)));
-  backward_on(b, pb, scale_of<Acc>(opt, pb.dk), q, k, v, coords_of(qc), coords_of(kc), out, lse, dout, dq, dk, dv, true,
-              ws.bytes());
-}
+//! Outstanding requests of one step, in a fixed array (no allocation).
+template <comm::communicator C>
+struct requests {
+  std::array<typename C::request, 12> r{};
+  std::size_t n = 0;
+  //! Posts the transfer of `cur` to the next rank and of the previous rank's block into `next`
+  //! (`rows` rows; with dir = -1 the other way round).
+  template <class T>
+  void shift(C& comm, const block<T>& cur, block<T>& next, index_t rows, int tag, int dir = 1) {
+    const int p = comm.size(), me = comm.rank();
+    next.n = rows;
+    r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
+    r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
+  }
+  void wait(C& comm) {
+    comm::wait_all(comm, std::span<typename C::request>(r.data(), n));
+    n = 0;
+  }
+};
 
-inline int ring_next(int r, int p, int s = 1) { return ((r + s) % p + p) % p; }
+//! The runner of ring variant V (specialised next to each variant): its workspace layouts, the
+//! local problem bounds and the forward / backward on a carved workspace.
+template <class V>
+struct runner;
 
 }  // namespace loom::attention::detail
