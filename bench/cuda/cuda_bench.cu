@@ -75,7 +75,7 @@ void scan_rows(std::size_t n) {
   const loom::cuda b{};
   const loom::tensor_view<const float, 1, loom::cuda_memory> iv(in.data(), {static_cast<index_t>(n)});
   const loom::tensor_view<float, 1, loom::cuda_memory> ov(out.data(), {static_cast<index_t>(n)});
-  // Workspaces allocated once, outside the timed calls.
+  // Plans and workspaces made once, outside the timed calls.
   // loom with its defaults (reproducible: the blocked engine), with shorter blocks (more of them
   // in flight), and with reproducible = false (CUB's scan behind loom's API).
   struct variant {
@@ -87,11 +87,9 @@ void scan_rows(std::size_t n) {
                   {"loom::scan::inclusive_scan, reproducible = false", {.reproducible = false}}};
   std::vector<double> loom_ms;
   for (auto& v : vs) {
-    const auto bytes = loom::scan::workspace_bytes(b, loom::scan::plus<float>{}, static_cast<index_t>(n), v.opt);
-    device_array<std::byte> ws(bytes);
-    v.opt.workspace = ws.data();
-    v.opt.workspace_bytes = bytes;
-    loom_ms.push_back(median_ms([&] { loom::scan::inclusive_scan(b, loom::scan::plus<float>{}, iv, ov, v.opt); }));
+    const auto plan = loom::scan::make_plan(b, loom::scan::plus<float>{}, static_cast<index_t>(n), {}, v.opt);
+    const device_array<std::byte> ws(plan.workspace_bytes());
+    loom_ms.push_back(median_ms([&] { loom::scan::inclusive_scan(b, plan, iv, ov, ws.bytes()); }));
   }
   std::size_t cub_bytes = 0;
   LOOM_CUDA_TRY(cub::DeviceScan::InclusiveSum(nullptr, cub_bytes, in.data(), out_cub.data(), static_cast<int>(n)));
