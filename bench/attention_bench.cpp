@@ -1,6 +1,6 @@
 // Exact attention against its limits and baselines, in one run (fp32, 8 heads, dim 128):
 //   attention.sgemm          OpenBLAS sgemm 2048^3 on the same threads (the FLOP ceiling)
-//   attention.loom           loom::attention::forward, openmp, N = 8192, causal and full
+//   attention.loom           loom::attention::forward on a plan, openmp, N = 8192, causal and full
 //   attention.materialised   OpenBLAS QKᵀ into an N x N score matrix per head, row softmax, PV
 //   attention.loom_backward  loom::attention::backward at the same shape
 //   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
@@ -26,6 +26,8 @@
 #include <cblas.h>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -92,17 +94,22 @@ void sgemm(benchmark::State& state) {
   set_flops(state, 2.0 * n * n * n);
 }
 
+// The local kernel through a plan made once and a workspace allocated once, outside the timed
+// loop (nothing allocates per call).
 void loom_forward(benchmark::State& state) {
   const bool causal = state.range(0) != 0;
   const int threads = static_cast<int>(state.range(1));
   auto& d = data(8192);
-  const std::vector<index_t> cu{0, d.n};
-  const loom::tensor_view<const index_t, 1> cuv(cu.data(), {2});
+  const std::vector<std::int32_t> cu{0, static_cast<std::int32_t>(d.n)};
   la::options opt;
   opt.causal = causal;
+  const loom::openmp b{threads};
+  const auto plan =
+      la::make_plan(b, loom::segments(std::span<const std::int32_t>(cu)), {d.n, heads, heads, dim, dim}, opt);
+  loom::workspace_buffer ws(plan.workspace_bytes());
   for (auto _ : state)
-    la::forward(loom::openmp{threads}, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.m(d.out),
-                loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}), opt);
+    la::forward(b, plan, d.c(d.q), d.c(d.k), d.c(d.v), d.m(d.out),
+                loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}), ws.span());
   set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));
 }
 
@@ -110,17 +117,19 @@ void loom_backward(benchmark::State& state) {
   const bool causal = state.range(0) != 0;
   const int threads = static_cast<int>(state.range(1));
   auto& d = data(8192);
-  const std::vector<index_t> cu{0, d.n};
-  const loom::tensor_view<const index_t, 1> cuv(cu.data(), {2});
+  const std::vector<std::int32_t> cu{0, static_cast<std::int32_t>(d.n)};
   la::options opt;
   opt.causal = causal;
   const loom::openmp b{threads};
-  la::forward(b, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.m(d.out), loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}),
-              opt);
+  const auto plan =
+      la::make_plan(b, loom::segments(std::span<const std::int32_t>(cu)), {d.n, heads, heads, dim, dim}, opt);
+  loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+  la::forward(b, plan, d.c(d.q), d.c(d.k), d.c(d.v), d.m(d.out),
+              loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}), ws.span());
   for (auto _ : state)
-    la::backward(b, d.c(d.q), d.c(d.k), d.c(d.v), cuv, d.c(d.out),
+    la::backward(b, plan, d.c(d.q), d.c(d.k), d.c(d.v), d.c(d.out),
                  loom::tensor_view<const float, 2>(d.lse.data(), {d.n, heads}), d.c(d.dout), d.m(d.dq), d.m(d.dk),
-                 d.m(d.dv), opt);
+                 d.m(d.dv), ws.span());
   set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));  // the forward's count: time ratios read directly
 }
 
@@ -179,6 +188,15 @@ void ring(benchmark::State& state) {
     plan.scatter<float>(r, d.k, heads * dim, k[r]);
     plan.scatter<float>(r, d.v, heads * dim, v[r]);
   }
+  // One plan and one workspace per rank, made once outside the timed loop.
+  using ring_plan = la::ring::plan<la::ring::pass_kv, loom::serial, loom::fp32>;
+  std::vector<ring_plan> plans(static_cast<std::size_t>(p));
+  std::vector<std::unique_ptr<loom::workspace_buffer>> ws(static_cast<std::size_t>(p));
+  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    plans[r] = la::ring::make_plan(loom::serial{}, comm, plan, {heads, heads, dim, dim});
+    ws[r] = std::make_unique<loom::workspace_buffer>(plans[r].workspace_bytes());
+  });
   double waited = 0, busy = 0;
   for (auto _ : state) {
     std::vector<double> w(static_cast<std::size_t>(p)), t(w.size());
@@ -187,12 +205,12 @@ void ring(benchmark::State& state) {
       loom::comm::counting<loom::comm::local> comm(lc);
       const index_t n = plan.rank(r).tokens;
       const auto t0 = std::chrono::steady_clock::now();
-      la::ring::forward(loom::serial{}, comm, la::ring::pass_kv{}, plan,
+      la::ring::forward(loom::serial{}, comm, plans[static_cast<std::size_t>(r)],
                         loom::tensor_view<const float, 3>(q[r].data(), {n, heads, dim}),
                         loom::tensor_view<const float, 3>(k[r].data(), {n, heads, dim}),
                         loom::tensor_view<const float, 3>(v[r].data(), {n, heads, dim}),
                         loom::tensor_view<float, 3>(o[r].data(), {n, heads, dim}),
-                        loom::tensor_view<float, 2>(l[r].data(), {n, heads}));
+                        loom::tensor_view<float, 2>(l[r].data(), {n, heads}), ws[static_cast<std::size_t>(r)]->span());
       t[static_cast<std::size_t>(r)] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       w[static_cast<std::size_t>(r)] = comm.counts().wait_seconds();
     });
@@ -288,15 +306,15 @@ struct sp_shards {
 
 void sp_local(benchmark::State& state) {
   const auto& d = sp_inputs();
-  const std::vector<index_t> cu{0, d.n};
   std::vector<float> out(d.q.size()), lse(static_cast<std::size_t>(d.n * sp_heads));
+  const auto plan = la::make_plan(loom::serial{}, loom::segments<>::whole(d.n), {d.n, sp_heads, sp_heads, dim, dim});
+  loom::workspace_buffer ws(plan.workspace_bytes());
   for (auto _ : state)
-    la::forward(loom::serial{}, loom::tensor_view<const float, 3>(d.q.data(), {d.n, sp_heads, dim}),
+    la::forward(loom::serial{}, plan, loom::tensor_view<const float, 3>(d.q.data(), {d.n, sp_heads, dim}),
                 loom::tensor_view<const float, 3>(d.k.data(), {d.n, sp_heads, dim}),
                 loom::tensor_view<const float, 3>(d.v.data(), {d.n, sp_heads, dim}),
-                loom::tensor_view<const index_t, 1>(cu.data(), {2}),
                 loom::tensor_view<float, 3>(out.data(), {d.n, sp_heads, dim}),
-                loom::tensor_view<float, 2>(lse.data(), {d.n, sp_heads}));
+                loom::tensor_view<float, 2>(lse.data(), {d.n, sp_heads}), ws.span());
   set_flops(state, 4.0 * dim * sp_heads * pairs(d.n, true));
 }
 

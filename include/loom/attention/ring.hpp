@@ -327,5 +327,7 @@ void backward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv 
 
 }  // namespace loom::attention::ring
 
-#include <loom/attention/bidirectional.hpp>
+// The variants' runners (pass-KV's first: the bidirectional runner's backward is pass-KV's).
 #include <loom/attention/detail/ring_variants.hpp>
+// (kept in this order)
+#include <loom/attention/bidirectional.hpp>
