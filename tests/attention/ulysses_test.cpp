@@ -569,6 +569,14 @@ TEST_CASE("ulysses: a plan-taking call allocates nothing", "[attention][ulysses]
       ulysses_fwd, ulysses_bwd);
 }
 
+TEST_CASE("hybrid: a plan-taking call allocates nothing", "[attention][hybrid][allocations]") {
+  const auto g = make_global({0, 0, 8, 2, 8, 8, true}, docs, 900);
+  const auto ring = plan_of<shard::per_document>(docs, 2);
+  require_no_allocation(
+      g, 4, [&](auto& c) { return lh::make_plan<loom::fp32>(loom::serial{}, c, ring, shape_of(g.s), opts_of(g.s)); },
+      hybrid_fwd, hybrid_bwd);
+}
+
 namespace {
 // Runs forward then backward `calls` times on each rank with one plan made by make(comm) (or
 // plans[rank] when given), each call's results gathered into its own sp_result; counts the
@@ -684,6 +692,21 @@ TEST_CASE("ulysses: the agreement runs once per plan, not per call", "[attention
       ulysses_fwd, ulysses_bwd);
   for (int r = 0; r < 4; ++r) {
     CHECK(at_plan[static_cast<std::size_t>(r)] == 1);  // make_plan: one agreement
+    CHECK(per_calls[static_cast<std::size_t>(r)] == 6 * agreement_calls);
+  }
+}
+
+TEST_CASE("hybrid: the agreement runs once per plan, not per call", "[attention][hybrid]") {
+  // Per call the Ulysses exchange's six all_to_allv; the ring inside moves its blocks point to
+  // point and agrees only in its make_plan.
+  const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 930);
+  const auto ring = plan_of<shard::zigzag>(docs, 2);
+  const auto [at_plan, per_calls] = count_collectives(
+      g, 4,
+      [&](counting& c) { return lh::make_plan<loom::fp32>(loom::serial{}, c, ring, shape_of(g.s), opts_of(g.s)); },
+      hybrid_fwd, hybrid_bwd);
+  for (int r = 0; r < 4; ++r) {
+    CHECK(at_plan[static_cast<std::size_t>(r)] == 2);  // the grid's agreement, the ring plan's (one head segment)
     CHECK(per_calls[static_cast<std::size_t>(r)] == 6 * agreement_calls);
   }
 }

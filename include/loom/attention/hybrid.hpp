@@ -51,25 +51,9 @@ struct grid {
 namespace detail {
 using namespace loom::attention::ulysses::detail;
 
-//! The inner ring attention (variant Tag) of a head segment over the ring group.
-template <class Tag>
-struct ring_inner {
-  shard::plan sharding;
-  options opt;
-  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return 0; }
-  template <class B, class C, class Q, class K, class V, class O, class L>
-  void forward(const B& b, C& comm, Q q, K k, V v, O out, L lse, std::span<std::byte>) const {
-    ring::forward(b, comm, Tag{}, sharding, q, k, v, out, lse, opt);
-  }
-  template <class B, class C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
-  void backward(const B& b, C& comm, Q q, K k, V v, O out, L lse, DO d, DQ dq, DK dk, DV dv,
-                std::span<std::byte>) const {
-    ring::backward(b, comm, Tag{}, sharding, q, k, v, out, lse, d, dq, dk, dv, opt);
-  }
-};
-
-template <class B, class C, class P>
-using ring_plan_t = ring_inner<ring::pass_kv>;
+//! The ring pass-KV plan of a head segment over the ring group.
+template <class B, class P>
+using ring_plan_t = ring::plan<ring::pass_kv, B, P>;
 
 //! Rows [a, b) of ring shard g held by Ulysses rank u of U: a contiguous split.
 inline index_t split_begin(index_t n, int u, int U) { return n * u / U; }
@@ -158,7 +142,7 @@ class plan {
   [[nodiscard]] const attention::detail::head_pipeline<storage_type, accum_type>& pipeline() const noexcept {
     return s_->pipe;
   }
-  [[nodiscard]] const detail::ring_plan_t<B, C, P>& ring(std::size_t s) const { return s_->inner[s]; }
+  [[nodiscard]] const detail::ring_plan_t<B, P>& ring(std::size_t s) const { return s_->inner[s]; }
 
  private:
   struct state {
@@ -168,7 +152,7 @@ class plan {
     options opt;
     shard::plan ring;
     C ucomm, rcomm;
-    std::vector<detail::ring_plan_t<B, C, P>> inner;
+    std::vector<detail::ring_plan_t<B, P>> inner;
     attention::detail::head_pipeline<storage_type, accum_type> pipe;
   };
   std::shared_ptr<state> s_;
@@ -233,11 +217,10 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
   std::size_t fwd = 0, bwd = 0;
   for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
     const auto sh = st->pipe.segment(i);
-    (void)sh;
-    (void)b;
-    st->inner.push_back(detail::ring_inner<ring::pass_kv>{st->ring, opt});
+    st->inner.push_back(
+        ring::make_plan<P>(b, st->rcomm, st->ring, head_shape{sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
     fwd = std::max(fwd, st->inner.back().workspace_bytes());
-    bwd = std::max(bwd, st->inner.back().workspace_bytes());
+    bwd = std::max(bwd, st->inner.back().backward_workspace_bytes());
   }
   st->pipe.reserve_inner(fwd, bwd);
   plan<B, C, P> out;
@@ -260,7 +243,7 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out
   check_workspace(workspace, hp.workspace_bytes(), call);
   hp.pipeline().forward(hp.ulysses_comm(), q, k, v, out, lse, workspace,
                         [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
-                          hp.ring(s).forward(b, hp.ring_comm(), qs, ks, vs, os, ls, ws);
+                          ring::forward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ws);
                         });
 }
 
@@ -280,7 +263,7 @@ void backward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O ou
   hp.pipeline().backward(hp.ulysses_comm(), q, k, v, out, lse, dout, dq, dk, dv, workspace,
                          [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
                              auto dvs, std::span<std::byte> ws) {
-                           hp.ring(s).backward(b, hp.ring_comm(), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws);
+                           ring::backward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws);
                          });
 }
 

@@ -348,9 +348,9 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
 template <class B, class C, precision_policy P = fp32>
 class plan {
  public:
-  using ring_kv_plan = attention::hybrid::detail::ring_inner<attention::ring::pass_kv>;
-  using ring_q_plan = attention::hybrid::detail::ring_inner<attention::ring::pass_q>;
-  using ring_ag_plan = attention::hybrid::detail::ring_inner<attention::ring::all_gather_kv>;
+  using ring_kv_plan = attention::ring::plan<attention::ring::pass_kv, B, P>;
+  using ring_q_plan = attention::ring::plan<attention::ring::pass_q, B, P>;
+  using ring_ag_plan = attention::ring::plan<attention::ring::all_gather_kv, B, P>;
   using ulysses_plan = attention::ulysses::plan<B, P>;
   using hybrid_plan = attention::hybrid::plan<B, C, P>;
   //! The concrete plan of the pick: index 1 + static_cast<int>(strategy) (never monostate once
@@ -370,7 +370,9 @@ class plan {
   [[nodiscard]] std::size_t workspace_bytes() const {
     return std::visit(
         [](const auto& p) -> std::size_t {
-          if constexpr (requires { p.workspace_bytes(); })
+          if constexpr (requires { p.backward_workspace_bytes(); })
+            return std::max(p.workspace_bytes(), p.backward_workspace_bytes());
+          else if constexpr (requires { p.workspace_bytes(); })
             return p.workspace_bytes();
           else
             return 0;
@@ -454,15 +456,16 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
   const auto& best = st->choice.best;
   st->sharding = detail::shard_of(documents, best.kind == strategy::hybrid ? best.ring : comm.size(), opt.layout);
   const shard::plan& sh = st->sharding;
+  namespace ring = attention::ring;
   switch (best.kind) {
     case strategy::ring_pass_kv:
-      st->plan.template emplace<1>(typename plan<B, C, P>::ring_kv_plan{sh, opt.attention});
+      st->plan.template emplace<1>(ring::make_plan<P>(b, comm, ring::pass_kv{}, sh, s, opt.attention));
       break;
     case strategy::ring_pass_q:
-      st->plan.template emplace<2>(typename plan<B, C, P>::ring_q_plan{sh, opt.attention});
+      st->plan.template emplace<2>(ring::make_plan<P>(b, comm, ring::pass_q{}, sh, s, opt.attention));
       break;
     case strategy::all_gather_kv:
-      st->plan.template emplace<3>(typename plan<B, C, P>::ring_ag_plan{sh, opt.attention});
+      st->plan.template emplace<3>(ring::make_plan<P>(b, comm, ring::all_gather_kv{}, sh, s, opt.attention));
       break;
     case strategy::ulysses:
       st->plan.template emplace<4>(attention::ulysses::make_plan<P>(b, comm, sh, s, opt.attention));
@@ -492,7 +495,7 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out
         else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
           attention::hybrid::forward(b, comm, p, q, k, v, out, lse, workspace);
         else
-          p.forward(b, comm, q, k, v, out, lse, workspace);
+          attention::ring::forward(b, comm, p, q, k, v, out, lse, workspace);
       },
       sp.concrete());
 }
@@ -512,7 +515,7 @@ void backward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O ou
         else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
           attention::hybrid::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
         else
-          p.backward(b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace);
+          attention::ring::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
       },
       sp.concrete());
 }
