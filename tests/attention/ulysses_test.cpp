@@ -375,7 +375,7 @@ TEST_CASE("ulysses and hybrid: make_plan rejections are the same error on every 
       [&](auto& comm) {
         (void)lu::make_plan<loom::fp64>(b, comm, plan2, {6, 4, 8, 8});
       },
-      "ulysses::make_plan: heads_q (6) must be a multiple of heads_kv (4)");
+      "ulysses::make_plan: q heads (6) must be a multiple of kv heads (4)");
   every_rank(
       2,
       [&](auto& comm) {
@@ -387,7 +387,23 @@ TEST_CASE("ulysses and hybrid: make_plan rejections are the same error on every 
       [&](auto& comm) {
         (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, 1, 0, 8});
       },
-      "dims must be >= 1");
+      "head dims must be >= 1");
+  every_rank(
+      2,
+      [&](auto& comm) {
+        la::options o{};
+        o.window = {-2, 0};
+        (void)lu::make_plan<loom::fp64>(b, comm, plan2, {4, 1, 8, 8}, o);
+      },
+      "ulysses::make_plan: options.window (left, right) must each be >= -1");
+  every_rank(
+      4,
+      [&](auto& comm) {
+        la::options o{};
+        o.scale = -1.0;
+        (void)lh::make_plan<loom::fp64>(b, comm, plan_of<shard::zigzag>(cu, 2), {4, 1, 8, 8}, o);
+      },
+      "hybrid::make_plan: options.scale must be finite and > 0");
   every_rank(
       8,
       [&](auto& comm) {
@@ -823,6 +839,11 @@ TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs t
     INFO("want " << lp::to_string(c.want));
     std::vector<lp::strategy> picked(p);
     std::vector<std::string> explained(p);
+    // int32 offsets (FlashAttention's cu_seqlens) for every other configuration, int64 otherwise.
+    const std::vector<std::int32_t> cu32(g.cu.begin(), g.cu.end());
+    const bool narrow = seed % 20 == 0;
+    const auto documents =
+        narrow ? loom::segments(std::span<const std::int32_t>(cu32)) : loom::segments(std::span<const index_t>(g.cu));
     const auto res = run<double>(
         g, p, true,
         [&](counting& comm) {
@@ -831,8 +852,7 @@ TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs t
           o.machine = c.m;
           o.layout = c.layout;
           o.only = c.only;
-          auto sp = lsp::make_plan<loom::fp64>(loom::serial{}, comm, loom::segments(std::span<const index_t>(g.cu)),
-                                               shape_of(g.s), o);
+          auto sp = lsp::make_plan<loom::fp64>(loom::serial{}, comm, documents, shape_of(g.s), o);
           picked[static_cast<std::size_t>(comm.rank())] = sp.kind();
           explained[static_cast<std::size_t>(comm.rank())] = sp.choice().explain();
           return sp;

@@ -194,7 +194,7 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
     LOOM_EXPECTS(p % rr == 0, errc::invalid_argument, call, ": the ring sharding is for R = ", rr,
                  " ranks, which must divide the communicator's size, ", p);
     g = {p / rr, rr};
-    detail::check_shape(s, g.ulysses, call);
+    detail::check_shape(s, opt, g.ulysses, call);
     return detail::plan_signature<T, Acc>(
         comm::hasher{}.add(g.ulysses, g.ring, attention::detail::digest_of(ring_sharding)).value(), s, opt);
   });

@@ -75,14 +75,10 @@ using namespace loom::attention::detail;
 template <class B, class P>
 using local_plan_t = attention::plan<B, P>;
 
-//! The shape checks of make_plan (Ulysses and hybrid); `ranks` is the exchange group's size.
-inline void check_shape(const head_shape& s, int ranks, std::string_view call) {
-  LOOM_EXPECTS(s.heads_q >= 1 && s.heads_kv >= 1, errc::invalid_argument, call, ": heads must be >= 1, got heads_q ",
-               s.heads_q, ", heads_kv ", s.heads_kv);
-  LOOM_EXPECTS(s.heads_q % s.heads_kv == 0, errc::invalid_argument, call, ": heads_q (", s.heads_q,
-               ") must be a multiple of heads_kv (", s.heads_kv, ")");
-  LOOM_EXPECTS(s.dim_qk >= 1 && s.dim_v >= 1, errc::invalid_argument, call, ": dims must be >= 1, got dim_qk ",
-               s.dim_qk, ", dim_v ", s.dim_v);
+//! The checks of make_plan (Ulysses and hybrid): the local kernel's shape and option checks, and
+//! Ulysses' degree limit; `ranks` is the exchange group's size.
+inline void check_shape(const head_shape& s, const options& opt, int ranks, std::string_view call) {
+  (void)check_problem(attention::shape{0, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v}, opt, call);
   LOOM_EXPECTS(ranks <= s.heads_q, errc::invalid_argument, call, ": Ulysses splits the ", s.heads_q,
                " query heads over the ranks, so it needs ranks <= heads_q, got ", ranks,
                " ranks (use hybrid Ulysses x ring)");
@@ -229,7 +225,7 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
   using state = typename plan<B, P>::state;
   auto st = std::make_shared<state>();
   comm::agree(comm, call, [&] {
-    detail::check_shape(s, comm.size(), call);
+    detail::check_shape(s, opt, comm.size(), call);
     LOOM_EXPECTS(tokens.ranks() == comm.size(), errc::invalid_argument, call, ": the sharding is for ", tokens.ranks(),
                  " ranks but the communicator has ", comm.size());
     st->dims = s;
