@@ -50,19 +50,23 @@ bool ring_attention_demo(int ranks) {
     plan.scatter<float>(r, q, h * d, lq);
     plan.scatter<float>(r, k, h * d, lk);
     plan.scatter<float>(r, v, h * d, lv);
-    la::ring::forward(
-        loom::serial{}, comm, la::ring::pass_kv{}, plan, loom::tensor_view<const float, 3>(lq.data(), {n, h, d}),
-        loom::tensor_view<const float, 3>(lk.data(), {n, h, d}),
-        loom::tensor_view<const float, 3>(lv.data(), {n, h, d}), loom::tensor_view<float, 3>(lo.data(), {n, h, d}),
-        loom::tensor_view<float, 2>(ll.data(), {n, h}));
+    // Plan once (the ranks agree on sharding, shapes and options here), then run on a workspace.
+    const auto rp = la::ring::make_plan(loom::serial{}, comm, plan, {h, h, d, d});
+    loom::workspace_buffer ws(rp.workspace_bytes());
+    la::ring::forward(loom::serial{}, comm, rp, loom::tensor_view<const float, 3>(lq.data(), {n, h, d}),
+                      loom::tensor_view<const float, 3>(lk.data(), {n, h, d}),
+                      loom::tensor_view<const float, 3>(lv.data(), {n, h, d}),
+                      loom::tensor_view<float, 3>(lo.data(), {n, h, d}), loom::tensor_view<float, 2>(ll.data(), {n, h}),
+                      ws.span());
     plan.gather<float>(r, lo, h * d, ring_out);  // disjoint rows per rank
   });
   const double ring_s = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
-  la::forward(loom::serial{}, loom::tensor_view<const float, 3>(q.data(), {t, h, d}),
+  // The convenience form: plans, allocates its workspace and runs in one call.
+  la::forward(loom::serial{}, loom::segments{std::span<const loom::index_t>(cu)},
+              loom::tensor_view<const float, 3>(q.data(), {t, h, d}),
               loom::tensor_view<const float, 3>(k.data(), {t, h, d}),
               loom::tensor_view<const float, 3>(v.data(), {t, h, d}),
-              loom::tensor_view<const loom::index_t, 1>(cu.data(), {2}),
               loom::tensor_view<float, 3>(one_out.data(), {t, h, d}), loom::tensor_view<float, 2>(lse.data(), {t, h}));
   const double one_s = seconds_since(t0);
   double err = 0;

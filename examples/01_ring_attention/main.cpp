@@ -1,8 +1,9 @@
 // Ring attention across ranks, checked against single-device attention. A packed batch of causal
 // documents is sharded over the ranks by the per-document plan (every document balanced across
-// ranks on its own, padding-free), each rank runs loom::attention::ring::forward with K/V passed
-// around the ring (pass_kv), then the backward; the gathered outputs and gradients are compared
-// with loom::attention::forward / backward on the whole sequence.
+// ranks on its own, padding-free), each rank makes a ring plan (pass_kv: K/V passed around the
+// ring; the ranks' agreement runs once, here), allocates one workspace for both passes, then runs
+// loom::attention::ring::forward and backward on it; the gathered outputs and gradients are
+// compared with loom::attention::forward / backward on the whole sequence.
 //
 //   loom.example.ring_attention [ranks = 4]        in-process ranks (comm::local)
 //   mpiexec -n 4 loom.example.ring_attention_mpi   the same code over MPI (comm::mpi)
@@ -18,6 +19,7 @@
 #include <loom/comm/local.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,14 +31,18 @@ using example::index_t;
 
 template <class Comm>
 void run(Comm& comm, const example::batch& in, example::results& r) {
-  const auto plan = loom::shard::make_plan(std::span<const index_t>(in.cu), comm.size(), loom::shard::per_document{});
+  const auto sharding =
+      loom::shard::make_plan(std::span<const index_t>(in.cu), comm.size(), loom::shard::per_document{});
+  const auto rp =
+      la::ring::make_plan(loom::serial{}, comm, la::ring::pass_kv{}, sharding, {in.s.hq, in.s.hkv, in.s.dim, in.s.dim});
+  loom::workspace_buffer ws(std::max(rp.workspace_bytes(), rp.backward_workspace_bytes()));
   example::run_rank(
-      comm.rank(), in, plan, plan.rank(comm.rank()).tokens, r,
+      comm.rank(), in, sharding, rp.tokens(), r,
       [&](auto q, auto k, auto v, auto o, auto l) {
-        la::ring::forward(loom::serial{}, comm, la::ring::pass_kv{}, plan, q, k, v, o, l);
+        la::ring::forward(loom::serial{}, comm, rp, q, k, v, o, l, ws.span());
       },
       [&](auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv) {
-        la::ring::backward(loom::serial{}, comm, la::ring::pass_kv{}, plan, q, k, v, o, l, d, dq, dk, dv);
+        la::ring::backward(loom::serial{}, comm, rp, q, k, v, o, l, d, dq, dk, dv, ws.span());
       });
 }
 

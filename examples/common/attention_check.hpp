@@ -6,6 +6,7 @@
 #include <loom/attention/local.hpp>
 #include <loom/backend/serial.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/core/workspace.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -80,24 +81,27 @@ void sum_over_ranks(C& comm, results& r) {
     comm.all_reduce(std::span<const float>(*x), std::span<float>(*x), loom::comm::reduce_op::sum);
 }
 
-//! Single-device attention on the whole packed sequence, forward and backward.
+//! Single-device attention on the whole packed sequence, forward and backward: one plan over the
+//! documents, one workspace for both passes.
 inline results single_device(const batch& in) {
   namespace la = loom::attention;
   const auto [hq, hkv, dim] = in.s;
   const index_t t = in.tokens();
   results one(in);
   std::vector<float> lse(static_cast<std::size_t>(t * hq));
-  const loom::tensor_view<const index_t, 1> cu(in.cu.data(), {static_cast<index_t>(in.cu.size())});
+  const loom::segments docs{std::span<const index_t>(in.cu)};
+  const auto plan = la::make_plan(loom::serial{}, docs, {t, hq, hkv, dim, dim});
+  loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
   const loom::tensor_view<const float, 3> q(in.q.data(), {t, hq, dim}), k(in.k.data(), {t, hkv, dim}),
       v(in.v.data(), {t, hkv, dim});
-  la::forward(loom::serial{}, q, k, v, cu, loom::tensor_view<float, 3>(one.out.data(), {t, hq, dim}),
-              loom::tensor_view<float, 2>(lse.data(), {t, hq}));
-  la::backward(loom::serial{}, q, k, v, cu, loom::tensor_view<const float, 3>(one.out.data(), {t, hq, dim}),
+  la::forward(loom::serial{}, plan, q, k, v, loom::tensor_view<float, 3>(one.out.data(), {t, hq, dim}),
+              loom::tensor_view<float, 2>(lse.data(), {t, hq}), ws.span());
+  la::backward(loom::serial{}, plan, q, k, v, loom::tensor_view<const float, 3>(one.out.data(), {t, hq, dim}),
                loom::tensor_view<const float, 2>(lse.data(), {t, hq}),
                loom::tensor_view<const float, 3>(in.dout.data(), {t, hq, dim}),
                loom::tensor_view<float, 3>(one.dq.data(), {t, hq, dim}),
                loom::tensor_view<float, 3>(one.dk.data(), {t, hkv, dim}),
-               loom::tensor_view<float, 3>(one.dv.data(), {t, hkv, dim}));
+               loom::tensor_view<float, 3>(one.dv.data(), {t, hkv, dim}), ws.span());
   return one;
 }
 

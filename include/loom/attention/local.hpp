@@ -415,6 +415,8 @@ template <class B, precision_policy P, class Q, class K, class V, class O, class
 void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out,
              L lse, std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::forward";
+  static_assert(std::is_same_v<Space, typename plan<B, P>::space>,
+                "attention::forward: the coordinates must live in the backend's memory space");
   detail::check_lse<P, L>();
   detail::check_kind(p, false, call);
   const detail::problem& pb = p.problem();
@@ -448,6 +450,8 @@ template <class B, precision_policy P, class Q, class K, class V, class O, class
 void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out,
               L lse, DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::backward";
+  static_assert(std::is_same_v<Space, typename plan<B, P>::space>,
+                "attention::backward: the coordinates must live in the backend's memory space");
   detail::check_lse<P, L>();
   detail::check_kind(p, false, call);
   const detail::problem& pb = p.problem();
