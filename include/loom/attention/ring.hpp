@@ -64,11 +64,6 @@
 
 namespace loom::attention::ring {
 
-struct pass_kv {};
-struct pass_q {};
-struct all_gather_kv {};
-struct bidirectional_kv {};
-
 //! One of the four variant tags.
 template <class V>
 concept variant = std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv> ||

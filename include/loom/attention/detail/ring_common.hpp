@@ -18,6 +18,14 @@
 #include <string_view>
 #include <vector>
 
+namespace loom::attention::ring {
+//! The variant tags (see ring.hpp).
+struct pass_kv {};
+struct pass_q {};
+struct all_gather_kv {};
+struct bidirectional_kv {};
+}  // namespace loom::attention::ring
+
 namespace loom::attention::detail {
 
 //! The digest of a shard plan: rank count, documents and every rank's pieces.

@@ -4,7 +4,7 @@
 //! The runners of ring::pass_kv, ring::pass_q and ring::all_gather_kv (forward and backward on a
 //! plan's state and a caller's workspace); included by attention/ring.hpp.
 
-#include <loom/attention/ring.hpp>
+#include <loom/attention/detail/ring_common.hpp>
 
 #include <algorithm>
 
