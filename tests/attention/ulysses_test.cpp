@@ -256,6 +256,13 @@ shard::plan plan_of(const std::vector<index_t>& cu, int p) {
   return shard::make_plan(std::span<const index_t>(cu), p, S{});
 }
 
+bool bitwise_equal(const sp_result& a, const sp_result& b) {
+  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
+    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
+  };
+  return same(a.out, b.out) && same(a.lse, b.lse) && same(a.dq, b.dq) && same(a.dk, b.dk) && same(a.dv, b.dv);
+}
+
 const std::vector<index_t> docs{0, 1, 8, 138, 141, 1021};  // lengths 1, 7, 130, 3, 880: T = 1021 (prime)
 
 }  // namespace
@@ -357,6 +364,38 @@ TEST_CASE("ulysses and hybrid: deterministic run to run", "[attention][ulysses]"
   const auto a = run_ulysses<float>(g, 6, plan, true), b = run_ulysses<float>(g, 6, plan, true);
   REQUIRE(std::memcmp(a.out.data(), b.out.data(), a.out.size() * sizeof(double)) == 0);
   REQUIRE(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(double)) == 0);
+}
+
+TEST_CASE("ulysses and hybrid: the convenience forms are the plan forms", "[attention][ulysses][hybrid]") {
+  // forward(b, comm, sharding, q, k, v, out, lse, opts) plans, allocates and calls the plan form:
+  // bitwise the same results (precision deduced from q: float).
+  const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 810);
+  const auto seq = plan_of<shard::zigzag>(docs, 3);
+  const auto ring = plan_of<shard::per_document>(docs, 2);
+  const auto planned_u = run_ulysses<float>(g, 3, seq, true);
+  const auto planned_h = run_hybrid<float, shard::per_document>(g, {2, 2}, true);
+  const auto la_opts = opts_of(g.s);
+  // The plan (for the rows only) and the convenience calls.
+  const auto u = run<float>(
+      g, 3, true,
+      [&](counting& c) { return lu::make_plan<loom::fp32>(loom::serial{}, c, seq, shape_of(g.s), la_opts); },
+      [&](auto& c, const auto&, auto q, auto k, auto v, auto o, auto l, auto) {
+        lu::forward(loom::serial{}, c, seq, q, k, v, o, l, la_opts);
+      },
+      [&](auto& c, const auto&, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv, auto) {
+        lu::backward(loom::serial{}, c, seq, q, k, v, o, l, d, dq, dk, dv, la_opts);
+      });
+  const auto h = run<float>(
+      g, 4, true,
+      [&](counting& c) { return lh::make_plan<loom::fp32>(loom::serial{}, c, ring, shape_of(g.s), la_opts); },
+      [&](auto& c, const auto&, auto q, auto k, auto v, auto o, auto l, auto) {
+        lh::forward(loom::serial{}, c, ring, q, k, v, o, l, la_opts);
+      },
+      [&](auto& c, const auto&, auto q, auto k, auto v, auto o, auto l, auto d, auto dq, auto dk, auto dv, auto) {
+        lh::backward(loom::serial{}, c, ring, q, k, v, o, l, d, dq, dk, dv, la_opts);
+      });
+  CHECK(bitwise_equal(u, planned_u));
+  CHECK(bitwise_equal(h, planned_h));
 }
 
 TEST_CASE("ulysses and hybrid: make_plan rejections are the same error on every rank",
@@ -618,12 +657,6 @@ std::vector<sp_result> repeat(const global_inputs& g, int p, int calls, const st
   return res;
 }
 
-bool bitwise_equal(const sp_result& a, const sp_result& b) {
-  auto same = [](const std::vector<double>& x, const std::vector<double>& y) {
-    return x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(double)) == 0;
-  };
-  return same(a.out, b.out) && same(a.lse, b.lse) && same(a.dq, b.dq) && same(a.dk, b.dk) && same(a.dv, b.dv);
-}
 }  // namespace
 
 TEST_CASE("ulysses: one plan reused across calls and threads is bitwise a fresh plan", "[attention][ulysses][reuse]") {
