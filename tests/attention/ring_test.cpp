@@ -49,6 +49,7 @@ struct ring_result {
   std::vector<double> out, lse, dq, dk, dv;
   long sends_per_rank = 0;              // point-to-point messages of one forward on rank 0
   long plan_collectives = 0;            // collectives make_plan ran, the most over the ranks
+  long plan_gathered = 0;               // bytes make_plan gathered from the other ranks, rank 0
   long forward_collectives = 0;         // collectives of all the forward calls, rank 0
   long long heap = 0, temporaries = 0;  // allocations of the plan-taking calls, every rank
 };
@@ -86,7 +87,7 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
         vv(v.data(), {n, s.hkv, s.dv});
     const auto rp = plans ? (*plans)[static_cast<std::size_t>(r)]
                           : lr::make_plan<P>(loom::serial{}, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
-    const long planned = rec->collectives.load();
+    const long planned = rec->collectives.load(), gathered = rec->gathered_in.load();
     loom::workspace_buffer ws(std::max(rp.workspace_bytes(), rp.backward_workspace_bytes()));
     const long m0 = rec->messages.load();
     const auto fwd = lt::count_allocations([&] {
@@ -112,6 +113,7 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
     res.temporaries += fwd.temporaries + bwa.temporaries;
     res.plan_collectives = std::max(res.plan_collectives, planned);
     if (r == 0) {
+      res.plan_gathered = gathered;
       res.sends_per_rank = sends;
       res.forward_collectives = fcoll;
     }
@@ -369,6 +371,7 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
   // The agreement runs once, in make_plan: one all_gather; calls add only the variant's own
   // collectives (none for the ring passes).
   CHECK(one.plan_collectives == 1);
+  CHECK(one.plan_gathered == static_cast<long>((p - 1) * loom::comm::agreement_bytes));  // an all_gather
   CHECK(three.plan_collectives == 1);
   CHECK(three.forward_collectives == 3 * one.forward_collectives);
   if (std::is_same_v<V, lr::pass_kv> || std::is_same_v<V, lr::bidirectional_kv>) CHECK(one.forward_collectives == 0);
