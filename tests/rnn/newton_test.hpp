@@ -536,6 +536,19 @@ TEST_CASE("rnn: rejections" LOOM_BACKEND_TAG, "[rnn][errors]") {
 
 namespace {
 
+// Heap allocations of one loop dispatch of the backend under test (loom::for_each_index): zero on
+// serial, openmp and cuda; Kokkos' parallel_for allocates per dispatch (its label string and
+// profiling state), which no plan can avoid, so on kokkos the heap check of a plan-taking call is
+// skipped (its temporaries are still checked).
+struct noop_step {
+  LOOM_HD void operator()(index_t) const {}
+};
+long long dispatch_allocations() {
+  const auto be = make_backend();
+  loom::for_each_index(be, 1, noop_step{});
+  return loom::test::count_allocations([&] { loom::for_each_index(be, 1, noop_step{}); }).heap;
+}
+
 // A workspace in the memory space of the backend under test, on loom::workspace_alignment.
 class workspace {
  public:
@@ -598,7 +611,7 @@ TEST_CASE(
                    view<double, 2>(dx.data(), {p.n, p.m}), view<double, 2>(dh0.data(), {p.segs, p.d}),
                    view<double, 1>(dth.data(), {static_cast<index_t>(p.theta.size())}), ws.span());
     });
-    CHECK(count.heap == 0);
+    if (dispatch_allocations() == 0) CHECK(count.heap == 0);  // see dispatch_allocations
     CHECK(count.temporaries == 0);
     CHECK(rep.iterations == rep_ref.iterations);
     CHECK(rep.residual_history == rep_ref.residual_history);
