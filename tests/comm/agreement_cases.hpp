@@ -69,9 +69,9 @@ std::vector<expectation> run_all(C& comm) {
 
   // --- ring attention: 3 documents, 4 query heads on 2 kv heads, dim 8 --------------------------
   const std::vector<index_t> cu{0, 37, 60, 131}, cu2{0, 50, 60, 131};  // same total, other documents
-  const auto contiguous = shard::make_plan(std::span<const index_t>(cu), p, shard::contiguous{});
-  const auto zigzag = shard::make_plan(std::span<const index_t>(cu), p, shard::zigzag{});
-  const auto other_docs = shard::make_plan(std::span<const index_t>(cu2), p, shard::contiguous{});
+  const auto contiguous = shard::make_plan(loom::segments<>(std::span(cu)), p, shard::contiguous{});
+  const auto zigzag = shard::make_plan(loom::segments<>(std::span(cu)), p, shard::zigzag{});
+  const auto other_docs = shard::make_plan(loom::segments<>(std::span(cu2)), p, shard::contiguous{});
   auto attn = [&](const shard::plan& plan, auto variant, index_t q_rows, const la::options& opt) {
     const index_t n = plan.rank(r).tokens;
     std::vector<float> q(static_cast<std::size_t>(q_rows * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)),
@@ -94,7 +94,9 @@ std::vector<expectation> run_all(C& comm) {
            });
   run_case(comm, out, "ring all_gather_kv: one rank not causal", "ranks disagree on the options",
            errc::invalid_argument, [&] {
-             attn(contiguous, la::ring::all_gather_kv{}, mine, {r != 0, 0, 0});
+             la::options o{};
+             o.causal = r != 0;
+             attn(contiguous, la::ring::all_gather_kv{}, mine, o);
            });
   run_case(comm, out, "bidirectional ring: q of the wrong length on the last rank",
            "on rank " + last_s + ": ring::forward(bidirectional_kv): q holds", errc::shape_mismatch,
@@ -110,8 +112,8 @@ std::vector<expectation> run_all(C& comm) {
 
   // --- hybrid: U x R = 2 x (P / 2) when P is even, 1 x P otherwise (R = the ring sharding's ranks) -
   const int ring_ranks = p % 2 == 0 ? p / 2 : p;
-  const auto ring = shard::make_plan(std::span<const index_t>(cu), ring_ranks, shard::zigzag{});
-  const auto ring_other = shard::make_plan(std::span<const index_t>(cu2), ring_ranks, shard::zigzag{});
+  const auto ring = shard::make_plan(loom::segments<>(std::span(cu)), ring_ranks, shard::zigzag{});
+  const auto ring_other = shard::make_plan(loom::segments<>(std::span(cu2)), ring_ranks, shard::zigzag{});
   run_case(comm, out, "hybrid: not causal on the last rank", "ranks disagree on the options", errc::invalid_argument,
            [&] {
              la::options o{};
@@ -129,12 +131,11 @@ std::vector<expectation> run_all(C& comm) {
   for (int q = 0; q < p; ++q) total += 10 + q;
   std::vector<double> x(static_cast<std::size_t>(n), 1.0), y(x.size());
   const std::vector<index_t> offs{0, 7, total}, offs2{0, 8, total};
-  run_case(comm, out, "segmented scan: other offsets on rank 1", "ranks disagree on the segment offsets",
+  run_case(comm, out, "segmented scan: other offsets on rank 1", "ranks disagree on the document offsets",
            errc::invalid_argument, [&] {
              const auto& o = r == 1 ? offs2 : offs;
-             scan::segmented_inclusive_scan(b, comm, scan::plus<double>{}, tensor_view<const double, 1>(x.data(), {n}),
-                                            tensor_view<double, 1>(y.data(), {n}),
-                                            tensor_view<const index_t, 1>(o.data(), {3}));
+             scan::inclusive_scan(b, comm, scan::plus<double>{}, tensor_view<const double, 1>(x.data(), {n}),
+                                  tensor_view<double, 1>(y.data(), {n}), loom::segments<>(std::span(o)));
            });
   run_case(comm, out, "scan: reverse on rank 0 only", "ranks disagree on the options", errc::invalid_argument, [&] {
     scan::options opt;
@@ -142,26 +143,25 @@ std::vector<expectation> run_all(C& comm) {
     scan::inclusive_scan(b, comm, scan::plus<double>{}, tensor_view<const double, 1>(x.data(), {n}),
                          tensor_view<double, 1>(y.data(), {n}), opt);
   });
-  run_case(comm, out, "scan: out too short on the last rank", "on rank " + last_s + ": exclusive_scan: out must have",
-           errc::shape_mismatch, [&] {
-             scan::exclusive_scan(b, comm, scan::plus<double>{}, tensor_view<const double, 1>(x.data(), {n}),
-                                  tensor_view<double, 1>(y.data(), {r == last ? n - 1 : n}), 0.0);
-           });
+  run_case(comm, out, "scan plan: a negative length on the last rank", "on rank " + last_s + ": scan::make_plan",
+           errc::invalid_argument,
+           [&] { (void)scan::make_plan(b, comm, scan::plus<double>{}, r == last ? index_t{-1} : n); });
   std::vector<double> a(static_cast<std::size_t>(n * 3), 0.5), bv(a.size(), 1.0), h(a.size());
   run_case(comm, out, "linear recurrence: state width 3 on rank 1, 2 elsewhere", "ranks disagree on the shapes",
            errc::invalid_argument, [&] {
              const index_t d = r == 1 ? 3 : 2;
              scan::linear_recurrence(b, comm, scan::diagonal{}, tensor_view<const double, 2>(a.data(), {n, d}),
                                      tensor_view<const double, 2>(bv.data(), {n, d}),
-                                     tensor_view<double, 2>(h.data(), {n, d}), scan::segments<double>{});
+                                     tensor_view<double, 2>(h.data(), {n, d}), loom::segments<>{},
+                                     scan::states<double>{});
            });
   run_case(comm, out, "linear recurrence adjoint: other offsets on the last rank",
-           "ranks disagree on the segment offsets", errc::invalid_argument, [&] {
+           "ranks disagree on the document offsets", errc::invalid_argument, [&] {
              const auto& o = r == last ? offs2 : offs;
-             scan::linear_recurrence_adjoint(
-                 b, comm, scan::scalar{}, tensor_view<const double, 1>(a.data(), {n}),
-                 tensor_view<const double, 2>(bv.data(), {n, 1}), tensor_view<double, 2>(h.data(), {n, 1}),
-                 scan::adjoint_segments<double>{tensor_view<const index_t, 1>(o.data(), {3}), {}, {}});
+             scan::linear_recurrence_adjoint(b, comm, scan::scalar{}, tensor_view<const double, 1>(a.data(), {n}),
+                                             tensor_view<const double, 2>(bv.data(), {n, 1}),
+                                             tensor_view<double, 2>(h.data(), {n, 1}), loom::segments<>(std::span(o)),
+                                             scan::adjoint_states<double>{});
            });
 
   // --- LASP-2: slices of 10 + r tokens, 2 heads, d = 4 -------------------------------------------
@@ -177,26 +177,24 @@ std::vector<expectation> run_all(C& comm) {
     run_case(comm, out, "LASP-2: other cu_seqlens on rank 1", "ranks disagree on cu_seqlens", errc::invalid_argument,
              [&] {
                const auto& c = r == 1 ? offs2 : offs;
-               lin::lasp2_forward<fp32>(comm, b, lin::no_decay{}, ops, tensor_view<float, 3>(o.data(), {n, H, d}),
-                                        std::span<const index_t>(c), begin);
+               lin::lasp2::forward(b, comm, loom::segments<>(std::span(c)), begin, lin::no_decay{}, ops,
+                                   tensor_view<float, 3>(o.data(), {n, H, d}));
              });
     run_case(comm, out, "LASP-2: a gap between the slices of ranks 0 and 1",
-             "lasp2_forward: the slices must tile the sequence in rank order: rank 0 ends at token 10, rank 1 begins "
-             "at 11",
+             "lasp2::forward: the slices must tile the sequence in rank order: rank 0 ends at token 10, rank 1 "
+             "begins at 11",
              errc::invalid_argument, [&] {
                const index_t shift = r == 1 ? 1 : 0;
                const lin::operands<fp32> part{tensor_view<const float, 3>(q.data(), {n - shift, H, d}),
                                               tensor_view<const float, 3>(q.data(), {n - shift, H, d}),
                                               tensor_view<const float, 3>(q.data(), {n - shift, H, d})};
-               lin::lasp2_forward<fp32>(comm, b, lin::no_decay{}, part,
-                                        tensor_view<float, 3>(o.data(), {n - shift, H, d}),
-                                        std::span<const index_t>(offs), begin + shift);
+               lin::lasp2::forward(b, comm, loom::segments<>(std::span(offs)), begin + shift, lin::no_decay{}, part,
+                                   tensor_view<float, 3>(o.data(), {n - shift, H, d}));
              });
     run_case(comm, out, "LASP-2: o of the wrong shape on rank 0",
-             "on rank 0: o (the workspace's [slice tokens, heads, dv])", errc::shape_mismatch, [&] {
-               lin::lasp2_forward<fp32>(comm, b, lin::no_decay{}, ops,
-                                        tensor_view<float, 3>(o.data(), {n, H, r == 0 ? d - 1 : d}),
-                                        std::span<const index_t>(offs), begin);
+             "on rank 0: lasp2::forward: o (the plan's [slice tokens, heads, dv])", errc::shape_mismatch, [&] {
+               lin::lasp2::forward(b, comm, loom::segments<>(std::span(offs)), begin, lin::no_decay{}, ops,
+                                   tensor_view<float, 3>(o.data(), {n, H, r == 0 ? d - 1 : d}));
              });
   }
 
@@ -204,18 +202,20 @@ std::vector<expectation> run_all(C& comm) {
   {
     std::vector<double> th(12, 0.1), xs(static_cast<std::size_t>(n * 6), 0.1), hs(static_cast<std::size_t>(n * 2));
     const rnn::para_gru<double> cell{th.data(), 2};
-    run_case(comm, out, "newton_solve: other max_iterations on rank 1", "ranks disagree on the options",
-             errc::invalid_argument, [&] {
-               rnn::options<> opt;
+    run_case(comm, out, "rnn: other max_iterations on rank 1", "ranks disagree on the options", errc::invalid_argument,
+             [&] {
+               rnn::options opt;
                if (r == 1) opt.max_iterations = 7;
-               (void)rnn::newton_solve(b, comm, cell, tensor_view<const double, 2>(xs.data(), {n, 6}),
-                                       tensor_view<const double, 2>{}, tensor_view<double, 2>(hs.data(), {n, 2}), opt);
+               (void)rnn::forward(b, comm, cell, tensor_view<const double, 2>(xs.data(), {n, 6}),
+                                  tensor_view<const double, 2>{}, tensor_view<double, 2>(hs.data(), {n, 2}),
+                                  loom::segments<>{}, opt);
              });
-    run_case(comm, out, "newton_solve: a NaN input on the last rank", "on rank " + last_s + ": newton_solve: x holds",
-             errc::invalid_argument, [&] {
+    run_case(comm, out, "rnn: a NaN input on the last rank",
+             "rnn::forward: x holds non-finite values (NaN or inf) on rank " + last_s, errc::invalid_argument, [&] {
                if (r == last) xs[3] = std::nan("");
-               (void)rnn::newton_solve(b, comm, cell, tensor_view<const double, 2>(xs.data(), {n, 6}),
-                                       tensor_view<const double, 2>{}, tensor_view<double, 2>(hs.data(), {n, 2}));
+               (void)rnn::forward(b, comm, cell, tensor_view<const double, 2>(xs.data(), {n, 6}),
+                                  tensor_view<const double, 2>{}, tensor_view<double, 2>(hs.data(), {n, 2}),
+                                  loom::segments<>{});
              });
   }
   return out;

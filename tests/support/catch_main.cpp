@@ -20,7 +20,9 @@
 #include <cstdlib>
 #include <new>
 
-// Every operator new of a test executable is counted per thread (support/allocations.hpp).
+// Every operator new of a test executable is counted per thread (support/allocations.hpp). Every
+// form ends in malloc / free, so the asan preset turns off alloc_dealloc_mismatch: the pairing it
+// checks is no longer visible to it.
 namespace {
 thread_local long long heap_allocations = 0;
 thread_local int count_paused = 0;
