@@ -55,7 +55,7 @@ struct rnn_result {
   lr::report rep;
 };
 
-//! newton_solve, then backward at its solution (input checks off).
+//! rnn::forward, then backward at its solution (input checks off).
 template <class Make>
 rnn_result run(Make make, const rnn_problem& p, index_t d_arg, lr::options opt) {
   const auto b = make_backend();

@@ -1,7 +1,7 @@
 #pragma once
 
 //! @file
-//! Recurrent cells h_t = f(h_{t-1}, x_t; θ) for loom::rnn::newton_solve, with the structure of
+//! Recurrent cells h_t = f(h_{t-1}, x_t; θ) for loom::rnn::forward (the Newton solvers), with the structure of
 //! their Jacobian ∂f/∂h_{t-1} declared as a loom::scan structure tag, and three provided cells:
 //!
 //!   para_gru<T>        ParaGRU-style GRU with diagonal recurrence          Jacobian diagonal
@@ -14,7 +14,7 @@
 //! space) whose layout each cell documents; gradients come back in the same layout.
 //!
 //! check_jacobian() compares a cell's declared Jacobian with central finite differences of
-//! step() (a debug aid; newton_solve runs it with options.verify_jacobian).
+//! step() (a debug aid; rnn::forward runs it with options.verify_jacobian).
 
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>

@@ -56,25 +56,6 @@ void check_recurrence_overlaps(const AV& a, const BV& bv, const HV& h, const Off
   check_no_overlap(fin, fn, h, hn, false, call);
 }
 
-//! (Kept for loom/attention/local.hpp until it moves to loom::check_segments.) Checks that
-//! `offsets` is a valid segmentation of n elements: offsets[0] == 0, non-decreasing,
-//! offsets[S] == n. Only host-accessible offsets can be checked; device offsets are trusted.
-template <class V>
-void check_offsets(const V& offsets, index_t n, std::string_view call, std::string_view name = "offsets") {
-  LOOM_EXPECTS(offsets.extent(0) >= 1, errc::invalid_argument, call, ": ", name,
-               " must hold at least one offset (segments + 1), got none");
-  if constexpr (V::space::host_accessible) {
-    const index_t s = offsets.extent(0) - 1;
-    LOOM_EXPECTS(offsets(0) == 0, errc::invalid_argument, call, ": ", name, "[0] must be 0, got ", offsets(0));
-    for (index_t i = 0; i < s; ++i)
-      LOOM_EXPECTS(offsets(i + 1) >= offsets(i), errc::invalid_argument, call, ": ", name,
-                   " must be non-decreasing, but ", name, "[", i + 1, "] = ", offsets(i + 1), " < ", name, "[", i,
-                   "] = ", offsets(i));
-    LOOM_EXPECTS(offsets(s) == n, errc::invalid_argument, call, ": ", name, "[", s,
-                 "] (the last offset) must equal the sequence length ", n, ", got ", offsets(s));
-  }
-}
-
 template <backend B, class V>
 constexpr void check_space() {
   static_assert(std::is_same_v<typename V::space, typename backend_traits<B>::memory_space> ||
