@@ -195,7 +195,7 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
                  " ranks, which must divide the communicator's size, ", p);
     g = {p / rr, rr};
     detail::check_shape(s, opt, g.ulysses, call);
-    return detail::plan_signature<T, Acc>(
+    return detail::attention_signature<T, Acc>(
         comm::hasher{}.add(g.ulysses, g.ring, attention::detail::digest_of(ring_sharding)).value(), s, opt);
   });
   // The Ulysses group (consecutive ranks) and the ring group (stride U), kept in the plan.
@@ -258,7 +258,7 @@ void backward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O ou
   detail::check_comm(comm, hp.ranks(), hp.rank(), call);
   const index_t n = hp.tokens(hp.rank());
   detail::check_views<T, Acc>(hp.shape(), n, q, k, v, out, lse, call);
-  detail::check_gradients<T>(hp.shape(), n, dout, dq, dk, dv, call);
+  detail::check_rank_gradients<T, false>(hp.shape(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, hp.workspace_bytes(), call);
   hp.pipeline().backward(hp.ulysses_comm(), q, k, v, out, lse, dout, dq, dk, dv, workspace,
                          [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,

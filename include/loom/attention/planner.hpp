@@ -445,7 +445,7 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
     }
     const auto& m = opt.machine;
     const auto& best = st->choice.best;
-    return attention::ulysses::detail::plan_signature<T, Acc>(
+    return attention::detail::attention_signature<T, Acc>(
         comm::hasher{}
             .add(attention::detail::digest_of(whole), static_cast<int>(opt.layout), best.kind, best.ulysses, best.ring)
             .add(m.flops, m.link_bandwidth, m.node_ranks, m.node_bandwidth)

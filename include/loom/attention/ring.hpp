@@ -91,47 +91,6 @@ constexpr int id_of() {
   return std::is_same_v<V, pass_kv> ? 0 : std::is_same_v<V, pass_q> ? 1 : std::is_same_v<V, all_gather_kv> ? 2 : 3;
 }
 
-//! The per-call checks of a view set against this rank's rows: storage types, extents.
-template <class T, class Acc, class Q, class K, class V, class O, class L>
-void check_views(const shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
-                 std::string_view call) {
-  static_assert(Q::space::host_accessible && K::space::host_accessible && V::space::host_accessible &&
-                    O::space::host_accessible && L::space::host_accessible,
-                "ring attention runs on host memory");
-  static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename O::value_type>, T>,
-                "ring attention: q, k, v and out must hold the plan's storage type (P::storage_type)");
-  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, Acc>,
-                "ring attention: lse must hold the plan's accumulation type (P::accum_type)");
-  expect_view(q, {n, s.heads_q, s.dim_qk}, call, "q");
-  expect_view(k, {n, s.heads_kv, s.dim_qk}, call, "k");
-  expect_view(v, {n, s.heads_kv, s.dim_v}, call, "v");
-  expect_view(out, {n, s.heads_q, s.dim_v}, call, "out");
-  expect_view(lse, {n, s.heads_q}, call, "lse");
-}
-template <class T, class DO, class DQ, class DK, class DV>
-void check_gradients(const shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
-                     std::string_view call) {
-  static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DK::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DV::value_type>, T>,
-                "ring attention: dout, dq, dk and dv must hold the plan's storage type (P::storage_type)");
-  expect_view(dout, {n, s.heads_q, s.dim_v}, call, "dout");
-  expect_view(dq, {n, s.heads_q, s.dim_qk}, call, "dq");
-  expect_view(dk, {n, s.heads_kv, s.dim_qk}, call, "dk");
-  expect_view(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
-}
-
-//! This rank of comm against the rank and size a plan was made for.
-template <comm::communicator C>
-void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
-  LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
-               ": the plan was made for rank ", rank, " of ", ranks, ", but the communicator is rank ", comm.rank(),
-               " of ", comm.size());
-}
 }  // namespace detail
 
 template <class V, class B, precision_policy P>
@@ -230,7 +189,7 @@ void forward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O out
   using Acc = typename P::accum_type;
   const auto& st = rp.state();
   detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_views<T, Acc>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
   check_workspace(workspace, rp.workspace_bytes(), call);
   detail::runner<V>::template forward<T, Acc>(b, comm, st, q, k, v, out, lse, workspace);
 }
@@ -246,8 +205,8 @@ void backward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O ou
   using Acc = typename P::accum_type;
   const auto& st = rp.state();
   detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_views<T, Acc>(st.dims, st.mine, q, k, v, out, lse, call);
-  detail::check_gradients<T>(st.dims, st.mine, dout, dq, dk, dv, call);
+  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_rank_gradients<T, true>(st.dims, st.mine, dout, dq, dk, dv, call);
   check_workspace(workspace, rp.backward_workspace_bytes(), call);
   detail::runner<V>::template backward<T, Acc>(b, comm, st, q, k, v, out, lse, dout, dq, dk, dv, workspace);
 }
@@ -265,7 +224,7 @@ auto convenience_plan(const B& b, C& comm, const shard::plan& sharding, const Q&
                  " tokens but the plan gives rank ", comm.rank(), " ", n);
     LOOM_EXPECTS(k.extent(0) == n && v.extent(0) == n, errc::shape_mismatch, call, ": k and v hold ", k.extent(0),
                  " and ", v.extent(0), " tokens but the plan gives rank ", comm.rank(), " ", n);
-    check_views<typename P::storage_type, typename P::accum_type>(s, n, q, k, v, out, lse, call);
+    check_rank_views<typename P::storage_type, typename P::accum_type, true>(s, n, q, k, v, out, lse, call);
     more(s, n);
   });
 }
@@ -313,7 +272,7 @@ void backward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv 
   constexpr std::string_view call = detail::backward_name<V>();
   const auto rp =
       detail::convenience_plan<V>(b, comm, sharding, q, k, v, out, lse, opt, call, [&](const shape& s, index_t n) {
-        detail::check_gradients<std::remove_cv_t<typename Q::value_type>>(s, n, dout, dq, dk, dv, call);
+        detail::check_rank_gradients<std::remove_cv_t<typename Q::value_type>, true>(s, n, dout, dq, dk, dv, call);
       });
   const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(rp.backward_workspace_bytes()));
   backward(b, comm, rp, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());

@@ -103,57 +103,15 @@ inline traffic exchange_bytes(const shard::plan& tokens, const head_split& h, co
   return t;
 }
 
-//! The per-call checks of a view set against a plan's rank: storage types, extents.
+//! The per-call checks of a view set against a plan's rank: storage types, extents, and q, k, v
+//! and out contiguous in their last dimension.
 template <class T, class Acc, class Q, class K, class V, class O, class L>
 void check_views(const head_shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
                  std::string_view call) {
-  static_assert(Q::space::host_accessible, "sequence parallel attention runs on host memory");
-  static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename O::value_type>, T>,
-                "sequence parallel attention: q, k, v and out must hold the plan's storage type");
-  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, Acc>,
-                "sequence parallel attention: lse must hold the plan's accumulation type");
-  expect_extents(q, {n, s.heads_q, s.dim_qk}, call, "q");
-  expect_extents(k, {n, s.heads_kv, s.dim_qk}, call, "k");
-  expect_extents(v, {n, s.heads_kv, s.dim_v}, call, "v");
-  expect_extents(out, {n, s.heads_q, s.dim_v}, call, "out");
-  expect_extents(lse, {n, s.heads_q}, call, "lse");
+  check_rank_views<T, Acc, false>(s, n, q, k, v, out, lse, call);
   for (auto st : {q.stride(2), k.stride(2), v.stride(2), out.stride(2)})
     LOOM_EXPECTS(st == 1, errc::invalid_argument, call,
                  ": q, k, v and out must be contiguous in their last dimension (stride 1)");
-}
-template <class T, class DO, class DQ, class DK, class DV>
-void check_gradients(const head_shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
-                     std::string_view call) {
-  static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DK::value_type>, T> &&
-                    std::is_same_v<std::remove_cv_t<typename DV::value_type>, T>,
-                "sequence parallel attention: dout, dq, dk and dv must hold the plan's storage type");
-  expect_extents(dout, {n, s.heads_q, s.dim_v}, call, "dout");
-  expect_extents(dq, {n, s.heads_q, s.dim_qk}, call, "dq");
-  expect_extents(dk, {n, s.heads_kv, s.dim_qk}, call, "dk");
-  expect_extents(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
-}
-
-//! This rank of comm against the rank and size a plan was made for.
-template <comm::communicator C>
-void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
-  LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
-               ": the plan was made for rank ", rank, " of ", ranks, ", but the communicator is rank ", comm.rank(),
-               " of ", comm.size());
-}
-
-//! The signature of a sequence parallel plan: sharding digest, shape, options, element types.
-template <class T, class Acc>
-comm::signature plan_signature(std::uint64_t digest, const head_shape& s, const options& opt) {
-  return comm::signature{}
-      .add("the shapes (q heads, kv heads, head dims)", s.heads_q, s.heads_kv, s.dim_qk, s.dim_v)
-      .add("the options (causal, window, scale)", words_of(opt))
-      .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
-      .add_digest("the plan", digest);
 }
 
 }  // namespace detail
@@ -243,7 +201,7 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
       bwd = std::max(bwd, st->local.back().backward_workspace_bytes());
     }
     st->pipe.reserve_inner(fwd, bwd);
-    return detail::plan_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
+    return detail::attention_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
   });
   plan<B, P> out;
   out.s_ = std::move(st);
@@ -281,7 +239,7 @@ void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L
   detail::check_comm(comm, up.ranks(), up.rank(), call);
   const index_t n = up.tokens().rank(up.rank()).tokens;
   detail::check_views<T, Acc>(up.dims(), n, q, k, v, out, lse, call);
-  detail::check_gradients<T>(up.dims(), n, dout, dq, dk, dv, call);
+  detail::check_rank_gradients<T, false>(up.dims(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, up.workspace_bytes(), call);
   up.pipeline().backward(
       comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,

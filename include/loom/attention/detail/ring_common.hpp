@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace loom::attention::ring {
@@ -47,6 +48,61 @@ comm::signature attention_signature(std::uint64_t plan, const head_shape& s, con
       .add("the options (causal, window, scale)", words_of(opt))
       .add("the element types", comm::dtype_of<T>(), sizeof(T), comm::dtype_of<Acc>())
       .add_digest("the plan", plan);
+}
+
+//! This rank of comm against the rank and size a plan was made for.
+template <comm::communicator C>
+void check_comm(const C& comm, int ranks, int rank, std::string_view call) {
+  LOOM_EXPECTS(comm.size() == ranks && comm.rank() == rank, errc::invalid_argument, call,
+               ": the plan was made for rank ", rank, " of ", ranks, ", but the communicator is rank ", comm.rank(),
+               " of ", comm.size());
+}
+
+//! expect_view (extents and a unit stride in the last dimension) where unit_stride, else
+//! expect_extents.
+template <bool unit_stride, class V>
+void expect_rank_view(const V& v, const std::array<index_t, V::rank>& ext, std::string_view call,
+                      std::string_view name) {
+  if constexpr (unit_stride)
+    expect_view(v, ext, call, name);
+  else
+    expect_extents(v, ext, call, name);
+}
+
+//! The per-call checks of a view set against a rank's n rows: host memory, storage types, extents.
+template <class T, class Acc, bool unit_stride, class Q, class K, class V, class O, class L>
+void check_rank_views(const head_shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                      std::string_view call) {
+  static_assert(Q::space::host_accessible && K::space::host_accessible && V::space::host_accessible &&
+                    O::space::host_accessible && L::space::host_accessible,
+                "sequence parallel attention runs on host memory");
+  static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename O::value_type>, T>,
+                "sequence parallel attention: q, k, v and out must hold the plan's storage type (P::storage_type)");
+  static_assert(std::is_same_v<std::remove_cv_t<typename L::value_type>, Acc>,
+                "sequence parallel attention: lse must hold the plan's accumulation type (P::accum_type)");
+  expect_rank_view<unit_stride>(q, {n, s.heads_q, s.dim_qk}, call, "q");
+  expect_rank_view<unit_stride>(k, {n, s.heads_kv, s.dim_qk}, call, "k");
+  expect_rank_view<unit_stride>(v, {n, s.heads_kv, s.dim_v}, call, "v");
+  expect_rank_view<unit_stride>(out, {n, s.heads_q, s.dim_v}, call, "out");
+  expect_rank_view<unit_stride>(lse, {n, s.heads_q}, call, "lse");
+}
+
+//! The per-call checks of the gradient views against a rank's n rows: storage types, extents.
+template <class T, bool unit_stride, class DO, class DQ, class DK, class DV>
+void check_rank_gradients(const head_shape& s, index_t n, const DO& dout, const DQ& dq, const DK& dk, const DV& dv,
+                          std::string_view call) {
+  static_assert(std::is_same_v<std::remove_cv_t<typename DO::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DQ::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DK::value_type>, T> &&
+                    std::is_same_v<std::remove_cv_t<typename DV::value_type>, T>,
+                "sequence parallel attention: dout, dq, dk and dv must hold the plan's storage type (P::storage_type)");
+  expect_rank_view<unit_stride>(dout, {n, s.heads_q, s.dim_v}, call, "dout");
+  expect_rank_view<unit_stride>(dq, {n, s.heads_q, s.dim_qk}, call, "dq");
+  expect_rank_view<unit_stride>(dk, {n, s.heads_kv, s.dim_qk}, call, "dk");
+  expect_rank_view<unit_stride>(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
 }
 
 inline int ring_next(int r, int p, int s = 1) { return ((r + s) % p + p) % p; }
