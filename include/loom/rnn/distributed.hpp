@@ -208,10 +208,9 @@ template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class
 report forward(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, const loom::segments<Space>& docs,
                const options& opt = {}) {
   const auto p = make_plan(b, comm, c, x.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(p.workspace_bytes()));
   report rep(p);
-  forward(b, comm, p, c, x, h0, h, rep, tmp.bytes());
-  fence(b);
+  scan::detail::with_temporary_workspace(b, p,
+                                         [&](std::span<std::byte> ws) { forward(b, comm, p, c, x, h0, h, rep, ws); });
   return rep;
 }
 template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class HV, class GV, class DXV, class DH0V,
@@ -219,9 +218,8 @@ template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class
 void backward(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,
               const loom::segments<Space>& docs, const options& opt = {}) {
   const auto p = make_plan(b, comm, c, x.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(p.workspace_bytes()));
-  backward(b, comm, p, c, x, h0, h, dh, dx, dh0, dtheta, tmp.bytes());
-  fence(b);
+  scan::detail::with_temporary_workspace(
+      b, p, [&](std::span<std::byte> ws) { backward(b, comm, p, c, x, h0, h, dh, dx, dh0, dtheta, ws); });
 }
 
 }  // namespace loom::rnn

@@ -385,10 +385,8 @@ template <backend B, cell Cell, class XV, class H0V, class HV, memory_space Spac
 report forward(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segments<Space>& docs,
                const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(p.workspace_bytes()));
   report rep(p);
-  forward(b, p, c, x, h0, h, rep, tmp.bytes());
-  fence(b);
+  scan::detail::with_temporary_workspace(b, p, [&](std::span<std::byte> ws) { forward(b, p, c, x, h0, h, rep, ws); });
   return rep;
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
@@ -399,9 +397,7 @@ template <backend B, cell Cell, class XV, class H0V, class HV, memory_space Spac
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segments<Space>& docs,
                 const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(p.workspace_bytes()));
-  sequential(b, p, c, x, h0, h, tmp.bytes());
-  fence(b);
+  scan::detail::with_temporary_workspace(b, p, [&](std::span<std::byte> ws) { sequential(b, p, c, x, h0, h, ws); });
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const options& opt = {}) {
@@ -412,9 +408,8 @@ template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class D
 void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,
               const loom::segments<Space>& docs, const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(p.workspace_bytes()));
-  backward(b, p, c, x, h0, h, dh, dx, dh0, dtheta, tmp.bytes());
-  fence(b);
+  scan::detail::with_temporary_workspace(
+      b, p, [&](std::span<std::byte> ws) { backward(b, p, c, x, h0, h, dh, dx, dh0, dtheta, ws); });
 }
 template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class DXV, class DH0V, class DTV>
 void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,

@@ -239,9 +239,8 @@ template <backend B, comm::communicator C, monoid M, class In, class Out, memory
 void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const loom::segments<Space>& docs,
                     const options& opt = {}) {
   const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  inclusive_scan(b, comm, plan, in, out, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan,
+                                   [&](std::span<std::byte> ws) { inclusive_scan(b, comm, plan, in, out, ws); });
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
@@ -251,9 +250,8 @@ template <backend B, comm::communicator C, monoid M, class In, class Out, memory
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
                     const loom::segments<Space>& docs, const options& opt = {}) {
   const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  exclusive_scan(b, comm, plan, in, out, init, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan,
+                                   [&](std::span<std::byte> ws) { exclusive_scan(b, comm, plan, in, out, init, ws); });
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
@@ -297,17 +295,15 @@ template <backend B, comm::communicator C, structure St, class AV, class BV, cla
 void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const loom::segments<Space>& docs,
                        const states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, comm, st, bv.extent(0), bv.extent(1), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  linear_recurrence(b, comm, plan, a, bv, h, s, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan,
+                                   [&](std::span<std::byte> ws) { linear_recurrence(b, comm, plan, a, bv, h, s, ws); });
 }
 template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, memory_space Space, class T>
 void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda, const loom::segments<Space>& docs,
                                const adjoint_states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, comm, st, g.extent(0), g.extent(1), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  linear_recurrence_adjoint(b, comm, plan, a, g, lambda, s, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(
+      b, plan, [&](std::span<std::byte> ws) { linear_recurrence_adjoint(b, comm, plan, a, g, lambda, s, ws); });
 }
 
 }  // namespace loom::scan

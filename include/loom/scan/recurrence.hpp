@@ -346,9 +346,8 @@ template <backend B, structure St, class AV, class BV, class HV, memory_space Sp
 void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const loom::segments<Space>& docs,
                        const states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, st, bv.extent(0), bv.extent(1), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  linear_recurrence(b, plan, a, bv, h, s, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan,
+                                   [&](std::span<std::byte> ws) { linear_recurrence(b, plan, a, bv, h, s, ws); });
 }
 template <backend B, structure St, class AV, class BV, class HV>
 void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const options& opt = {}) {
@@ -359,9 +358,8 @@ template <backend B, structure St, class AV, class GV, class LV, memory_space Sp
 void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const loom::segments<Space>& docs,
                                const adjoint_states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, st, g.extent(0), g.extent(1), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  linear_recurrence_adjoint(b, plan, a, g, lambda, s, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(
+      b, plan, [&](std::span<std::byte> ws) { linear_recurrence_adjoint(b, plan, a, g, lambda, s, ws); });
 }
 template <backend B, structure St, class AV, class GV, class LV>
 void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const options& opt = {}) {

@@ -276,14 +276,23 @@ void exclusive_scan(const B& b, const Plan& plan, In in, Out out, typename Plan:
   detail::run_monoid(b, plan, in, out, true, init, ws, "exclusive_scan");
 }
 
+namespace detail {
+//! The body of every convenience form: a temporary workspace of plan.workspace_bytes(), the plan
+//! form run on it by call(ws), then fence (before the workspace is released).
+template <backend B, class Plan, class F>
+void with_temporary_workspace(const B& b, const Plan& plan, F&& call) {
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
+  call(tmp.bytes());
+  fence(b);
+}
+}  // namespace detail
+
 //! Convenience: make_plan, a temporary workspace, the plan form, fence.
 template <backend B, monoid M, class In, class Out, memory_space Space>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const loom::segments<Space>& docs,
                     const options& opt = {}) {
   const auto plan = make_plan(b, m, in.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  inclusive_scan(b, plan, in, out, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan, [&](std::span<std::byte> ws) { inclusive_scan(b, plan, in, out, ws); });
 }
 template <backend B, monoid M, class In, class Out>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const options& opt = {}) {
@@ -293,9 +302,8 @@ template <backend B, monoid M, class In, class Out, memory_space Space>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init,
                     const loom::segments<Space>& docs, const options& opt = {}) {
   const auto plan = make_plan(b, m, in.extent(0), docs, opt);
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  exclusive_scan(b, plan, in, out, init, tmp.bytes());
-  fence(b);
+  detail::with_temporary_workspace(b, plan,
+                                   [&](std::span<std::byte> ws) { exclusive_scan(b, plan, in, out, init, ws); });
 }
 template <backend B, monoid M, class In, class Out>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init, const options& opt = {}) {
