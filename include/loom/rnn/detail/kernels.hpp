@@ -25,6 +25,15 @@ struct row_map {
     return loom::segment_of(offsets, segs, base + t);
   }
   LOOM_HD bool starts(index_t t, index_t s) const { return offsets ? offsets[s] == base + t : base + t == 0; }
+  //! The local rows [begin, end) of sequence s within a window of n rows (all n for one sequence).
+  struct rows {
+    index_t begin, end;
+  };
+  LOOM_HD rows local_rows(index_t s, index_t n) const {
+    if (!offsets) return {0, n};
+    const index_t b = offsets[s] - base, e = offsets[s + 1] - base;
+    return {b < 0 ? 0 : (b > n ? n : b), e < 0 ? 0 : (e > n ? n : e)};
+  }
 };
 
 //! h_{t-1} of local row t: the previous row, the sequence's initial state (zeros when absent),
@@ -216,13 +225,7 @@ struct segment_max_step {
   const double* norm;
   double* out;
   LOOM_HD void operator()(index_t s) const {
-    index_t b = 0, e = n;
-    if (map.offsets) {
-      b = map.offsets[s] - map.base;
-      e = map.offsets[s + 1] - map.base;
-      b = b < 0 ? 0 : (b > n ? n : b);
-      e = e < 0 ? 0 : (e > n ? n : e);
-    }
+    const auto [b, e] = map.local_rows(s, n);
     double m = 0;
     for (index_t t = b; t < e; ++t) m = norm[t] > m ? norm[t] : m;
     out[s] = m;
@@ -245,13 +248,7 @@ struct sequential_step {
   index_t n;
   LOOM_HD void operator()(index_t s) const {
     if (which && !which[s]) return;
-    index_t b = 0, e = n;
-    if (map.offsets) {
-      b = map.offsets[s] - map.base;
-      e = map.offsets[s + 1] - map.base;
-      b = b < 0 ? 0 : (b > n ? n : b);
-      e = e < 0 ? 0 : (e > n ? n : e);
-    }
+    const auto [b, e] = map.local_rows(s, n);
     for (index_t t = b; t < e; ++t) cell.step(prev(map, t, s), x + t * xs, h + t * hs);
   }
 };
