@@ -26,20 +26,17 @@ struct runner<ring::bidirectional_kv> {
   template <class T, class Acc>
   struct fwd {
     block<T> kcw, vcw, kccw, vccw, kcw_n, vcw_n, kccw_n, vccw_n;
-    block<Acc> acc, part, lacc, lpart;
+    running_out<Acc> o;
     std::span<std::byte> local;
   };
   template <class T, class Acc, class A>
   static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
     const auto& s = st.dims;
-    const index_t m = st.max_rows, n = st.mine;
+    const index_t m = st.max_rows;
     fwd<T, Acc> w;
     for (block<T>* k : {&w.kcw, &w.kccw, &w.kcw_n, &w.kccw_n}) *k = take_block<T>(a, m, s.heads_kv, s.dim_qk);
     for (block<T>* v : {&w.vcw, &w.vccw, &w.vcw_n, &w.vccw_n}) *v = take_block<T>(a, m, s.heads_kv, s.dim_v);
-    w.acc = take_block<Acc>(a, n, s.heads_q, s.dim_v);
-    w.part = take_block<Acc>(a, n, s.heads_q, s.dim_v);
-    w.lacc = take_block<Acc>(a, n, s.heads_q, 1);
-    w.lpart = take_block<Acc>(a, n, s.heads_q, 1);
+    w.o = running_out<Acc>::take(a, st);
     w.local = take_bytes(a, st.local_forward);
     return w;
   }
@@ -81,11 +78,7 @@ struct runner<ring::bidirectional_kv> {
       }
     };
     auto add = [&](const block<T>& kb, const block<T>& vb, int src, bool first) {
-      const auto& o = first ? w.acc : w.part;
-      const auto& l = first ? w.lacc : w.lpart;
-      forward_on(b, st.local(n, kb.n), scale, q, kb.cview(), vb.cview(), st.coords_of(me), st.coords_of(src), o.view(),
-                 l.view2(), w.local, st.cap);
-      if (!first) merge(b, w.acc.view(), w.lacc.view2(), w.part.cview(), w.lpart.cview2());
+      w.o.add(b, st, scale, q, kb, vb, src, first, w.local);
     };
     if (cw_steps >= 1) post(1);
     add(w.kcw, w.vcw, me, true);
@@ -101,8 +94,7 @@ struct runner<ring::bidirectional_kv> {
       add(w.kcw, w.vcw, ring_next(me, p, -s), false);
       if (s <= ccw_steps) add(w.kccw, w.vccw, ring_next(me, p, s), false);
     }
-    copy_out(w.acc, out);
-    copy_out2(w.lacc, lse);
+    w.o.copy_to(out, lse);
   }
 
   template <class T, class Acc, class B, class C, class... Views>

@@ -22,12 +22,46 @@ void size_from(ring_state& st, index_t fq, index_t fk, index_t bq, index_t bk) {
   st.backward_bytes = g.l.bytes();
 }
 
+//! The running (out, lse) of this rank's queries and one step's partial: every step adds the
+//! queries against one rank's K/V, merged into the running pair after the first.
+template <class Acc>
+struct running_out {
+  block<Acc> acc, part, lacc, lpart;
+
+  template <class A>
+  static running_out take(A& a, const ring_state& st) {
+    const auto& s = st.dims;
+    const index_t n = st.mine;
+    running_out r;
+    r.acc = take_block<Acc>(a, n, s.heads_q, s.dim_v);
+    r.part = take_block<Acc>(a, n, s.heads_q, s.dim_v);
+    r.lacc = take_block<Acc>(a, n, s.heads_q, 1);
+    r.lpart = take_block<Acc>(a, n, s.heads_q, 1);
+    return r;
+  }
+  //! q (this rank's) against kb, vb (rank src's): into the running pair when first, else merged in.
+  template <class B, class Q, class T>
+  void add(const B& b, const ring_state& st, Acc scale, Q q, const block<T>& kb, const block<T>& vb, int src,
+           bool first, std::span<std::byte> local) {
+    const auto& o = first ? acc : part;
+    const auto& l = first ? lacc : lpart;
+    forward_on(b, st.local(st.mine, kb.n), scale, q, kb.cview(), vb.cview(), st.coords_of(st.me), st.coords_of(src),
+               o.view(), l.view2(), local, st.cap);
+    if (!first) merge(b, acc.view(), lacc.view2(), part.cview(), lpart.cview2());
+  }
+  template <class O, class L>
+  void copy_to(O out, L lse) const {
+    copy_out(acc, out);
+    copy_out2(lacc, lse);
+  }
+};
+
 template <>
 struct runner<ring::pass_kv> {
   template <class T, class Acc>
   struct fwd {
     block<T> kc, vc, kn, vn;
-    block<Acc> acc, part, lacc, lpart;
+    running_out<Acc> o;
     std::span<std::byte> local;
   };
   template <class T, class Acc>
@@ -39,16 +73,13 @@ struct runner<ring::pass_kv> {
   template <class T, class Acc, class A>
   static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
     const auto& s = st.dims;
-    const index_t m = st.max_rows, n = st.mine;
+    const index_t m = st.max_rows;
     fwd<T, Acc> w;
     w.kc = take_block<T>(a, m, s.heads_kv, s.dim_qk);
     w.vc = take_block<T>(a, m, s.heads_kv, s.dim_v);
     w.kn = take_block<T>(a, m, s.heads_kv, s.dim_qk);
     w.vn = take_block<T>(a, m, s.heads_kv, s.dim_v);
-    w.acc = take_block<Acc>(a, n, s.heads_q, s.dim_v);
-    w.part = take_block<Acc>(a, n, s.heads_q, s.dim_v);
-    w.lacc = take_block<Acc>(a, n, s.heads_q, 1);
-    w.lpart = take_block<Acc>(a, n, s.heads_q, 1);
+    w.o = running_out<Acc>::take(a, st);
     w.local = take_bytes(a, st.local_forward);
     return w;
   }
@@ -92,17 +123,12 @@ struct runner<ring::pass_kv> {
         reqs.shift(comm, w.kc, w.kn, rows, 0);
         reqs.shift(comm, w.vc, w.vn, rows, 1);
       }
-      const auto& o = s == 0 ? w.acc : w.part;
-      const auto& l = s == 0 ? w.lacc : w.lpart;
-      forward_on(b, st.local(n, w.kc.n), scale, q, w.kc.cview(), w.vc.cview(), st.coords_of(me), st.coords_of(src),
-                 o.view(), l.view2(), w.local, st.cap);
-      if (s > 0) merge(b, w.acc.view(), w.lacc.view2(), w.part.cview(), w.lpart.cview2());
+      w.o.add(b, st, scale, q, w.kc, w.vc, src, s == 0, w.local);
       reqs.wait(comm);
       std::swap(w.kc, w.kn);
       std::swap(w.vc, w.vn);
     }
-    copy_out(w.acc, out);
-    copy_out2(w.lacc, lse);
+    w.o.copy_to(out, lse);
   }
 
   //! K/V travel again with dK/dV accumulators (accumulation type) that collect every rank's
