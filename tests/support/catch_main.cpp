@@ -20,9 +20,9 @@
 #include <cstdlib>
 #include <new>
 
-// Every operator new of a test executable is counted per thread (support/allocations.hpp). Every
-// form ends in malloc / free, so the asan preset turns off alloc_dealloc_mismatch: the pairing it
-// checks is no longer visible to it.
+// Every operator new of a test executable (all forms, nothrow and aligned included, so that every
+// new and delete pair goes through the same malloc / free) is counted per thread
+// (support/allocations.hpp).
 namespace {
 thread_local long long heap_allocations = 0;
 thread_local int count_paused = 0;
@@ -43,6 +43,28 @@ void* operator new(std::size_t n) { return counted_alloc(n, alignof(std::max_ali
 void* operator new[](std::size_t n) { return counted_alloc(n, alignof(std::max_align_t)); }
 void* operator new(std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
 void* operator new[](std::size_t n, std::align_val_t a) { return counted_alloc(n, static_cast<std::size_t>(a)); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_alloc(n, alignof(std::max_align_t));
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  try {
+    return counted_alloc(n, static_cast<std::size_t>(a));
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t& t) noexcept {
+  return operator new(n, a, t);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
