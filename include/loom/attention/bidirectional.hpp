@@ -25,17 +25,14 @@ struct runner<ring::bidirectional_kv> {
   using kv = runner<ring::pass_kv>;
   template <class T, class Acc>
   struct fwd {
-    block<T> kcw, vcw, kccw, vccw, kcw_n, vcw_n, kccw_n, vccw_n;
+    kv_block<T> cw, ccw, cw_n, ccw_n;  //!< the blocks of each direction and their next ones
     running_out<Acc> o;
     std::span<std::byte> local;
   };
   template <class T, class Acc, class A>
   static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows;
     fwd<T, Acc> w;
-    for (block<T>* k : {&w.kcw, &w.kccw, &w.kcw_n, &w.kccw_n}) *k = take_block<T>(a, m, s.heads_kv, s.dim_qk);
-    for (block<T>* v : {&w.vcw, &w.vccw, &w.vcw_n, &w.vccw_n}) *v = take_block<T>(a, m, s.heads_kv, s.dim_v);
+    for (kv_block<T>* kv : {&w.cw, &w.ccw, &w.cw_n, &w.ccw_n}) *kv = kv_block<T>::take(a, st, st.max_rows);
     w.o = running_out<Acc>::take(a, st);
     w.local = take_bytes(a, st.local_forward);
     return w;
@@ -55,44 +52,24 @@ struct runner<ring::bidirectional_kv> {
     auto w = forward_buffers<T, Acc>(a, st);
     const int p = st.ranks, me = st.me;
     const int foreign = p - 1, cw_steps = (foreign + 1) / 2, ccw_steps = foreign / 2;
-    const index_t n = st.mine;
-    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
-    w.kcw.n = w.vcw.n = w.kccw.n = w.vccw.n = n;
-    copy_in(k, w.kcw);
-    copy_in(v, w.vcw);
-    copy_in(k, w.kccw);
-    copy_in(v, w.vccw);
+    w.cw.load(st.mine, k, v);
+    w.ccw.load(st.mine, k, v);
     requests<C> reqs;
     // Posts step s's transfers: the clockwise chain brings r - s from r - 1, the counter-clockwise
     // chain brings r + s from r + 1.
     auto post = [&](int s) {
-      if (s <= cw_steps) {
-        const index_t rows = st.rows(ring_next(me, p, -s));
-        reqs.shift(comm, w.kcw, w.kcw_n, rows, 10);
-        reqs.shift(comm, w.vcw, w.vcw_n, rows, 11);
-      }
-      if (s <= ccw_steps) {
-        const index_t rows = st.rows(ring_next(me, p, s));
-        reqs.shift(comm, w.kccw, w.kccw_n, rows, 12, -1);
-        reqs.shift(comm, w.vccw, w.vccw_n, rows, 13, -1);
-      }
-    };
-    auto add = [&](const block<T>& kb, const block<T>& vb, int src, bool first) {
-      w.o.add(b, st, scale, q, kb, vb, src, first, w.local);
+      if (s <= cw_steps) reqs.shift(comm, w.cw, w.cw_n, st.rows(ring_next(me, p, -s)), 10);
+      if (s <= ccw_steps) reqs.shift(comm, w.ccw, w.ccw_n, st.rows(ring_next(me, p, s)), 12, -1);
     };
     if (cw_steps >= 1) post(1);
-    add(w.kcw, w.vcw, me, true);
+    w.o.add(b, st, q, w.cw, me, true, w.local);
     for (int s = 1; s <= cw_steps; ++s) {
       reqs.wait(comm);
-      std::swap(w.kcw, w.kcw_n);
-      std::swap(w.vcw, w.vcw_n);
-      if (s <= ccw_steps) {
-        std::swap(w.kccw, w.kccw_n);
-        std::swap(w.vccw, w.vccw_n);
-      }
+      std::swap(w.cw, w.cw_n);
+      if (s <= ccw_steps) std::swap(w.ccw, w.ccw_n);
       if (s + 1 <= cw_steps) post(s + 1);
-      add(w.kcw, w.vcw, ring_next(me, p, -s), false);
-      if (s <= ccw_steps) add(w.kccw, w.vccw, ring_next(me, p, s), false);
+      w.o.add(b, st, q, w.cw, ring_next(me, p, -s), false, w.local);
+      if (s <= ccw_steps) w.o.add(b, st, q, w.ccw, ring_next(me, p, s), false, w.local);
     }
     w.o.copy_to(out, lse);
   }

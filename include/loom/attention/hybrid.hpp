@@ -78,11 +78,10 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
 
 //! A hybrid plan of one rank (file comment). Make it with hybrid::make_plan.
 template <class B, class C, precision_policy P = fp32>
-class plan {
+class plan : public precision_types<P> {
  public:
-  using precision = P;
-  using storage_type = typename P::storage_type;
-  using accum_type = typename P::accum_type;
+  //! An empty plan (make one with make_plan).
+  plan() = default;
 
   [[nodiscard]] int ranks() const noexcept { return s_->g.ulysses * s_->g.ring; }
   //! The rank this plan was made on (in the whole grid).
@@ -139,7 +138,8 @@ class plan {
   //! The Ulysses group and the ring group of this rank.
   [[nodiscard]] C& ulysses_comm() const noexcept { return s_->ucomm; }
   [[nodiscard]] C& ring_comm() const noexcept { return s_->rcomm; }
-  [[nodiscard]] const attention::detail::head_pipeline<storage_type, accum_type>& pipeline() const noexcept {
+  [[nodiscard]] const attention::detail::head_pipeline<typename P::storage_type, typename P::accum_type>& pipeline()
+      const noexcept {
     return s_->pipe;
   }
   [[nodiscard]] const detail::ring_plan_t<B, P>& ring(std::size_t s) const { return s_->inner[s]; }
@@ -153,8 +153,9 @@ class plan {
     shard::plan ring;
     C ucomm, rcomm;
     std::vector<detail::ring_plan_t<B, P>> inner;
-    attention::detail::head_pipeline<storage_type, accum_type> pipe;
+    attention::detail::head_pipeline<typename P::storage_type, typename P::accum_type> pipe;
   };
+  explicit plan(std::shared_ptr<state> s) : s_(std::move(s)) {}
   std::shared_ptr<state> s_;
 
   // Rank r's rows are rows [a, b) of ring shard g in its local order: runs of global positions.
@@ -223,9 +224,7 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
     bwd = std::max(bwd, st->inner.back().backward_workspace_bytes());
   }
   st->pipe.reserve_inner(fwd, bwd);
-  plan<B, C, P> out;
-  out.s_ = std::move(st);
-  return out;
+  return plan<B, C, P>(std::move(st));
 }
 
 //! Hybrid forward on a plan: allocates nothing; `workspace` as ulysses::forward. `comm` is the
@@ -274,9 +273,8 @@ void forward(const B& b, C& comm, const shard::plan& ring_sharding, Q q, K k, V 
              const options& opt = {}) {
   const auto hp = make_plan<default_precision<typename Q::value_type>>(
       b, comm, ring_sharding, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(hp.workspace_bytes()));
-  forward(b, comm, hp, q, k, v, out, lse, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, hp.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, comm, hp, q, k, v, out, lse, ws); });
 }
 template <class B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
           class DV>
@@ -284,9 +282,9 @@ void backward(const B& b, C& comm, const shard::plan& ring_sharding, Q q, K k, V
               DV dv, const options& opt = {}) {
   const auto hp = make_plan<default_precision<typename Q::value_type>>(
       b, comm, ring_sharding, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(hp.workspace_bytes()));
-  backward(b, comm, hp, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, hp.workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, comm, hp, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
 }
 
 }  // namespace loom::attention::hybrid

@@ -304,12 +304,9 @@ plan<B, P> make_plan(const B& b, const shape& s, const options& opt = {});
 //! A local attention plan (see the file comment). Make it with attention::make_plan.
 //! Immutable; may be shared between threads for reading.
 template <class B, precision_policy P>
-class plan {
+class plan : public precision_types<P> {
  public:
   using backend_type = B;
-  using precision = P;
-  using storage_type = typename P::storage_type;
-  using accum_type = typename P::accum_type;
   using space = typename backend_traits<B>::memory_space;
 
   [[nodiscard]] const shape& dims() const noexcept { return shape_; }
@@ -326,7 +323,7 @@ class plan {
 
   //! The kernels' problem and scale (for loom's own callers).
   [[nodiscard]] const detail::problem& problem() const noexcept { return pb_; }
-  [[nodiscard]] accum_type scale() const noexcept { return scale_; }
+  [[nodiscard]] typename P::accum_type scale() const noexcept { return scale_; }
   //! Byte offset of the packed coordinates (doc, then pos) and of the kernels' workspace.
   [[nodiscard]] std::size_t coords_offset() const noexcept { return 0; }
   [[nodiscard]] std::size_t kernel_offset() const noexcept { return kernel_at_; }
@@ -337,7 +334,7 @@ class plan {
   shape shape_{};
   options opt_{};
   detail::problem pb_{};
-  accum_type scale_{};
+  typename P::accum_type scale_{};
   segments<space> seg_{};
   bool packed_ = false;
   std::size_t kernel_at_ = 0, fwd_bytes_ = 0, bwd_bytes_ = 0;
@@ -486,9 +483,8 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
 template <backend B, memory_space Space, class Q, class K, class V, class O, class L>
 void forward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.workspace_bytes()));
-  forward(b, p, q, k, v, out, lse, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, p, q, k, v, out, lse, ws); });
 }
 
 //! Convenience forward masked by coordinates.
@@ -496,9 +492,8 @@ template <backend B, class Q, class K, class V, class O, class L, class Space>
 void forward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse,
              const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, detail::shape_of(q, k, v), opt);
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.workspace_bytes()));
-  forward(b, p, q, k, v, qc, kc, out, lse, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(
+      b, p.workspace_bytes(), [&](std::span<std::byte> ws) { forward(b, p, q, k, v, qc, kc, out, lse, ws); });
 }
 
 //! Convenience backward over packed documents.
@@ -507,9 +502,9 @@ template <backend B, memory_space Space, class Q, class K, class V, class O, cla
 void backward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.backward_workspace_bytes()));
-  backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
 }
 
 //! Convenience backward masked by coordinates.
@@ -517,9 +512,9 @@ template <backend B, class Q, class K, class V, class O, class L, class DO, clas
 void backward(const B& b, Q q, K k, V v, const coords<Space>& qc, const coords<Space>& kc, O out, L lse, DO dout, DQ dq,
               DK dk, DV dv, const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, detail::shape_of(q, k, v), opt);
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(p.backward_workspace_bytes()));
-  backward(b, p, q, k, v, qc, kc, out, lse, dout, dq, dk, dv, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, p, q, k, v, qc, kc, out, lse, dout, dq, dk, dv, ws);
+  });
 }
 
 }  // namespace loom::attention

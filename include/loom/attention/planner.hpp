@@ -348,6 +348,8 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
 template <class B, class C, precision_policy P = fp32>
 class plan {
  public:
+  //! An empty plan (make one with make_plan).
+  plan() = default;
   using ring_kv_plan = attention::ring::plan<attention::ring::pass_kv, B, P>;
   using ring_q_plan = attention::ring::plan<attention::ring::pass_q, B, P>;
   using ring_ag_plan = attention::ring::plan<attention::ring::all_gather_kv, B, P>;
@@ -407,6 +409,7 @@ class plan {
     concrete_plan plan;
     int ranks = 1, me = 0;
   };
+  explicit plan(std::shared_ptr<const state> s) : s_(std::move(s)) {}
   std::shared_ptr<const state> s_;
 
   template <precision_policy Q, class B2, comm::communicator C2>
@@ -474,9 +477,7 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
       st->plan.template emplace<5>(attention::hybrid::make_plan<P>(b, comm, sh, s, opt.attention));
       break;
   }
-  plan<B, C, P> out;
-  out.s_ = std::move(st);
-  return out;
+  return plan<B, C, P>(std::move(st));
 }
 
 //! Runs the picked strategy's forward on its plan: allocates nothing. Views: this rank's rows

@@ -105,12 +105,11 @@ plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding
 //! A ring attention plan of one rank for variant V (see the file comment). Make it with
 //! ring::make_plan. Immutable; copies share one state; may be shared between threads for reading.
 template <class V, class B, precision_policy P = fp32>
-class plan {
+class plan : public precision_types<P> {
  public:
+  //! An empty plan (make one with make_plan).
+  plan() = default;
   using variant_type = V;
-  using precision = P;
-  using storage_type = typename P::storage_type;
-  using accum_type = typename P::accum_type;
 
   [[nodiscard]] int ranks() const noexcept { return s_->ranks; }
   //! The rank this plan was made on.
@@ -127,6 +126,7 @@ class plan {
   [[nodiscard]] const detail::ring_state& state() const noexcept { return *s_; }
 
  private:
+  explicit plan(std::shared_ptr<const detail::ring_state> s) : s_(std::move(s)) {}
   std::shared_ptr<const detail::ring_state> s_;
 
   template <class P2, class V2, class B2, comm::communicator C, class Local>
@@ -153,9 +153,7 @@ plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding
     runner<V>::template size<T, Acc>(*st);
     return attention_signature<T, Acc>(digest_of(sharding), s, opt).add("the ring variant", id_of<V>());
   });
-  plan<V, B, P> out;
-  out.s_ = std::move(st);
-  return out;
+  return plan<V, B, P>(std::move(st));
 }
 }  // namespace detail
 
@@ -259,9 +257,8 @@ void forward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv v
              const options& opt = {}) {
   const auto rp = detail::convenience_plan<V>(b, comm, sharding, q, k, v, out, lse, opt, detail::forward_name<V>(),
                                               [](const shape&, index_t) {});
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(rp.workspace_bytes()));
-  forward(b, comm, rp, q, k, v, out, lse, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, rp.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, comm, rp, q, k, v, out, lse, ws); });
 }
 
 //! Convenience backward (as the convenience forward).
@@ -274,9 +271,9 @@ void backward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv 
       detail::convenience_plan<V>(b, comm, sharding, q, k, v, out, lse, opt, call, [&](const shape& s, index_t n) {
         detail::check_rank_gradients<std::remove_cv_t<typename Q::value_type>, true>(s, n, dout, dq, dk, dv, call);
       });
-  const temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(rp.backward_workspace_bytes()));
-  backward(b, comm, rp, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, rp.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, comm, rp, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
 }
 
 }  // namespace loom::attention::ring

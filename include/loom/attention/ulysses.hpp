@@ -132,11 +132,10 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
 //! copies share one state; several threads may use one plan at once (each call with its own
 //! workspace, outputs and communicator).
 template <class B, precision_policy P = fp32>
-class plan {
+class plan : public precision_types<P> {
  public:
-  using precision = P;
-  using storage_type = typename P::storage_type;
-  using accum_type = typename P::accum_type;
+  //! An empty plan (make one with make_plan).
+  plan() = default;
 
   [[nodiscard]] int ranks() const noexcept { return s_->pipe.heads().p; }
   //! The rank this plan was made on.
@@ -159,7 +158,10 @@ class plan {
   }
 
   //! The pipeline and the local plan of head segment s (used by forward / backward).
-  [[nodiscard]] const detail::head_pipeline<storage_type, accum_type>& pipeline() const noexcept { return s_->pipe; }
+  [[nodiscard]] const detail::head_pipeline<typename P::storage_type, typename P::accum_type>& pipeline()
+      const noexcept {
+    return s_->pipe;
+  }
   [[nodiscard]] const detail::local_plan_t<B, P>& local(std::size_t s) const { return s_->local[s]; }
 
  private:
@@ -167,8 +169,9 @@ class plan {
     head_shape dims;
     options opt;
     std::vector<detail::local_plan_t<B, P>> local;
-    detail::head_pipeline<storage_type, accum_type> pipe;
+    detail::head_pipeline<typename P::storage_type, typename P::accum_type> pipe;
   };
+  explicit plan(std::shared_ptr<const state> s) : s_(std::move(s)) {}
   std::shared_ptr<const state> s_;
 
   template <precision_policy Q, class B2, comm::communicator C>
@@ -203,9 +206,7 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
     st->pipe.reserve_inner(fwd, bwd);
     return detail::attention_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
   });
-  plan<B, P> out;
-  out.s_ = std::move(st);
-  return out;
+  return plan<B, P>(std::move(st));
 }
 
 //! Ulysses forward on a plan: allocates nothing. `workspace`: at least plan.workspace_bytes()
@@ -253,9 +254,8 @@ template <class B, comm::communicator C, class Q, class K, class V, class O, cla
 void forward(const B& b, C& comm, const shard::plan& tokens, Q q, K k, V v, O out, L lse, const options& opt = {}) {
   const auto up = make_plan<default_precision<typename Q::value_type>>(
       b, comm, tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(up.workspace_bytes()));
-  forward(b, comm, up, q, k, v, out, lse, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, up.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, comm, up, q, k, v, out, lse, ws); });
 }
 
 //! Convenience backward (as the convenience forward).
@@ -265,9 +265,9 @@ void backward(const B& b, C& comm, const shard::plan& tokens, Q q, K k, V v, O o
               const options& opt = {}) {
   const auto up = make_plan<default_precision<typename Q::value_type>>(
       b, comm, tokens, {q.extent(1), k.extent(1), q.extent(2), v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(up.workspace_bytes()));
-  backward(b, comm, up, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, up.workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, comm, up, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
 }
 
 }  // namespace loom::attention::ulysses

@@ -57,4 +57,15 @@ class temporary_buffer {
   T* data_;
 };
 
+namespace detail {
+//! The body of every convenience form: a temporary workspace of `bytes` bytes, the plan-taking
+//! form run on it by call(ws), then fence (before the workspace is released).
+template <backend B, class F>
+void with_temporary_workspace(const B& b, std::size_t bytes, F&& call) {
+  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(bytes));
+  call(tmp.bytes());
+  fence(b);
+}
+}  // namespace detail
+
 }  // namespace loom

@@ -46,6 +46,14 @@ concept precision_policy = requires {
 }
 &&floating_storage<typename P::storage_type>&& std::floating_point<typename P::accum_type>;
 
+//! The element types of a plan made for precision policy P (the plans derive from it).
+template <precision_policy P>
+struct precision_types {
+  using precision = P;
+  using storage_type = typename P::storage_type;
+  using accum_type = typename P::accum_type;
+};
+
 //! A short name for reports: "fp64", "fp32", "bf16", "fp16" or "mixed".
 template <precision_policy P>
 constexpr std::string_view precision_name() noexcept {

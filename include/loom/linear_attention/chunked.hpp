@@ -61,9 +61,8 @@ void forward(const B& b, const segments<host_memory>& docs, const Gating& gating
              tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state = {}, const options& opt = {}) {
   const auto pl = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.forward_workspace_bytes()));
-  forward(b, pl, gating, x, o, final_state, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(
+      b, pl.forward_workspace_bytes(), [&](std::span<std::byte> ws) { forward(b, pl, gating, x, o, final_state, ws); });
 }
 
 //! The backward pass: given dO [T, H, dv] and optionally d final state [docs, H, dk, dv], writes
@@ -89,9 +88,9 @@ void backward(const B& b, const segments<host_memory>& docs, const Gating& gatin
               tensor_view<const typename P::accum_type, 4, Space> d_final_state, const gradients<P, Space>& g,
               const options& opt = {}) {
   const auto pl = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.backward_workspace_bytes()));
-  backward(b, pl, gating, x, d_o, d_final_state, g, ws.bytes());
-  fence(b);
+  loom::detail::with_temporary_workspace(b, pl.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, pl, gating, x, d_o, d_final_state, g, ws);
+  });
 }
 
 }  // namespace loom::linear_attention

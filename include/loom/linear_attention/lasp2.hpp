@@ -217,7 +217,7 @@ void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, cons
 }
 
 //! Convenience form of forward: make_plan (the precision and slice of the operands; this call's
-//! view checks inside its agreement), a loom::temporary_buffer workspace, the plan form.
+//! view checks inside its agreement), a loom::temporary_buffer workspace, the plan form (complete on return).
 //! @throws as make_plan and the plan form, on every rank.
 //! Communication: the agreement and the exchange.
 template <backend B, comm::communicator C, class Gating, precision_policy P>
@@ -231,8 +231,9 @@ void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t tok
                                 linear_attention::detail::check_forward_call(comm, core, gating, x, o, final_state,
                                                                              incoming_state, "lasp2::forward");
                               });
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.forward_workspace_bytes()));
-  forward(b, comm, pl, gating, x, o, final_state, incoming_state, ws.bytes());
+  loom::detail::with_temporary_workspace(b, pl.forward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    forward(b, comm, pl, gating, x, o, final_state, incoming_state, ws);
+  });
 }
 
 //! Convenience form of backward (as forward's).
@@ -248,8 +249,9 @@ void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t to
                                 linear_attention::detail::check_backward_call(comm, core, gating, x, d_o, d_final_state,
                                                                               incoming_state, g, "lasp2::backward");
                               });
-  temporary_buffer<B, std::byte> ws(b, static_cast<index_t>(pl.backward_workspace_bytes()));
-  backward(b, comm, pl, gating, x, d_o, d_final_state, incoming_state, g, ws.bytes());
+  loom::detail::with_temporary_workspace(b, pl.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, comm, pl, gating, x, d_o, d_final_state, incoming_state, g, ws);
+  });
 }
 
 }  // namespace loom::linear_attention::lasp2

@@ -166,7 +166,7 @@ plan<B, Cell, Space, true> make_plan(const B& b, C& comm, const Cell& c, index_t
 //! @throws as the single-device forward on the rank whose views do not fit its plan (see the file
 //! comment for the other ranks); non-finite x on any rank (with check_inputs) on every rank.
 template <backend B, comm::communicator C, class Plan, class XV, class H0V, class HV>
-requires detail::is_cross_plan<Plan>
+requires detail::is_plan<Plan, true>
 void forward(const B& b, C& comm, const Plan& p, const typename Plan::cell_type& c, XV x, H0V h0, HV h, report& rep,
              std::span<std::byte> ws) {
   using Cell = typename Plan::cell_type;
@@ -185,7 +185,7 @@ void forward(const B& b, C& comm, const Plan& p, const typename Plan::cell_type&
 //! (summed over ranks) on every rank. Collective. Allocates nothing.
 template <backend B, comm::communicator C, class Plan, class XV, class H0V, class HV, class GV, class DXV, class DH0V,
           class DTV>
-requires detail::is_cross_plan<Plan>
+requires detail::is_plan<Plan, true>
 void backward(const B& b, C& comm, const Plan& p, const typename Plan::cell_type& c, XV x, H0V h0, HV h, GV dh, DXV dx,
               DH0V dh0, DTV dtheta, std::span<std::byte> ws) {
   using Cell = typename Plan::cell_type;
@@ -209,7 +209,7 @@ report forward(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, const loo
                const options& opt = {}) {
   const auto p = make_plan(b, comm, c, x.extent(0), docs, opt);
   report rep(p);
-  scan::detail::with_temporary_workspace(b, p,
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
                                          [&](std::span<std::byte> ws) { forward(b, comm, p, c, x, h0, h, rep, ws); });
   return rep;
 }
@@ -218,8 +218,9 @@ template <backend B, comm::communicator C, cell Cell, class XV, class H0V, class
 void backward(const B& b, C& comm, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,
               const loom::segments<Space>& docs, const options& opt = {}) {
   const auto p = make_plan(b, comm, c, x.extent(0), docs, opt);
-  scan::detail::with_temporary_workspace(
-      b, p, [&](std::span<std::byte> ws) { backward(b, comm, p, c, x, h0, h, dh, dx, dh0, dtheta, ws); });
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, comm, p, c, x, h0, h, dh, dx, dh0, dtheta, ws);
+  });
 }
 
 }  // namespace loom::rnn

@@ -56,14 +56,11 @@ class plan;
 
 namespace detail {
 struct plan_access;
-template <class P>
-inline constexpr bool is_local_plan = false;
-template <class B, class C, class S>
-inline constexpr bool is_local_plan<plan<B, C, S, false>> = true;
-template <class P>
-inline constexpr bool is_cross_plan = false;
-template <class B, class C, class S>
-inline constexpr bool is_cross_plan<plan<B, C, S, true>> = true;
+//! P is an rnn plan made for one rank (Across = false) or by the cross-rank make_plan.
+template <class P, bool Across>
+inline constexpr bool is_plan = false;
+template <class B, class C, class S, bool A>
+inline constexpr bool is_plan<plan<B, C, S, A>, A> = true;
 }  // namespace detail
 
 //! The plan of solves of cell's recurrence (see the file comment); made by rnn::make_plan.
@@ -325,7 +322,7 @@ plan<B, Cell, Space, false> make_plan(const B& b, const Cell& c, index_t n, cons
 //! made for this plan, non-finite x or h0 (with check_inputs), a declared Jacobian that finite
 //! differences contradict (with verify_jacobian).
 template <backend B, class Plan, class XV, class H0V, class HV>
-requires detail::is_local_plan<Plan>
+requires detail::is_plan<Plan, false>
 void forward(const B& b, const Plan& p, const typename Plan::cell_type& c, XV x, H0V h0, HV h, report& rep,
              std::span<std::byte> ws) {
   using Cell = typename Plan::cell_type;
@@ -343,7 +340,7 @@ void forward(const B& b, const Plan& p, const typename Plan::cell_type& c, XV x,
 //! order (the baseline Newton is measured against, and the last fallback stage). Same views and
 //! checks as forward. Allocates nothing.
 template <backend B, class Plan, class XV, class H0V, class HV>
-requires detail::is_local_plan<Plan>
+requires detail::is_plan<Plan, false>
 void sequential(const B& b, const Plan& p, const typename Plan::cell_type& c, XV x, H0V h0, HV h,
                 std::span<std::byte> ws) {
   using Cell = typename Plan::cell_type;
@@ -364,7 +361,7 @@ void sequential(const B& b, const Plan& p, const typename Plan::cell_type& c, XV
 //! [cell.param_size()] are written; dh0 [S, d] is optional (empty: skipped). Work: one
 //! linearization, one adjoint scan, one vjp per step. Allocates nothing.
 template <backend B, class Plan, class XV, class H0V, class HV, class GV, class DXV, class DH0V, class DTV>
-requires detail::is_local_plan<Plan>
+requires detail::is_plan<Plan, false>
 void backward(const B& b, const Plan& p, const typename Plan::cell_type& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0,
               DTV dtheta, std::span<std::byte> ws) {
   using Cell = typename Plan::cell_type;
@@ -386,7 +383,8 @@ report forward(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segmen
                const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
   report rep(p);
-  scan::detail::with_temporary_workspace(b, p, [&](std::span<std::byte> ws) { forward(b, p, c, x, h0, h, rep, ws); });
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, p, c, x, h0, h, rep, ws); });
   return rep;
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
@@ -397,7 +395,8 @@ template <backend B, cell Cell, class XV, class H0V, class HV, memory_space Spac
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const loom::segments<Space>& docs,
                 const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
-  scan::detail::with_temporary_workspace(b, p, [&](std::span<std::byte> ws) { sequential(b, p, c, x, h0, h, ws); });
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { sequential(b, p, c, x, h0, h, ws); });
 }
 template <backend B, cell Cell, class XV, class H0V, class HV>
 void sequential(const B& b, const Cell& c, XV x, H0V h0, HV h, const options& opt = {}) {
@@ -408,8 +407,8 @@ template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class D
 void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,
               const loom::segments<Space>& docs, const options& opt = {}) {
   const auto p = make_plan(b, c, x.extent(0), docs, opt);
-  scan::detail::with_temporary_workspace(
-      b, p, [&](std::span<std::byte> ws) { backward(b, p, c, x, h0, h, dh, dx, dh0, dtheta, ws); });
+  loom::detail::with_temporary_workspace(
+      b, p.workspace_bytes(), [&](std::span<std::byte> ws) { backward(b, p, c, x, h0, h, dh, dx, dh0, dtheta, ws); });
 }
 template <backend B, cell Cell, class XV, class H0V, class HV, class GV, class DXV, class DH0V, class DTV>
 void backward(const B& b, const Cell& c, XV x, H0V h0, HV h, GV dh, DXV dx, DH0V dh0, DTV dtheta,

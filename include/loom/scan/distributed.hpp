@@ -154,15 +154,6 @@ void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const
   run_scan(b, k, blk, eng, true);
 }
 
-template <class P>
-inline constexpr bool is_cross_monoid_plan = false;
-template <class B, class M, class S>
-inline constexpr bool is_cross_monoid_plan<monoid_plan<B, M, S, true>> = true;
-template <class P>
-inline constexpr bool is_cross_recurrence_plan = false;
-template <class B, class St, class S, class A>
-inline constexpr bool is_cross_recurrence_plan<recurrence_plan<B, St, S, A, true>> = true;
-
 template <backend B, comm::communicator C, class Plan, class In, class Out>
 void run_monoid_distributed(const B& b, C& comm, const Plan& p, In in, Out out, bool exclusive,
                             typename Plan::value_type init, std::span<std::byte> ws, std::string_view call) {
@@ -221,14 +212,14 @@ auto make_plan(const B& b, C& comm, St, index_t n, index_t d, const loom::segmen
 //! Collective: every rank calls it with its plan, in the same order. Allocates nothing; one
 //! all_gather of the aggregates.
 template <backend B, comm::communicator C, class Plan, class In, class Out>
-requires detail::is_cross_monoid_plan<Plan>
+requires detail::is_monoid_plan<Plan, true>
 void inclusive_scan(const B& b, C& comm, const Plan& plan, In in, Out out, std::span<std::byte> ws) {
   detail::run_monoid_distributed(b, comm, plan, in, out, false, plan.op().identity(), ws, "inclusive_scan");
 }
 
 //! Cross-rank exclusive scan; every document's first element gets `init` (the same on every rank).
 template <backend B, comm::communicator C, class Plan, class In, class Out>
-requires detail::is_cross_monoid_plan<Plan>
+requires detail::is_monoid_plan<Plan, true>
 void exclusive_scan(const B& b, C& comm, const Plan& plan, In in, Out out, typename Plan::value_type init,
                     std::span<std::byte> ws) {
   detail::run_monoid_distributed(b, comm, plan, in, out, true, init, ws, "exclusive_scan");
@@ -239,8 +230,8 @@ template <backend B, comm::communicator C, monoid M, class In, class Out, memory
 void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const loom::segments<Space>& docs,
                     const options& opt = {}) {
   const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
-  detail::with_temporary_workspace(b, plan,
-                                   [&](std::span<std::byte> ws) { inclusive_scan(b, comm, plan, in, out, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { inclusive_scan(b, comm, plan, in, out, ws); });
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void inclusive_scan(const B& b, C& comm, const M& m, In in, Out out, const options& opt = {}) {
@@ -250,8 +241,8 @@ template <backend B, comm::communicator C, monoid M, class In, class Out, memory
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
                     const loom::segments<Space>& docs, const options& opt = {}) {
   const auto plan = make_plan(b, comm, m, in.extent(0), docs, opt);
-  detail::with_temporary_workspace(b, plan,
-                                   [&](std::span<std::byte> ws) { exclusive_scan(b, comm, plan, in, out, init, ws); });
+  loom::detail::with_temporary_workspace(
+      b, plan.workspace_bytes(), [&](std::span<std::byte> ws) { exclusive_scan(b, comm, plan, in, out, init, ws); });
 }
 template <backend B, comm::communicator C, monoid M, class In, class Out>
 void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M::value_type init,
@@ -264,13 +255,13 @@ void exclusive_scan(const B& b, C& comm, const M& m, In in, Out out, typename M:
 //! final states of the documents that end on this rank (and of empty documents), other rows are
 //! left untouched. Collective; allocates nothing.
 template <backend B, comm::communicator C, class Plan, class AV, class BV, class HV, class T>
-requires detail::is_cross_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, true>
 void linear_recurrence(const B& b, C& comm, const Plan& plan, AV a, BV bv, HV h,
                        const states<T, typename Plan::space>& st, std::span<std::byte> ws) {
   detail::run_recurrence_distributed(b, comm, plan, a, bv, h, st.initial, st.final_state, false, ws);
 }
 template <backend B, comm::communicator C, class Plan, class AV, class BV, class HV>
-requires detail::is_cross_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, true>
 void linear_recurrence(const B& b, C& comm, const Plan& plan, AV a, BV bv, HV h, std::span<std::byte> ws) {
   linear_recurrence(b, comm, plan, a, bv, h, states<typename HV::value_type, typename Plan::space>{}, ws);
 }
@@ -278,13 +269,13 @@ void linear_recurrence(const B& b, C& comm, const Plan& plan, AV a, BV bv, HV h,
 //! Cross-rank adjoint recurrence (see the single-rank form); d_initial rows are written for the
 //! documents that start on this rank (and empty documents).
 template <backend B, comm::communicator C, class Plan, class AV, class GV, class LV, class T>
-requires detail::is_cross_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, true>
 void linear_recurrence_adjoint(const B& b, C& comm, const Plan& plan, AV a, GV g, LV lambda,
                                const adjoint_states<T, typename Plan::space>& st, std::span<std::byte> ws) {
   detail::run_recurrence_distributed(b, comm, plan, a, g, lambda, st.d_final, st.d_initial, true, ws);
 }
 template <backend B, comm::communicator C, class Plan, class AV, class GV, class LV>
-requires detail::is_cross_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, true>
 void linear_recurrence_adjoint(const B& b, C& comm, const Plan& plan, AV a, GV g, LV lambda, std::span<std::byte> ws) {
   linear_recurrence_adjoint(b, comm, plan, a, g, lambda,
                             adjoint_states<typename LV::value_type, typename Plan::space>{}, ws);
@@ -295,15 +286,16 @@ template <backend B, comm::communicator C, structure St, class AV, class BV, cla
 void linear_recurrence(const B& b, C& comm, St st, AV a, BV bv, HV h, const loom::segments<Space>& docs,
                        const states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, comm, st, bv.extent(0), bv.extent(1), docs, opt);
-  detail::with_temporary_workspace(b, plan,
-                                   [&](std::span<std::byte> ws) { linear_recurrence(b, comm, plan, a, bv, h, s, ws); });
+  loom::detail::with_temporary_workspace(
+      b, plan.workspace_bytes(), [&](std::span<std::byte> ws) { linear_recurrence(b, comm, plan, a, bv, h, s, ws); });
 }
 template <backend B, comm::communicator C, structure St, class AV, class GV, class LV, memory_space Space, class T>
 void linear_recurrence_adjoint(const B& b, C& comm, St st, AV a, GV g, LV lambda, const loom::segments<Space>& docs,
                                const adjoint_states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, comm, st, g.extent(0), g.extent(1), docs, opt);
-  detail::with_temporary_workspace(
-      b, plan, [&](std::span<std::byte> ws) { linear_recurrence_adjoint(b, comm, plan, a, g, lambda, s, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(), [&](std::span<std::byte> ws) {
+    linear_recurrence_adjoint(b, comm, plan, a, g, lambda, s, ws);
+  });
 }
 
 }  // namespace loom::scan

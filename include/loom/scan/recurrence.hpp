@@ -61,10 +61,11 @@ template <backend B, structure St, memory_space Space, class Acc = void, bool Ac
 class recurrence_plan;
 
 namespace detail {
-template <class P>
-inline constexpr bool is_local_recurrence_plan = false;
-template <class B, class St, class S, class A>
-inline constexpr bool is_local_recurrence_plan<recurrence_plan<B, St, S, A, false>> = true;
+//! P is a recurrence plan made for one rank (Across = false) or by the cross-rank make_plan.
+template <class P, bool Across>
+inline constexpr bool is_recurrence_plan = false;
+template <class B, class St, class S, class A, bool Ac>
+inline constexpr bool is_recurrence_plan<recurrence_plan<B, St, S, A, Ac>, Ac> = true;
 }  // namespace detail
 
 template <backend B, structure St, memory_space Space, class Acc, bool Across>
@@ -311,14 +312,14 @@ auto make_plan(const B& b, St, index_t n, index_t d, const loom::segments<Space>
 //! (invalid_argument) for rows that are not contiguous, overlapping views, or a workspace below
 //! plan.workspace_bytes() or not on loom::workspace_alignment.
 template <backend B, class Plan, class AV, class BV, class HV, class T>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void linear_recurrence(const B& b, const Plan& plan, AV a, BV bv, HV h, const states<T, typename Plan::space>& st,
                        std::span<std::byte> ws) {
   detail::run_local_recurrence(b, plan, a, bv, h, st.initial, st.final_state, false, ws);
 }
 //! One segment per document, zero initial states, no final states.
 template <backend B, class Plan, class AV, class BV, class HV>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void linear_recurrence(const B& b, const Plan& plan, AV a, BV bv, HV h, std::span<std::byte> ws) {
   linear_recurrence(b, plan, a, bv, h, states<typename HV::value_type, typename Plan::space>{}, ws);
 }
@@ -330,13 +331,13 @@ void linear_recurrence(const B& b, const Plan& plan, AV a, BV bv, HV h, std::spa
 //! d_final) or with the other output: unlike h and b forward, lambda may not be g.
 //! @throws loom::error as linear_recurrence.
 template <backend B, class Plan, class AV, class GV, class LV, class T>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void linear_recurrence_adjoint(const B& b, const Plan& plan, AV a, GV g, LV lambda,
                                const adjoint_states<T, typename Plan::space>& st, std::span<std::byte> ws) {
   detail::run_local_recurrence(b, plan, a, g, lambda, st.d_final, st.d_initial, true, ws);
 }
 template <backend B, class Plan, class AV, class GV, class LV>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void linear_recurrence_adjoint(const B& b, const Plan& plan, AV a, GV g, LV lambda, std::span<std::byte> ws) {
   linear_recurrence_adjoint(b, plan, a, g, lambda, adjoint_states<typename LV::value_type, typename Plan::space>{}, ws);
 }
@@ -346,8 +347,8 @@ template <backend B, structure St, class AV, class BV, class HV, memory_space Sp
 void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const loom::segments<Space>& docs,
                        const states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, st, bv.extent(0), bv.extent(1), docs, opt);
-  detail::with_temporary_workspace(b, plan,
-                                   [&](std::span<std::byte> ws) { linear_recurrence(b, plan, a, bv, h, s, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { linear_recurrence(b, plan, a, bv, h, s, ws); });
 }
 template <backend B, structure St, class AV, class BV, class HV>
 void linear_recurrence(const B& b, St st, AV a, BV bv, HV h, const options& opt = {}) {
@@ -358,8 +359,9 @@ template <backend B, structure St, class AV, class GV, class LV, memory_space Sp
 void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const loom::segments<Space>& docs,
                                const adjoint_states<T, Space>& s, const options& opt = {}) {
   const auto plan = make_plan(b, st, g.extent(0), g.extent(1), docs, opt);
-  detail::with_temporary_workspace(
-      b, plan, [&](std::span<std::byte> ws) { linear_recurrence_adjoint(b, plan, a, g, lambda, s, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(), [&](std::span<std::byte> ws) {
+    linear_recurrence_adjoint(b, plan, a, g, lambda, s, ws);
+  });
 }
 template <backend B, structure St, class AV, class GV, class LV>
 void linear_recurrence_adjoint(const B& b, St st, AV a, GV g, LV lambda, const options& opt = {}) {
@@ -424,7 +426,7 @@ struct transition_gradient_step {
 //! linear_recurrence with the same plan and states. dA has A's shape. Products are formed in
 //! double. Needs no workspace; allocates nothing.
 template <backend B, class Plan, class LV, class HV, class DAV, class T>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void transition_gradient(const B& b, const Plan& plan, LV lambda, HV h, DAV da,
                          const states<T, typename Plan::space>& st) {
   using St = typename Plan::structure_type;
@@ -450,7 +452,7 @@ void transition_gradient(const B& b, const Plan& plan, LV lambda, HV h, DAV da,
 }
 
 template <backend B, class Plan, class LV, class HV, class DAV>
-requires detail::is_local_recurrence_plan<Plan>
+requires detail::is_recurrence_plan<Plan, false>
 void transition_gradient(const B& b, const Plan& plan, LV lambda, HV h, DAV da) {
   transition_gradient(b, plan, lambda, h, da, states<typename HV::value_type, typename Plan::space>{});
 }

@@ -96,14 +96,11 @@ template <backend B, monoid M, memory_space Space, bool Across>
 class monoid_plan;
 
 namespace detail {
-template <class P>
+//! P is a monoid plan made for one rank (Across = false) or by the cross-rank make_plan.
+template <class P, bool Across>
 inline constexpr bool is_monoid_plan = false;
 template <class B, class M, class S, bool A>
-inline constexpr bool is_monoid_plan<monoid_plan<B, M, S, A>> = true;
-template <class P>
-inline constexpr bool is_local_monoid_plan = false;
-template <class B, class M, class S>
-inline constexpr bool is_local_monoid_plan<monoid_plan<B, M, S, false>> = true;
+inline constexpr bool is_monoid_plan<monoid_plan<B, M, S, A>, A> = true;
 }  // namespace detail
 
 //! A monoid scan's plan (see the file comment); made by scan::make_plan. Across: made by the
@@ -261,7 +258,7 @@ monoid_plan<B, M, Space, false> make_plan(const B& b, const M& m, index_t n, con
 //! a workspace below plan.workspace_bytes() or not on loom::workspace_alignment, or out
 //! overlapping in (or the offsets) without being in.
 template <backend B, class Plan, class In, class Out>
-requires detail::is_local_monoid_plan<Plan>
+requires detail::is_monoid_plan<Plan, false>
 void inclusive_scan(const B& b, const Plan& plan, In in, Out out, std::span<std::byte> ws) {
   detail::run_monoid(b, plan, in, out, false, plan.op().identity(), ws, "inclusive_scan");
 }
@@ -270,29 +267,19 @@ void inclusive_scan(const B& b, const Plan& plan, In in, Out out, std::span<std:
 //! out[i] = x[i+1] op ... op x[last] op init). out must not overlap in, not even as the same view:
 //! exclusive scans do not run in place. @throws as inclusive_scan.
 template <backend B, class Plan, class In, class Out>
-requires detail::is_local_monoid_plan<Plan>
+requires detail::is_monoid_plan<Plan, false>
 void exclusive_scan(const B& b, const Plan& plan, In in, Out out, typename Plan::value_type init,
                     std::span<std::byte> ws) {
   detail::run_monoid(b, plan, in, out, true, init, ws, "exclusive_scan");
 }
-
-namespace detail {
-//! The body of every convenience form: a temporary workspace of plan.workspace_bytes(), the plan
-//! form run on it by call(ws), then fence (before the workspace is released).
-template <backend B, class Plan, class F>
-void with_temporary_workspace(const B& b, const Plan& plan, F&& call) {
-  const temporary_buffer<B, std::byte> tmp(b, static_cast<index_t>(plan.workspace_bytes()));
-  call(tmp.bytes());
-  fence(b);
-}
-}  // namespace detail
 
 //! Convenience: make_plan, a temporary workspace, the plan form, fence.
 template <backend B, monoid M, class In, class Out, memory_space Space>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const loom::segments<Space>& docs,
                     const options& opt = {}) {
   const auto plan = make_plan(b, m, in.extent(0), docs, opt);
-  detail::with_temporary_workspace(b, plan, [&](std::span<std::byte> ws) { inclusive_scan(b, plan, in, out, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { inclusive_scan(b, plan, in, out, ws); });
 }
 template <backend B, monoid M, class In, class Out>
 void inclusive_scan(const B& b, const M& m, In in, Out out, const options& opt = {}) {
@@ -302,8 +289,8 @@ template <backend B, monoid M, class In, class Out, memory_space Space>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init,
                     const loom::segments<Space>& docs, const options& opt = {}) {
   const auto plan = make_plan(b, m, in.extent(0), docs, opt);
-  detail::with_temporary_workspace(b, plan,
-                                   [&](std::span<std::byte> ws) { exclusive_scan(b, plan, in, out, init, ws); });
+  loom::detail::with_temporary_workspace(b, plan.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { exclusive_scan(b, plan, in, out, init, ws); });
 }
 template <backend B, monoid M, class In, class Out>
 void exclusive_scan(const B& b, const M& m, In in, Out out, typename M::value_type init, const options& opt = {}) {

@@ -127,6 +127,11 @@ struct ring_state {
     return {doc.data() + at, pos.data() + at, 1, 1};
   }
   [[nodiscard]] token_coords all_coords() const { return {doc.data(), pos.data(), 1, 1}; }
+  //! The softmax scale of the plan's options in the accumulation type.
+  template <class Acc>
+  [[nodiscard]] Acc scale() const {
+    return scale_of<Acc>(opt, dims.dim_qk);
+  }
   //! The local problem of tq queries against tk keys.
   [[nodiscard]] problem local(index_t tq, index_t tk) const {
     return {tq,         tk,         dims.heads_q,    dims.heads_kv,   dims.dim_qk,
@@ -230,6 +235,53 @@ void copy_out2(const block<T>& in, V v) {
     for (index_t h = 0; h < in.h; ++h) v(t, h) = static_cast<E>(in.p[t * in.h + h]);
 }
 
+//! A rank's keys and values as two blocks of `rows` rows: one travelling copy (or its gradient).
+template <class T>
+struct kv_block {
+  block<T> k, v;
+  template <class A>
+  static kv_block take(A& a, const ring_state& st, index_t rows) {
+    return {take_block<T>(a, rows, st.dims.heads_kv, st.dims.dim_qk),
+            take_block<T>(a, rows, st.dims.heads_kv, st.dims.dim_v)};
+  }
+  void set_rows(index_t n) { k.n = v.n = n; }
+  void zero() const {
+    k.zero();
+    v.zero();
+  }
+  //! n rows of the caller's k and v.
+  template <class K, class V>
+  void load(index_t n, const K& kk, const V& vv) {
+    set_rows(n);
+    copy_in(kk, k);
+    copy_in(vv, v);
+  }
+};
+
+//! The gradient accumulators of one call: dQ of q_rows rows, dK/dV of kv_rows rows.
+template <class Acc>
+struct grads {
+  block<Acc> q;
+  kv_block<Acc> kv;
+  template <class A>
+  static grads take(A& a, const ring_state& st, index_t q_rows, index_t kv_rows) {
+    return {take_block<Acc>(a, q_rows, st.dims.heads_q, st.dims.dim_qk), kv_block<Acc>::take(a, st, kv_rows)};
+  }
+  //! n rows each, zeroed.
+  void start(index_t n) {
+    q.n = n;
+    kv.set_rows(n);
+    q.zero();
+    kv.zero();
+  }
+  template <class DQ, class DK, class DV>
+  void copy_to(DQ dq, DK dk, DV dv) const {
+    copy_out(q, dq);
+    copy_out(kv.k, dk);
+    copy_out(kv.v, dv);
+  }
+};
+
 //! Outstanding requests of one step, in a fixed array (no allocation).
 template <comm::communicator C>
 struct requests {
@@ -243,6 +295,12 @@ struct requests {
     next.n = rows;
     r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
     r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
+  }
+  //! Both blocks of a K/V pair (tags tag and tag + 1).
+  template <class T>
+  void shift(C& comm, const kv_block<T>& cur, kv_block<T>& next, index_t rows, int tag, int dir = 1) {
+    shift(comm, cur.k, next.k, rows, tag, dir);
+    shift(comm, cur.v, next.v, rows, tag + 1, dir);
   }
   void wait(C& comm) {
     comm::wait_all(comm, std::span<typename C::request>(r.data(), n));

@@ -39,14 +39,14 @@ struct running_out {
     r.lpart = take_block<Acc>(a, n, s.heads_q, 1);
     return r;
   }
-  //! q (this rank's) against kb, vb (rank src's): into the running pair when first, else merged in.
+  //! q (this rank's) against kv (rank src's): into the running pair when first, else merged in.
   template <class B, class Q, class T>
-  void add(const B& b, const ring_state& st, Acc scale, Q q, const block<T>& kb, const block<T>& vb, int src,
-           bool first, std::span<std::byte> local) {
+  void add(const B& b, const ring_state& st, Q q, const kv_block<T>& kv, int src, bool first,
+           std::span<std::byte> local) {
     const auto& o = first ? acc : part;
     const auto& l = first ? lacc : lpart;
-    forward_on(b, st.local(st.mine, kb.n), scale, q, kb.cview(), vb.cview(), st.coords_of(st.me), st.coords_of(src),
-               o.view(), l.view2(), local, st.cap);
+    forward_on(b, st.local(st.mine, kv.k.n), st.scale<Acc>(), q, kv.k.cview(), kv.v.cview(), st.coords_of(st.me),
+               st.coords_of(src), o.view(), l.view2(), local, st.cap);
     if (!first) merge(b, acc.view(), lacc.view2(), part.cview(), lpart.cview2());
   }
   template <class O, class L>
@@ -60,43 +60,33 @@ template <>
 struct runner<ring::pass_kv> {
   template <class T, class Acc>
   struct fwd {
-    block<T> kc, vc, kn, vn;
+    kv_block<T> cur, next;
     running_out<Acc> o;
     std::span<std::byte> local;
   };
   template <class T, class Acc>
   struct bwd {
-    block<T> kc, vc, kn, vn;
-    block<Acc> gq, gk, gv, gkn, gvn;
+    kv_block<T> cur, next;
+    grads<Acc> g;
+    kv_block<Acc> gnext;
     std::span<std::byte> local;
   };
   template <class T, class Acc, class A>
   static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows;
     fwd<T, Acc> w;
-    w.kc = take_block<T>(a, m, s.heads_kv, s.dim_qk);
-    w.vc = take_block<T>(a, m, s.heads_kv, s.dim_v);
-    w.kn = take_block<T>(a, m, s.heads_kv, s.dim_qk);
-    w.vn = take_block<T>(a, m, s.heads_kv, s.dim_v);
+    w.cur = kv_block<T>::take(a, st, st.max_rows);
+    w.next = kv_block<T>::take(a, st, st.max_rows);
     w.o = running_out<Acc>::take(a, st);
     w.local = take_bytes(a, st.local_forward);
     return w;
   }
   template <class T, class Acc, class A>
   static bwd<T, Acc> backward_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows, n = st.mine;
     bwd<T, Acc> w;
-    w.kc = take_block<T>(a, m, s.heads_kv, s.dim_qk);
-    w.vc = take_block<T>(a, m, s.heads_kv, s.dim_v);
-    w.kn = take_block<T>(a, m, s.heads_kv, s.dim_qk);
-    w.vn = take_block<T>(a, m, s.heads_kv, s.dim_v);
-    w.gq = take_block<Acc>(a, n, s.heads_q, s.dim_qk);
-    w.gk = take_block<Acc>(a, m, s.heads_kv, s.dim_qk);
-    w.gv = take_block<Acc>(a, m, s.heads_kv, s.dim_v);
-    w.gkn = take_block<Acc>(a, m, s.heads_kv, s.dim_qk);
-    w.gvn = take_block<Acc>(a, m, s.heads_kv, s.dim_v);
+    w.cur = kv_block<T>::take(a, st, st.max_rows);
+    w.next = kv_block<T>::take(a, st, st.max_rows);
+    w.g = grads<Acc>::take(a, st, st.mine, st.max_rows);
+    w.gnext = kv_block<Acc>::take(a, st, st.max_rows);
     w.local = take_bytes(a, st.local_backward);
     return w;
   }
@@ -110,23 +100,13 @@ struct runner<ring::pass_kv> {
     workspace_carver a(ws);
     auto w = forward_buffers<T, Acc>(a, st);
     const int p = st.ranks, me = st.me;
-    const index_t n = st.mine;
-    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
-    w.kc.n = w.vc.n = n;
-    copy_in(k, w.kc);
-    copy_in(v, w.vc);
+    w.cur.load(st.mine, k, v);
     requests<C> reqs;
     for (int s = 0; s < p; ++s) {
-      const int src = ring_next(me, p, -s);
-      if (s + 1 < p) {
-        const index_t rows = st.rows(ring_next(me, p, -(s + 1)));
-        reqs.shift(comm, w.kc, w.kn, rows, 0);
-        reqs.shift(comm, w.vc, w.vn, rows, 1);
-      }
-      w.o.add(b, st, scale, q, w.kc, w.vc, src, s == 0, w.local);
+      if (s + 1 < p) reqs.shift(comm, w.cur, w.next, st.rows(ring_next(me, p, -(s + 1))), 0);
+      w.o.add(b, st, q, w.cur, ring_next(me, p, -s), s == 0, w.local);
       reqs.wait(comm);
-      std::swap(w.kc, w.kn);
-      std::swap(w.vc, w.vn);
+      std::swap(w.cur, w.next);
     }
     w.o.copy_to(out, lse);
   }
@@ -140,41 +120,22 @@ struct runner<ring::pass_kv> {
     workspace_carver a(ws);
     auto w = backward_buffers<T, Acc>(a, st);
     const int p = st.ranks, me = st.me;
-    const index_t n = st.mine;
-    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
-    w.kc.n = w.vc.n = w.gq.n = w.gk.n = w.gv.n = n;
-    copy_in(k, w.kc);
-    copy_in(v, w.vc);
-    w.gq.zero();
-    w.gk.zero();
-    w.gv.zero();
+    w.cur.load(st.mine, k, v);
+    w.g.start(st.mine);
     requests<C> reqs;
     for (int s = 0; s < p; ++s) {
       const int src = ring_next(me, p, -s);
       const index_t next_rows = st.rows(ring_next(me, p, -(s + 1)));
-      if (s + 1 < p) {
-        reqs.shift(comm, w.kc, w.kn, next_rows, 0);
-        reqs.shift(comm, w.vc, w.vn, next_rows, 1);
-      }
-      backward_on(b, st.local(n, w.kc.n), scale, q, w.kc.cview(), w.vc.cview(), st.coords_of(me), st.coords_of(src),
-                  out, lse, dout, w.gq.view(), w.gk.view(), w.gv.view(), true, w.local, st.cap);
-      if (p > 1) {  // the accumulators move on (after the last step: home)
-        reqs.shift(comm, w.gk, w.gkn, next_rows, 2);
-        reqs.shift(comm, w.gv, w.gvn, next_rows, 3);
-      }
+      if (s + 1 < p) reqs.shift(comm, w.cur, w.next, next_rows, 0);
+      backward_on(b, st.local(st.mine, w.cur.k.n), st.scale<Acc>(), q, w.cur.k.cview(), w.cur.v.cview(),
+                  st.coords_of(me), st.coords_of(src), out, lse, dout, w.g.q.view(), w.g.kv.k.view(), w.g.kv.v.view(),
+                  true, w.local, st.cap);
+      if (p > 1) reqs.shift(comm, w.g.kv, w.gnext, next_rows, 2);  // the accumulators move on (at the end: home)
       reqs.wait(comm);
-      if (p > 1) {
-        std::swap(w.gk, w.gkn);
-        std::swap(w.gv, w.gvn);
-      }
-      if (s + 1 < p) {
-        std::swap(w.kc, w.kn);
-        std::swap(w.vc, w.vn);
-      }
+      if (p > 1) std::swap(w.g.kv, w.gnext);
+      if (s + 1 < p) std::swap(w.cur, w.next);
     }
-    copy_out(w.gq, dq);
-    copy_out(w.gk, dk);
-    copy_out(w.gv, dv);
+    w.g.copy_to(dq, dk, dv);
   }
 };
 
@@ -189,7 +150,8 @@ struct runner<ring::pass_q> {
   template <class T, class Acc>
   struct bwd {
     block<T> qc, qn, oc, on, dc, dn;
-    block<Acc> lc, ln, gq, gqn, gk, gv;
+    block<Acc> lc, ln, gqn;
+    grads<Acc> g;
     std::span<std::byte> local;
   };
   template <class T, class Acc, class A>
@@ -207,7 +169,7 @@ struct runner<ring::pass_q> {
   template <class T, class Acc, class A>
   static bwd<T, Acc> backward_buffers(A& a, const ring_state& st) {
     const auto& s = st.dims;
-    const index_t m = st.max_rows, n = st.mine;
+    const index_t m = st.max_rows;
     bwd<T, Acc> w;
     w.qc = take_block<T>(a, m, s.heads_q, s.dim_qk);
     w.qn = take_block<T>(a, m, s.heads_q, s.dim_qk);
@@ -217,10 +179,8 @@ struct runner<ring::pass_q> {
     w.dn = take_block<T>(a, m, s.heads_q, s.dim_v);
     w.lc = take_block<Acc>(a, m, s.heads_q, 1);
     w.ln = take_block<Acc>(a, m, s.heads_q, 1);
-    w.gq = take_block<Acc>(a, m, s.heads_q, s.dim_qk);
     w.gqn = take_block<Acc>(a, m, s.heads_q, s.dim_qk);
-    w.gk = take_block<Acc>(a, n, s.heads_kv, s.dim_qk);
-    w.gv = take_block<Acc>(a, n, s.heads_kv, s.dim_v);
+    w.g = grads<Acc>::take(a, st, m, st.mine);
     w.local = take_bytes(a, st.local_backward);
     return w;
   }
@@ -237,7 +197,6 @@ struct runner<ring::pass_q> {
     auto w = forward_buffers<T, Acc>(a, st);
     const int p = st.ranks, me = st.me;
     const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
-    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
     w.qc.n = n;
     copy_in(q, w.qc);
     requests<C> reqs;
@@ -246,7 +205,7 @@ struct runner<ring::pass_q> {
       if (s + 1 < p) reqs.shift(comm, w.qc, w.qn, st.rows(ring_next(me, p, -(s + 1))), 4);
       Acc* base = w.send + st.send_displs[static_cast<std::size_t>(src)];
       const index_t rows = st.rows(src);
-      forward_on(b, st.local(rows, n), scale, w.qc.cview(), k, v, st.coords_of(src), st.coords_of(me),
+      forward_on(b, st.local(rows, n), st.scale<Acc>(), w.qc.cview(), k, v, st.coords_of(src), st.coords_of(me),
                  tensor_view<Acc, 3>(base, {rows, hq, dv}), tensor_view<Acc, 2>(base + rows * hq * dv, {rows, hq}),
                  w.local, st.cap);
       reqs.wait(comm);
@@ -281,15 +240,12 @@ struct runner<ring::pass_q> {
     auto w = backward_buffers<T, Acc>(a, st);
     const int p = st.ranks, me = st.me;
     const index_t n = st.mine;
-    const Acc scale = scale_of<Acc>(st.opt, st.dims.dim_qk);
-    w.qc.n = w.oc.n = w.dc.n = w.lc.n = w.gq.n = n;
+    w.qc.n = w.oc.n = w.dc.n = w.lc.n = n;
     copy_in(q, w.qc);
     copy_in(out, w.oc);
     copy_in(dout, w.dc);
     copy_in2(lse, w.lc);
-    w.gq.zero();
-    w.gk.zero();
-    w.gv.zero();
+    w.g.start(n);
     requests<C> reqs;
     for (int s = 0; s < p; ++s) {
       const int src = ring_next(me, p, -s);
@@ -300,11 +256,12 @@ struct runner<ring::pass_q> {
         reqs.shift(comm, w.dc, w.dn, nn, 6);
         reqs.shift(comm, w.lc, w.ln, nn, 7);
       }
-      backward_on(b, st.local(rows, n), scale, w.qc.cview(), k, v, st.coords_of(src), st.coords_of(me), w.oc.cview(),
-                  w.lc.cview2(), w.dc.cview(), w.gq.view(), w.gk.view(), w.gv.view(), true, w.local, st.cap);
-      if (p > 1) reqs.shift(comm, w.gq, w.gqn, nn, 8);
+      backward_on(b, st.local(rows, n), st.scale<Acc>(), w.qc.cview(), k, v, st.coords_of(src), st.coords_of(me),
+                  w.oc.cview(), w.lc.cview2(), w.dc.cview(), w.g.q.view(), w.g.kv.k.view(), w.g.kv.v.view(), true,
+                  w.local, st.cap);
+      if (p > 1) reqs.shift(comm, w.g.q, w.gqn, nn, 8);
       reqs.wait(comm);
-      if (p > 1) std::swap(w.gq, w.gqn);
+      if (p > 1) std::swap(w.g.q, w.gqn);
       if (s + 1 < p) {
         std::swap(w.qc, w.qn);
         std::swap(w.oc, w.on);
@@ -312,36 +269,35 @@ struct runner<ring::pass_q> {
         std::swap(w.lc, w.ln);
       }
     }
-    copy_out(w.gq, dq);
-    copy_out(w.gk, dk);
-    copy_out(w.gv, dv);
+    w.g.copy_to(dq, dk, dv);
   }
 };
 
 template <>
 struct runner<ring::all_gather_kv> {
+  //! This rank's K/V padded to the largest shard, every rank's padded blocks, and the keys in rank
+  //! order without the padding.
   template <class T>
   struct gathered {
-    block<T> mine_k, mine_v, all_k, all_v, k, v;
+    kv_block<T> mine, all, full;
   };
   template <class T, class Acc>
   struct fwd {
     gathered<T> g;
     std::span<std::byte> local;
   };
+  //! dQ and dK/dV against every key, dK/dV padded per rank, and this rank's reduced rows.
   template <class T, class Acc>
   struct bwd {
     gathered<T> g;
-    block<Acc> gq, gk, gv, pk, pv, rk, rv;
+    grads<Acc> d;
+    kv_block<Acc> padded, reduced;
     std::span<std::byte> local;
   };
   template <class T, class A>
   static gathered<T> gather_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows, pm = st.ranks * m;
-    return {take_block<T>(a, m, s.heads_kv, s.dim_qk),        take_block<T>(a, m, s.heads_kv, s.dim_v),
-            take_block<T>(a, pm, s.heads_kv, s.dim_qk),       take_block<T>(a, pm, s.heads_kv, s.dim_v),
-            take_block<T>(a, st.total, s.heads_kv, s.dim_qk), take_block<T>(a, st.total, s.heads_kv, s.dim_v)};
+    return {kv_block<T>::take(a, st, st.max_rows), kv_block<T>::take(a, st, st.ranks * st.max_rows),
+            kv_block<T>::take(a, st, st.total)};
   }
   template <class T, class Acc, class A>
   static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
@@ -352,17 +308,11 @@ struct runner<ring::all_gather_kv> {
   }
   template <class T, class Acc, class A>
   static bwd<T, Acc> backward_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows, pm = st.ranks * m;
     bwd<T, Acc> w;
     w.g = gather_buffers<T>(a, st);
-    w.gq = take_block<Acc>(a, st.mine, s.heads_q, s.dim_qk);
-    w.gk = take_block<Acc>(a, st.total, s.heads_kv, s.dim_qk);
-    w.gv = take_block<Acc>(a, st.total, s.heads_kv, s.dim_v);
-    w.pk = take_block<Acc>(a, pm, s.heads_kv, s.dim_qk);
-    w.pv = take_block<Acc>(a, pm, s.heads_kv, s.dim_v);
-    w.rk = take_block<Acc>(a, m, s.heads_kv, s.dim_qk);
-    w.rv = take_block<Acc>(a, m, s.heads_kv, s.dim_v);
+    w.d = grads<Acc>::take(a, st, st.mine, st.total);
+    w.padded = kv_block<Acc>::take(a, st, st.ranks * st.max_rows);
+    w.reduced = kv_block<Acc>::take(a, st, st.max_rows);
     w.local = take_bytes(a, st.local_backward);
     return w;
   }
@@ -371,23 +321,31 @@ struct runner<ring::all_gather_kv> {
     size_from<runner, T, Acc>(st, st.mine, st.total, st.mine, st.total);
   }
 
+  //! Rank r's rows of one block between the rank-ordered form (rows begin[r]..) and the padded
+  //! form (rows r * max_rows..); to_padded picks the direction.
+  template <class T>
+  static void repad(const ring_state& st, const block<T>& ordered, const block<T>& padded, bool to_padded) {
+    const index_t row = ordered.h * ordered.d;
+    for (int r = 0; r < st.ranks; ++r) {
+      T* o = ordered.p + st.begin[static_cast<std::size_t>(r)] * row;
+      T* pd = padded.p + r * st.max_rows * row;
+      if (to_padded)
+        std::copy_n(o, st.rows(r) * row, pd);
+      else
+        std::copy_n(pd, st.rows(r) * row, o);
+    }
+  }
+
   //! K and V of every rank in rank order: one padded all_gather each, then the padding dropped.
   template <class T, class C, class K, class V>
   static void gather(C& comm, const ring_state& st, const K& k, const V& v, gathered<T>& g) {
-    const index_t m = st.max_rows, hkv = st.dims.heads_kv, dk = st.dims.dim_qk, dv = st.dims.dim_v;
-    g.mine_k.zero();
-    g.mine_v.zero();
-    block<T> kk = g.mine_k, vv = g.mine_v;
-    kk.n = vv.n = st.mine;
-    copy_in(k, kk);
-    copy_in(v, vv);
-    comm.all_gather(g.mine_k.csend(), g.all_k.span());
-    comm.all_gather(g.mine_v.csend(), g.all_v.span());
-    for (int r = 0; r < st.ranks; ++r) {
-      const index_t n = st.rows(r), at = st.begin[static_cast<std::size_t>(r)];
-      std::copy_n(g.all_k.p + r * m * hkv * dk, n * hkv * dk, g.k.p + at * hkv * dk);
-      std::copy_n(g.all_v.p + r * m * hkv * dv, n * hkv * dv, g.v.p + at * hkv * dv);
-    }
+    g.mine.zero();
+    g.mine.load(st.mine, k, v);
+    g.mine.set_rows(st.max_rows);
+    comm.all_gather(g.mine.k.csend(), g.all.k.span());
+    comm.all_gather(g.mine.v.csend(), g.all.v.span());
+    repad(st, g.full.k, g.all.k, false);
+    repad(st, g.full.v, g.all.v, false);
   }
 
   //! One padded all_gather of K and of V, then the local kernel against every key (any mask
@@ -397,7 +355,7 @@ struct runner<ring::all_gather_kv> {
     workspace_carver a(ws);
     auto w = forward_buffers<T, Acc>(a, st);
     gather(comm, st, k, v, w.g);
-    forward_on(b, st.local(st.mine, st.total), scale_of<Acc>(st.opt, st.dims.dim_qk), q, w.g.k.cview(), w.g.v.cview(),
+    forward_on(b, st.local(st.mine, st.total), st.scale<Acc>(), q, w.g.full.k.cview(), w.g.full.v.cview(),
                st.coords_of(st.me), st.all_coords(), out, lse, w.local, st.cap);
   }
 
@@ -410,24 +368,18 @@ struct runner<ring::all_gather_kv> {
     workspace_carver a(ws);
     auto w = backward_buffers<T, Acc>(a, st);
     gather(comm, st, k, v, w.g);
-    backward_on(b, st.local(st.mine, st.total), scale_of<Acc>(st.opt, st.dims.dim_qk), q, w.g.k.cview(), w.g.v.cview(),
-                st.coords_of(st.me), st.all_coords(), out, lse, dout, w.gq.view(), w.gk.view(), w.gv.view(), false,
-                w.local, st.cap);
+    backward_on(b, st.local(st.mine, st.total), st.scale<Acc>(), q, w.g.full.k.cview(), w.g.full.v.cview(),
+                st.coords_of(st.me), st.all_coords(), out, lse, dout, w.d.q.view(), w.d.kv.k.view(), w.d.kv.v.view(),
+                false, w.local, st.cap);
     // Pad to the largest shard, reduce-scatter, keep my rows.
-    const index_t m = st.max_rows, hkv = st.dims.heads_kv, dkd = st.dims.dim_qk, dvd = st.dims.dim_v;
-    w.pk.zero();
-    w.pv.zero();
-    for (int r = 0; r < st.ranks; ++r) {
-      const index_t n = st.rows(r), at = st.begin[static_cast<std::size_t>(r)];
-      std::copy_n(w.gk.p + at * hkv * dkd, n * hkv * dkd, w.pk.p + r * m * hkv * dkd);
-      std::copy_n(w.gv.p + at * hkv * dvd, n * hkv * dvd, w.pv.p + r * m * hkv * dvd);
-    }
-    comm.reduce_scatter(w.pk.csend(), w.rk.span(), comm::reduce_op::sum);
-    comm.reduce_scatter(w.pv.csend(), w.rv.span(), comm::reduce_op::sum);
-    w.rk.n = w.rv.n = st.mine;
-    copy_out(w.gq, dq);
-    copy_out(w.rk, dk);
-    copy_out(w.rv, dv);
+    w.padded.zero();
+    repad(st, w.d.kv.k, w.padded.k, true);
+    repad(st, w.d.kv.v, w.padded.v, true);
+    comm.reduce_scatter(w.padded.k.csend(), w.reduced.k.span(), comm::reduce_op::sum);
+    comm.reduce_scatter(w.padded.v.csend(), w.reduced.v.span(), comm::reduce_op::sum);
+    w.reduced.set_rows(st.mine);
+    w.d.kv = w.reduced;
+    w.d.copy_to(dq, dk, dv);
   }
 };
 
