@@ -5,12 +5,17 @@
 //   loom::test::backend_under_test        the policy type
 //   loom::test::make_backend()            an instance (openmp: 2 threads, the CI machine's cores)
 //   loom::test::buffer<T>                 storage in the backend's memory space, with to_host()
+//   loom::test::workspace                 a plan's workspace in that space (aligned, or shifted)
 //   LOOM_BACKEND_TAG                      "[serial]", "[openmp]", ...
 
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/serial.hpp>
+#include <loom/core/workspace.hpp>
 
 #include <array>
+#include <cstddef>
+#include <cstdint>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -96,5 +101,21 @@ template <class T, std::size_t R>
 tensor_view<T, R, space> view_of(const buffer<std::remove_const_t<T>>& b, const std::array<index_t, R>& ext) {
   return tensor_view<T, R, space>(b.data(), ext);
 }
+
+//! A workspace in the backend's memory space: span(shift) is `bytes` bytes starting `shift` bytes
+//! after a loom::workspace_alignment boundary (shift > 0 tests the alignment check).
+class workspace {
+ public:
+  explicit workspace(std::size_t bytes) : bytes_(bytes), buf_(bytes + 2 * loom::workspace_alignment) {}
+  std::span<std::byte> span(std::size_t shift = 0) const {
+    const auto p = reinterpret_cast<std::uintptr_t>(buf_.data());
+    const auto pad = (loom::workspace_alignment - p % loom::workspace_alignment) % loom::workspace_alignment;
+    return {buf_.data() + pad + shift, bytes_};
+  }
+
+ private:
+  std::size_t bytes_;
+  buffer<std::byte> buf_;
+};
 
 }  // namespace loom::test

@@ -35,10 +35,12 @@ template <class ExecSpace>
 struct parallel_impl<kokkos<ExecSpace>> {
   using policy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<index_t>>;
 
+  // Labels stay within std::string's inline capacity (15 characters): Kokkos turns every label into
+  // a std::string per launch, and a plan-taking call allocates nothing on the heap.
   template <class F>
   static void for_each(const kokkos<ExecSpace>& b, index_t n, const F& f) {
     if (n == 0) return;
-    Kokkos::parallel_for("loom::for_each_index", policy(b.space, 0, n), kokkos_index_functor<F>{f});
+    Kokkos::parallel_for("loom::for_each", policy(b.space, 0, n), kokkos_index_functor<F>{f});
     b.space.fence();
   }
 
