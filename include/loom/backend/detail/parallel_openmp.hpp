@@ -1,7 +1,7 @@
 #pragma once
 
 //! @file
-//! The generic loops on OpenMP threads (static schedule; reduce uses the fixed blocking).
+//! The generic loops on OpenMP threads (dynamic schedule over chunks; reduce uses the fixed blocking).
 
 #include <loom/backend/detail/blocking.hpp>
 #include <loom/backend/traits.hpp>
@@ -32,7 +32,11 @@ struct parallel_impl<openmp> {
     static_assert(LOOM_HAS_OPENMP || always_false<B>,
                   "loom::openmp needs OpenMP: link the loom::openmp CMake target (or pass -fopenmp)");
     [[maybe_unused]] const int t = team(b);
-    LOOM_OMP(parallel for schedule(static) num_threads(t) if (n > 1 && t > 1))
+    // Chunks of about 1/16 of a thread's share, taken dynamically: a thread that loses its core to
+    // another process delays the loop by the chunk it holds, not by its whole share.
+    [[maybe_unused]] const index_t chunk =
+        n / (16 * index_t{t > 0 ? t : 1}) > 1 ? n / (16 * index_t{t > 0 ? t : 1}) : 1;
+    LOOM_OMP(parallel for schedule(dynamic, chunk) num_threads(t) if (n > 1 && t > 1))
     for (index_t i = 0; i < n; ++i) f(i);
   }
 

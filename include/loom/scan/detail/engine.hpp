@@ -5,15 +5,20 @@
 //! recurrences and their adjoints, and the local halves of cross-rank scans).
 //!
 //! The sequence is cut into blocks whose size depends on n and the kernel only, never on the
-//! thread count. Blocks are processed a tile at a time (a tile = as many blocks as the backend
-//! runs at once):
-//!   1. reduce: each block folds its elements into an aggregate, in index order;
-//!   2. carry:  one thread walks the tile's aggregates in order: carry[j+1] = advance(carry[j], agg[j]);
-//!   3. scan:   each block re-scans its elements starting from carry[j] and writes the output.
-//! Every value is computed by the same sequence of operations whatever the tile (thread count),
-//! so results are bitwise identical on serial, openmp and kokkos; on host backends a thread
-//! re-reads in phase 3 the block it read in phase 1, while it is still in its cache, so the data
-//! crosses memory about twice (read, write) rather than three times.
+//! thread count. Each block is
+//!   1. reduced: its elements folded into an aggregate, in index order;
+//!   2. carried: carry[j+1] = advance(carry[j], agg[j]), strictly in block order;
+//!   3. scanned: its elements re-scanned from carry[j], writing the output.
+//! Every value is computed by the same sequence of operations whatever the thread count, so
+//! results are bitwise identical on serial, openmp and kokkos.
+//!
+//! Host backends run one parallel region per call: each of the backend's threads takes the next
+//! block from a shared counter, reduces it, waits for its turn in the carry chain (the previous
+//! block's carry), advances the chain and scans its block while the block is still in its cache
+//! (so the data crosses memory about twice, read and write, rather than three times). A thread
+//! that is descheduled (another process on the core) delays the others by the block it holds,
+//! not by a whole phase; the wait yields the core. Devices take every block at once: reduce, carry
+//! and scan as three launches.
 //!
 //! A kernel K provides, all LOOM_HD and const:
 //!   using agg_type;  index_t carry_size, agg_size, scratch_size;  (in agg_type units)
@@ -25,6 +30,9 @@
 
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
+
+#include <atomic>
+#include <thread>
 
 namespace loom::scan::detail {
 
@@ -183,6 +191,74 @@ index_t workspace_size(const B& b, const K& k, const blocking& blk) {
   return layout_for(k, tile_of(b, blk)).size();
 }
 
+//! The host path's shared state: the next block to take and the block whose turn it is in the
+//! chain (on the calling thread's stack: the region ends before the call returns).
+struct chain {
+  std::atomic<index_t> next{0}, turn{0};
+  //! Takes the next block (>= blocks: none left).
+  index_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
+  //! Waits until block j may advance the chain: a short spin, then yields the core.
+  void wait_turn(index_t j) const {
+    for (int spin = 0; turn.load(std::memory_order_acquire) != j; ++spin)
+      if (spin >= 64) std::this_thread::yield();
+  }
+  void pass(index_t j) { turn.store(j + 1, std::memory_order_release); }
+};
+
+//! Host path of run_scan: worker w's slots are its carry, aggregate and scratch of the layout.
+template <class K>
+struct chained_scan_step {
+  K k;
+  blocking blk;
+  layout lay;
+  typename K::agg_type* ws;
+  chain* ch;
+  void operator()(index_t w) const {
+    auto* running = ws + lay.running();
+    auto* carry = ws + lay.carries() + w * lay.carry;
+    auto* agg = ws + lay.aggs() + w * lay.agg;
+    auto* scratch = ws + lay.scratches() + w * lay.scratch;
+    for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
+      k.reduce(blk.begin(j), blk.end(j), agg, scratch);
+      ch->wait_turn(j);
+      for (index_t c = 0; c < lay.carry; ++c) carry[c] = running[c];
+      k.advance(carry, agg, running);
+      ch->pass(j);
+      k.scan(blk.begin(j), blk.end(j), carry, scratch);
+    }
+  }
+};
+
+//! Host path of run_total: the chain composes the blocks' aggregates in block order.
+template <class K>
+struct chained_total_step {
+  K k;
+  blocking blk;
+  layout lay;
+  typename K::agg_type* ws;
+  chain* ch;
+  void operator()(index_t w) const {
+    auto* total = ws + lay.total_agg();
+    auto* tmp = total + lay.agg;
+    auto* agg = ws + lay.aggs() + w * lay.agg;
+    auto* scratch = ws + lay.scratches() + w * lay.scratch;
+    for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
+      k.reduce(blk.begin(j), blk.end(j), agg, scratch);
+      ch->wait_turn(j);
+      if (j == 0) {
+        for (index_t c = 0; c < lay.agg; ++c) total[c] = agg[c];
+      } else {
+        k.compose(total, agg, tmp);
+        for (index_t c = 0; c < lay.agg; ++c) total[c] = tmp[c];
+      }
+      ch->pass(j);
+    }
+  }
+};
+
+template <backend B>
+inline constexpr bool host_engine = backend_traits<B>::memory_space::host_accessible;
+
 //! Scans positions [0, blk.n) with kernel k. `ws` holds workspace_size elements in B's space.
 //! The carry entering block 0 is k.init_carry unless `carry_ready` (the caller wrote it at ws[0]).
 template <backend B, class K>
@@ -195,11 +271,16 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
     for_each_index(b, 1, scan_step<K>{k, blk, lay, 0, true, ws});
     return;
   }
-  for (index_t first = 0; first < blk.blocks; first += tile) {
-    const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
-    for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
-    for_each_index(b, 1, carry_step<K>{k, lay, count, ws});
-    for_each_index(b, count, scan_step<K>{k, blk, lay, first, false, ws});
+  if constexpr (host_engine<B>) {
+    chain ch;
+    for_each_index(b, tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
+  } else {
+    for (index_t first = 0; first < blk.blocks; first += tile) {
+      const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
+      for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
+      for_each_index(b, 1, carry_step<K>{k, lay, count, ws});
+      for_each_index(b, count, scan_step<K>{k, blk, lay, first, false, ws});
+    }
   }
 }
 
@@ -208,10 +289,15 @@ template <backend B, class K>
 typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typename K::agg_type* ws) {
   const index_t tile = tile_of(b, blk);
   const layout lay = layout_for(k, tile);
-  for (index_t first = 0; first < blk.blocks; first += tile) {
-    const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
-    for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
-    for_each_index(b, 1, total_step<K>{k, lay, count, first == 0, ws});
+  if constexpr (host_engine<B>) {
+    chain ch;
+    for_each_index(b, tile, chained_total_step<K>{k, blk, lay, ws, &ch});
+  } else {
+    for (index_t first = 0; first < blk.blocks; first += tile) {
+      const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
+      for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
+      for_each_index(b, 1, total_step<K>{k, lay, count, first == 0, ws});
+    }
   }
   return ws + lay.total_agg();
 }
