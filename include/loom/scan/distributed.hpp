@@ -139,7 +139,7 @@ void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const
   A* own = carve.at<A>(cr.own);
   A* gathered = carve.at<A>(cr.gathered);
   A* prefix = carve.at<A>(cr.prefix);
-  const layout lay = layout_for(k, tile_of(b, blk));
+  const layout lay = layout_for(b, k, blk);
   if (blk.n > 0) {
     const A* total = run_total(b, k, blk, eng);
     for_each_index(b, 1, copy_step<A>{total, own, agg});

@@ -176,10 +176,9 @@ struct recurrence_access {
     p.cr_.w = w;
     const index_t agg = recurrence_agg_size<PA>(as, d);
     const std::size_t eng = std::max(
-        sizeof(PA) * static_cast<std::size_t>(layout{tile_of(b, p.blk_), d, agg, 2 * as + 2 * d}.size()),
-        sizeof(float) *
-            static_cast<std::size_t>(
-                layout{tile_of(b, p.blk_float_), d, recurrence_agg_size<float>(as, d), 2 * as + 2 * d}.size()));
+        sizeof(PA) * static_cast<std::size_t>(layout_of(b, p.blk_, d, agg, 2 * as + 2 * d).size()),
+        sizeof(float) * static_cast<std::size_t>(
+                            layout_of(b, p.blk_float_, d, recurrence_agg_size<float>(as, d), 2 * as + 2 * d).size()));
     workspace_layout lay;
     lay.add<std::byte>(static_cast<index_t>(eng));
     extra(p.cr_, lay, agg, d, sizeof(PA));

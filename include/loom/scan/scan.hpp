@@ -165,7 +165,7 @@ struct plan_access {
         return p;
       }
     }
-    lay.add<A>(layout{tile_of(b, p.blk_), 1, 1, 0}.size());
+    lay.add<A>(layout_of(b, p.blk_, 1, 1, 0).size());
     extra(p.cr_, lay, index_t{1}, index_t{1}, sizeof(A));
     p.bytes_ = lay.bytes();
     return p;

@@ -13,12 +13,13 @@
 //! results are bitwise identical on serial, openmp and kokkos.
 //!
 //! Host backends run one parallel region per call: each of the backend's threads takes the next
-//! block from a shared counter, reduces it, waits for its turn in the carry chain (the previous
-//! block's carry), advances the chain and scans its block while the block is still in its cache
-//! (so the data crosses memory about twice, read and write, rather than three times). A thread
-//! that is descheduled (another process on the core) delays the others by the block it holds,
-//! not by a whole phase; the wait yields the core. Devices take every block at once: reduce, carry
-//! and scan as three launches.
+//! block from a shared counter, reduces it, advances the carry chain over every block reduced so
+//! far (one thread at a time, in block order) and scans its block while it is still in its cache
+//! (so the data crosses memory about twice, read and write, rather than three times). A block whose
+//! carry is not known yet is scanned later, after the last block is taken, by whichever thread
+//! claims it. No thread waits while blocks are left to take, so a thread that loses its core to
+//! another process delays the others by the one block it holds; a waiting thread yields the core.
+//! Devices take every block at once: reduce, carry and scan as three launches.
 //!
 //! A kernel K provides, all LOOM_HD and const:
 //!   using agg_type;  index_t carry_size, agg_size, scratch_size;  (in agg_type units)
@@ -61,15 +62,19 @@ inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_el
   return b;
 }
 
-//! Where the engine keeps its state, in units of the kernel's agg_type.
+//! Where the engine keeps its state, in units of the kernel's agg_type: the carry entering block j
+//! at j * carry (j = 0: the running carry; j = blocks: the carry after the last block), every
+//! block's aggregate, a scratch per worker (tile workers), the total aggregate and its temporary,
+//! and one state slot per block (host path: reduced, scanned).
 struct layout {
-  index_t tile, carry, agg, scratch;
+  index_t tile, carry, agg, scratch, blocks;
   LOOM_HD constexpr index_t running() const noexcept { return 0; }
   LOOM_HD constexpr index_t carries() const noexcept { return carry; }
-  LOOM_HD constexpr index_t aggs() const noexcept { return carry + tile * carry; }
-  LOOM_HD constexpr index_t scratches() const noexcept { return aggs() + tile * agg; }
+  LOOM_HD constexpr index_t aggs() const noexcept { return (blocks + 1) * carry; }
+  LOOM_HD constexpr index_t scratches() const noexcept { return aggs() + blocks * agg; }
   LOOM_HD constexpr index_t total_agg() const noexcept { return scratches() + tile * scratch; }
-  LOOM_HD constexpr index_t size() const noexcept { return total_agg() + 2 * agg; }
+  LOOM_HD constexpr index_t states() const noexcept { return total_agg() + 2 * agg; }
+  LOOM_HD constexpr index_t size() const noexcept { return states() + blocks; }
 };
 
 template <backend B>
@@ -82,9 +87,14 @@ index_t tile_of(const B& b, const blocking& blk) {
   }
 }
 
-template <class K>
-layout layout_for(const K& k, index_t tile) {
-  return layout{tile, k.carry_size, k.agg_size, k.scratch_size};
+//! The engine's layout for kernel sizes (carry, agg, scratch) on backend b.
+template <backend B>
+layout layout_of(const B& b, const blocking& blk, index_t carry, index_t agg, index_t scratch) {
+  return layout{tile_of(b, blk), carry, agg, scratch, blk.blocks};
+}
+template <backend B, class K>
+layout layout_for(const B& b, const K& k, const blocking& blk) {
+  return layout_of(b, blk, k.carry_size, k.agg_size, k.scratch_size);
 }
 
 template <class K>
@@ -188,71 +198,98 @@ struct window {
 //! Workspace (in agg_type units) run_scan and run_total need for n elements.
 template <backend B, class K>
 index_t workspace_size(const B& b, const K& k, const blocking& blk) {
-  return layout_for(k, tile_of(b, blk)).size();
+  return layout_for(b, k, blk).size();
 }
 
-//! The host path's shared state: the next block to take and the block whose turn it is in the
-//! chain (on the calling thread's stack: the region ends before the call returns).
+//! The host path's shared state, on the calling thread's stack (the region ends before the call
+//! returns): the next block to take, how many blocks have their entering carry (the chain), and
+//! who is advancing the chain. Block j's state slot: 0 taken, 1 reduced, 2 scanned (claimed).
+template <class A>
 struct chain {
   std::atomic<index_t> next{0}, turn{0};
-  //! Takes the next block (>= blocks: none left).
+  std::atomic<bool> busy{false};
+  A* states;
+  index_t blocks;
+
   index_t take() { return next.fetch_add(1, std::memory_order_relaxed); }
-  //! Waits until block j may advance the chain: a short spin, then yields the core.
-  void wait_turn(index_t j) const {
-    for (int spin = 0; turn.load(std::memory_order_acquire) != j; ++spin)
-      if (spin >= 64) std::this_thread::yield();
+  std::atomic_ref<unsigned char> state(index_t j) const {
+    return std::atomic_ref<unsigned char>(*reinterpret_cast<unsigned char*>(states + j));
   }
-  void pass(index_t j) { turn.store(j + 1, std::memory_order_release); }
+  bool ready(index_t t) const { return t < blocks && state(t).load() >= 1; }
+  //! Advances the chain over every reduced block in order (one thread at a time; a thread that
+  //! finds another one advancing leaves it the work). step(t) computes the carry entering t + 1.
+  template <class Step>
+  void advance(Step&& step) {
+    for (;;) {
+      if (busy.exchange(true)) return;
+      index_t t = turn.load(std::memory_order_relaxed);
+      for (; ready(t); ++t) {
+        step(t);
+        turn.store(t + 1, std::memory_order_release);
+      }
+      busy.store(false);
+      if (!ready(t)) return;  // nothing was reduced while this thread held the chain
+    }
+  }
+  bool has_carry(index_t j) const { return turn.load(std::memory_order_acquire) > j; }
+  bool claim(index_t j) {
+    unsigned char reduced = 1;
+    return state(j).compare_exchange_strong(reduced, 2);
+  }
+  //! Waits (advancing the chain when it can, yielding the core) until block j has its carry.
+  template <class Step>
+  void wait_carry(index_t j, Step&& step) {
+    for (int spin = 0; !has_carry(j); ++spin) {
+      advance(step);
+      if (spin >= 16) std::this_thread::yield();
+    }
+  }
 };
 
-//! Host path of run_scan: worker w's slots are its carry, aggregate and scratch of the layout.
+//! Host path of run_scan, worker w: take a block, reduce it, advance the chain, and scan the block
+//! at once (still in cache) when its carry is known; blocks whose carry came late are scanned
+//! after the last block is taken, by whichever worker claims them first. No worker waits while a
+//! block is left to take.
 template <class K>
 struct chained_scan_step {
+  using A = typename K::agg_type;
   K k;
   blocking blk;
   layout lay;
-  typename K::agg_type* ws;
-  chain* ch;
+  A* ws;
+  chain<A>* ch;
   void operator()(index_t w) const {
-    auto* running = ws + lay.running();
-    auto* carry = ws + lay.carries() + w * lay.carry;
-    auto* agg = ws + lay.aggs() + w * lay.agg;
-    auto* scratch = ws + lay.scratches() + w * lay.scratch;
+    A* scratch = ws + lay.scratches() + w * lay.scratch;
+    auto carry = [&](index_t j) { return ws + j * lay.carry; };
+    auto agg = [&](index_t j) { return ws + lay.aggs() + j * lay.agg; };
+    auto step = [&](index_t t) { k.advance(carry(t), agg(t), carry(t + 1)); };
     for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
-      k.reduce(blk.begin(j), blk.end(j), agg, scratch);
-      ch->wait_turn(j);
-      for (index_t c = 0; c < lay.carry; ++c) carry[c] = running[c];
-      k.advance(carry, agg, running);
-      ch->pass(j);
-      k.scan(blk.begin(j), blk.end(j), carry, scratch);
+      k.reduce(blk.begin(j), blk.end(j), agg(j), scratch);
+      ch->state(j).store(1);
+      ch->advance(step);
+      if (ch->has_carry(j) && ch->claim(j)) k.scan(blk.begin(j), blk.end(j), carry(j), scratch);
+    }
+    for (index_t j = 0; j < blk.blocks; ++j) {
+      if (ch->state(j).load() == 2) continue;
+      ch->wait_carry(j, step);
+      if (ch->claim(j)) k.scan(blk.begin(j), blk.end(j), carry(j), scratch);
     }
   }
 };
 
-//! Host path of run_total: the chain composes the blocks' aggregates in block order.
+//! Host path of run_total: every block's aggregate, blocks taken from the counter.
 template <class K>
-struct chained_total_step {
+struct block_reduce_step {
   K k;
   blocking blk;
   layout lay;
   typename K::agg_type* ws;
-  chain* ch;
+  std::atomic<index_t>* next;
   void operator()(index_t w) const {
-    auto* total = ws + lay.total_agg();
-    auto* tmp = total + lay.agg;
-    auto* agg = ws + lay.aggs() + w * lay.agg;
     auto* scratch = ws + lay.scratches() + w * lay.scratch;
-    for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
-      k.reduce(blk.begin(j), blk.end(j), agg, scratch);
-      ch->wait_turn(j);
-      if (j == 0) {
-        for (index_t c = 0; c < lay.agg; ++c) total[c] = agg[c];
-      } else {
-        k.compose(total, agg, tmp);
-        for (index_t c = 0; c < lay.agg; ++c) total[c] = tmp[c];
-      }
-      ch->pass(j);
-    }
+    for (index_t j = next->fetch_add(1, std::memory_order_relaxed); j < blk.blocks;
+         j = next->fetch_add(1, std::memory_order_relaxed))
+      k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, scratch);
   }
 };
 
@@ -264,17 +301,20 @@ inline constexpr bool host_engine = backend_traits<B>::memory_space::host_access
 template <backend B, class K>
 void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type* ws, bool carry_ready = false) {
   if (blk.blocks == 0) return;
-  const index_t tile = tile_of(b, blk);
-  const layout lay = layout_for(k, tile);
+  const layout lay = layout_for(b, k, blk);
   if (!carry_ready) for_each_index(b, 1, init_step<K>{k, ws});
   if (blk.blocks == 1) {
     for_each_index(b, 1, scan_step<K>{k, blk, lay, 0, true, ws});
     return;
   }
   if constexpr (host_engine<B>) {
-    chain ch;
-    for_each_index(b, tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
+    using A = typename K::agg_type;
+    A* states = ws + lay.states();
+    for (index_t j = 0; j < blk.blocks; ++j) *reinterpret_cast<unsigned char*>(states + j) = 0;
+    chain<A> ch{{0}, {0}, {false}, states, blk.blocks};
+    for_each_index(b, lay.tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
   } else {
+    const index_t tile = lay.tile;
     for (index_t first = 0; first < blk.blocks; first += tile) {
       const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
       for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
@@ -287,12 +327,13 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
 //! The aggregate of all positions, left at ws + layout.total_agg() (blk.n must be > 0).
 template <backend B, class K>
 typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typename K::agg_type* ws) {
-  const index_t tile = tile_of(b, blk);
-  const layout lay = layout_for(k, tile);
+  const layout lay = layout_for(b, k, blk);
   if constexpr (host_engine<B>) {
-    chain ch;
-    for_each_index(b, tile, chained_total_step<K>{k, blk, lay, ws, &ch});
+    std::atomic<index_t> next{0};
+    for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &next});
+    for_each_index(b, 1, total_step<K>{k, lay, blk.blocks, true, ws});
   } else {
+    const index_t tile = lay.tile;
     for (index_t first = 0; first < blk.blocks; first += tile) {
       const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
       for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
