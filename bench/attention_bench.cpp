@@ -1,7 +1,7 @@
 // Exact attention against its limits and baselines, in one run (fp32, 8 heads, dim 128):
-//   attention.sgemm          OpenBLAS sgemm 2048^3 on the same threads (the FLOP ceiling)
+//   attention.sgemm          the fastest sgemm installed (support/sgemm.hpp), 2048^3, same threads (the FLOP ceiling)
 //   attention.loom           loom::attention::forward on a plan, openmp, N = 8192, causal and full
-//   attention.materialised   OpenBLAS QKᵀ into an N x N score matrix per head, row softmax, PV
+//   attention.materialised   the fastest sgemm's QKᵀ into an N x N score matrix per head, row softmax, PV
 //   attention.loom_backward  loom::attention::backward at the same shape
 //   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
 //                            P = 1 is the local kernel on one thread. Counter wait_fraction: the
@@ -23,7 +23,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cblas.h>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +30,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <sgemm.hpp>
 #include <vector>
 
 namespace {
@@ -87,12 +87,12 @@ void sgemm(benchmark::State& state) {
   const index_t n = 2048;
   const auto a = random_vector(static_cast<std::size_t>(n * n), 5), b = random_vector(a.size(), 6);
   std::vector<float> c(a.size());
-  openblas_set_num_threads(threads);
-  for (auto _ : state)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(n),
-                static_cast<int>(n), 1.0f, a.data(), static_cast<int>(n), b.data(), static_cast<int>(n), 0.0f, c.data(),
-                static_cast<int>(n));
-  openblas_set_num_threads(1);
+  const int ni = static_cast<int>(n);
+  const auto* lib = loom::bench::fastest(ni, ni, ni, threads);
+  lib->threads(threads);
+  for (auto _ : state) lib->run(ni, ni, ni, a.data(), ni, b.data(), ni, c.data(), ni);
+  lib->threads(1);
+  state.SetLabel(lib->name);
   set_flops(state, 2.0 * n * n * n);
 }
 
@@ -143,13 +143,14 @@ void materialised(benchmark::State& state) {
   const index_t n = d.n;
   std::vector<float> s(static_cast<std::size_t>(n * n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(dim));
-  openblas_set_num_threads(threads);
-  const int ld = static_cast<int>(heads * dim);
+  const int ld = static_cast<int>(heads * dim), ni = static_cast<int>(n), di = static_cast<int>(dim);
+  const auto* scores = loom::bench::fastest(ni, ni, di, threads);  // Q Kᵀ
+  const auto* values = loom::bench::fastest(ni, di, ni, threads);  // P V
+  scores->threads(threads);
+  values->threads(threads);
   for (auto _ : state) {
     for (index_t h = 0; h < heads; ++h) {
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(n), static_cast<int>(n),
-                  static_cast<int>(dim), scale, d.q.data() + h * dim, ld, d.k.data() + h * dim, ld, 0.0f, s.data(),
-                  static_cast<int>(n));
+      scores->run(ni, ni, di, d.q.data() + h * dim, ld, d.k.data() + h * dim, ld, s.data(), ni, true, scale);
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (index_t i = 0; i < n; ++i) {
         float* row = s.data() + i * n;
@@ -162,12 +163,12 @@ void materialised(benchmark::State& state) {
         for (index_t j = 0; j < end; ++j) row[j] *= inv;
         for (index_t j = end; j < n; ++j) row[j] = 0.0f;
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(n), static_cast<int>(dim),
-                  static_cast<int>(n), 1.0f, s.data(), static_cast<int>(n), d.v.data() + h * dim, ld, 0.0f,
-                  d.out.data() + h * dim, ld);
+      values->run(ni, di, ni, s.data(), ni, d.v.data() + h * dim, ld, d.out.data() + h * dim, ld);
     }
   }
-  openblas_set_num_threads(1);
+  scores->threads(1);
+  values->threads(1);
+  state.SetLabel(scores == values ? scores->name : scores->name + " / " + values->name);
   set_flops(state, 4.0 * dim * heads * pairs(n, causal));
   state.counters["extra_MiB"] = static_cast<double>(n * n * 4) / (1 << 20);
 }

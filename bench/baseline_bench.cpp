@@ -1,5 +1,6 @@
 // The physical limits of the machine the other benchmarks run on, measured in the same session:
-// memory bandwidth (memcpy, STREAM triad) and dense FLOP rate (OpenBLAS sgemm), each at 1 and 2
+// memory bandwidth (memcpy, STREAM triad) and dense FLOP rate (sgemm of every BLAS installed:
+// Debian's OpenBLAS, a current OpenBLAS, MKL, BLIS; the fastest is the limit), each at 1 and 2
 // threads. A loom kernel's GB/s or GFLOP/s is read against these rows.
 //
 // Units: "GB/s" is 1e9 bytes per second and counts the bytes the kernel reads plus the bytes it
@@ -12,12 +13,12 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
-#include <cblas.h>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <sgemm.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -171,16 +172,12 @@ void triad_bandwidth(benchmark::State& state) {
   state.SetLabel("3 x " + mib(s.bytes) + " of double");
 }
 
-// Row-major C = A * B, n x n, single precision, on OpenBLAS's own thread pool.
-void sgemm_flops(benchmark::State& state) {
+// Row-major C = A * B, n x n, single precision, by one of the BLAS libraries installed
+// (support/sgemm.hpp), on its own thread pool; one family per library, baseline.sgemm.<kind>.
+void sgemm_flops(benchmark::State& state, std::size_t library) {
+  const auto& lib = loom::bench::sgemm_libraries()[library];
   const int n = static_cast<int>(state.range(0));
   const int threads = static_cast<int>(state.range(1));
-  openblas_set_num_threads(threads);
-  if (openblas_get_num_threads() != threads) {
-    state.SkipWithError(("OpenBLAS runs at most " + std::to_string(openblas_get_num_threads()) + " threads").c_str());
-    openblas_set_num_threads(1);
-    return;
-  }
   const auto elements = static_cast<std::size_t>(n) * static_cast<std::size_t>(n);
   // Values of order one, away from denormals, so the timing does not depend on the data.
   std::vector<float> a(elements), b(elements), c(elements, 0.0f);
@@ -188,21 +185,27 @@ void sgemm_flops(benchmark::State& state) {
     a[i] = 1.0f + static_cast<float>(i % 7) * 0.125f;
     b[i] = 1.0f - static_cast<float>(i % 5) * 0.125f;
   }
+  lib.threads(threads);
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    lib.run(n, n, n, a.data(), n, b.data(), n, c.data(), n);
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
   }
-  // Leave OpenBLAS single-threaded so its idle pool does not compete with later rows.
-  openblas_set_num_threads(1);
+  // Leave the library single-threaded so its idle pool does not compete with later rows.
+  lib.threads(1);
   const double flops = 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
   state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(lib.name);
 }
 
-// Which OpenBLAS kernel set ran the sgemm rows: the figure depends on it.
-[[maybe_unused]] const bool openblas_context = [] {
-  benchmark::AddCustomContext("openblas_config", openblas_get_config());
-  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+[[maybe_unused]] const bool sgemm_registered = [] {
+  const auto& libs = loom::bench::sgemm_libraries();
+  for (std::size_t i = 0; i < libs.size(); ++i)
+    benchmark::RegisterBenchmark(("baseline.sgemm." + libs[i].kind).c_str(), sgemm_flops, i)
+        ->ArgNames({"n", "threads"})
+        ->ArgsProduct({{1024, 2048}, thread_counts})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
   return true;
 }();
 
@@ -218,11 +221,5 @@ BENCHMARK(triad_bandwidth)
     ->Name("baseline.triad")
     ->ArgName("threads")
     ->ArgsProduct({thread_counts})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(sgemm_flops)
-    ->Name("baseline.sgemm")
-    ->ArgNames({"n", "threads"})
-    ->ArgsProduct({{1024, 2048}, thread_counts})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

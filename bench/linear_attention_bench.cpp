@@ -1,10 +1,10 @@
-// Chunked linear attention and LASP-2 against OpenBLAS sgemm and the token-by-token recurrence.
+// Chunked linear attention and LASP-2 against the fastest sgemm installed and the token-by-token recurrence.
 //
 // linear_attention.chunked/T:t/threads:n    loom's chunked forward, fp32, H = 8, dk = dv = 64,
 //     chunk 64, fixed decay, one document, openmp with n threads. GFLOP/s counts its own FLOPs:
 //     per chunk of c tokens and head, c(c+1)/2 (dk + dv) 2 (masked Q K^T and P V) + 2 c dk dv 2
 //     (Q S and the state update). threads:1 is the one-core reference for the LASP-2 rows.
-// linear_attention.sgemm/threads:n           OpenBLAS sgemm, n = 1024, the dense ceiling.
+// linear_attention.sgemm/threads:n           the fastest sgemm installed, n = 1024, the dense ceiling.
 // linear_attention.recurrent/T:t/threads:n   the token-by-token recurrence S = g S + k v^T,
 //     o = scale S^T q, heads over n OpenMP threads; GFLOP/s with the chunked row's FLOP count (the
 //     same work to produce), so the two rows compare directly.
@@ -24,11 +24,11 @@
 #include <benchmark/benchmark.h>
 #include <omp.h>
 
-#include <cblas.h>
 #include <cmath>
 #include <cstddef>
 #include <optional>
 #include <random>
+#include <sgemm.hpp>
 #include <utility>
 #include <vector>
 
@@ -112,12 +112,15 @@ void recurrent(benchmark::State& state) {
 void sgemm(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(0));
   const int n = 1024;
-  openblas_set_num_threads(threads);
   std::vector<float> a(n * n, 1.0f), bm(n * n, 0.5f), c(n * n);
+  const auto* lib = loom::bench::fastest(n, n, n, threads);
+  lib->threads(threads);
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, bm.data(), n, 0.0f, c.data(), n);
+    lib->run(n, n, n, a.data(), n, bm.data(), n, c.data(), n);
     benchmark::DoNotOptimize(c.data());
   }
+  lib->threads(1);
+  state.SetLabel(lib->name);
   state.counters["GFLOP/s"] = benchmark::Counter(2.0 * n * n * n * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 

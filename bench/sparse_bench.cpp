@@ -1,4 +1,4 @@
-// Sparse weight x dense activation: loom::sparse::spmm against OpenBLAS sgemm on the same (dense)
+// Sparse weight x dense activation: loom::sparse::spmm against the fastest sgemm installed on the same (dense)
 // matrix and Eigen's SparseMatrix x dense, openmp 2 threads, fp32.
 //
 // sparse.bitmap/M:m/K:k/N:n/s:pct   loom spmm, tiled bitmap A (magnitude-pruned random weights,
@@ -8,7 +8,7 @@
 // sparse.bitmap_colmajor/...        the same with B and C column-major (Y^T = W X^T layouts).
 // sparse.csr/...                    loom spmm, CSR A (same matrix).
 // sparse.eigen/...                  Eigen::SparseMatrix<float, RowMajor> * MatrixXf (OpenMP, 2 threads).
-// sparse.sgemm/M:m/K:k/N:n          cblas_sgemm on the dense (unpruned-shape) matrix, 2 threads.
+// sparse.sgemm/M:m/K:k/N:n          the fastest sgemm on this shape (support/sgemm.hpp), dense matrix, 2 threads.
 
 #include <loom/backend/openmp.hpp>
 #include <loom/sparse/convert.hpp>
@@ -20,12 +20,12 @@
 #include <Eigen/Core>
 #include <Eigen/SparseCore>
 #include <algorithm>
-#include <cblas.h>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <random>
+#include <sgemm.hpp>
 #include <tuple>
 #include <vector>
 
@@ -141,13 +141,15 @@ void sgemm(benchmark::State& state) {
   if (a.empty()) a = random_dense(m, k);
   const auto b = activations(k, n);
   std::vector<float> out(static_cast<std::size_t>(m * n));
-  openblas_set_num_threads(threads);
+  const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+  const auto* lib = loom::bench::fastest(mi, ni, ki, threads);
+  lib->threads(threads);
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-                static_cast<int>(k), 1.0f, a.data(), static_cast<int>(k), b.data(), static_cast<int>(n), 0.0f,
-                out.data(), static_cast<int>(n));
+    lib->run(mi, ni, ki, a.data(), ki, b.data(), ni, out.data(), ni);
     benchmark::DoNotOptimize(out.data());
   }
+  lib->threads(1);
+  state.SetLabel(lib->name);
   rate(state, m, k, n);
 }
 
