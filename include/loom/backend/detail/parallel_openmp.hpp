@@ -34,8 +34,7 @@ struct parallel_impl<openmp> {
     [[maybe_unused]] const int t = team(b);
     // Chunks of about 1/16 of a thread's share, taken dynamically: a thread that loses its core to
     // another process delays the loop by the chunk it holds, not by its whole share.
-    [[maybe_unused]] const index_t chunk =
-        n / (16 * index_t{t > 0 ? t : 1}) > 1 ? n / (16 * index_t{t > 0 ? t : 1}) : 1;
+    [[maybe_unused]] const index_t share = n / (16 * index_t{t > 0 ? t : 1}), chunk = share > 1 ? share : 1;
     LOOM_OMP(parallel for schedule(dynamic, chunk) num_threads(t) if (n > 1 && t > 1))
     for (index_t i = 0; i < n; ++i) f(i);
   }

@@ -109,11 +109,9 @@ struct reduce_step {
   K k;
   blocking blk;
   layout lay;
-  index_t first;
   typename K::agg_type* ws;
   LOOM_HD void operator()(index_t j) const {
-    k.reduce(blk.begin(first + j), blk.end(first + j), ws + lay.aggs() + j * lay.agg,
-             ws + lay.scratches() + j * lay.scratch);
+    k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, ws + lay.scratches() + j * lay.scratch);
   }
 };
 
@@ -138,33 +136,27 @@ struct scan_step {
   K k;
   blocking blk;
   layout lay;
-  index_t first;
   bool single;  //!< one block in all: it starts from the running carry
   typename K::agg_type* ws;
   LOOM_HD void operator()(index_t j) const {
     const auto* carry = single ? ws + lay.running() : ws + lay.carries() + j * lay.carry;
-    k.scan(blk.begin(first + j), blk.end(first + j), carry, ws + lay.scratches() + j * lay.scratch);
+    k.scan(blk.begin(j), blk.end(j), carry, ws + lay.scratches() + j * lay.scratch);
   }
 };
 
-//! Folds the tile's aggregates into the total aggregate at total_agg() (ping-pong with the slot
-//! after it; the result always ends in total_agg()).
+//! Folds the `count` blocks' aggregates, in order, into the total aggregate at total_agg() (via the
+//! slot after it).
 template <class K>
 struct total_step {
   K k;
   layout lay;
   index_t count;
-  bool first_tile;
   typename K::agg_type* ws;
   LOOM_HD void operator()(index_t) const {
     auto* total = ws + lay.total_agg();
     auto* tmp = total + lay.agg;
-    index_t j = 0;
-    if (first_tile) {
-      for (index_t c = 0; c < lay.agg; ++c) total[c] = ws[lay.aggs() + c];
-      j = 1;
-    }
-    for (; j < count; ++j) {
+    for (index_t c = 0; c < lay.agg; ++c) total[c] = ws[lay.aggs() + c];
+    for (index_t j = 1; j < count; ++j) {
       k.compose(total, ws + lay.aggs() + j * lay.agg, tmp);
       for (index_t c = 0; c < lay.agg; ++c) total[c] = tmp[c];
     }
@@ -284,11 +276,10 @@ struct block_reduce_step {
   blocking blk;
   layout lay;
   typename K::agg_type* ws;
-  std::atomic<index_t>* next;
+  chain<typename K::agg_type>* ch;
   void operator()(index_t w) const {
     auto* scratch = ws + lay.scratches() + w * lay.scratch;
-    for (index_t j = next->fetch_add(1, std::memory_order_relaxed); j < blk.blocks;
-         j = next->fetch_add(1, std::memory_order_relaxed))
+    for (index_t j = ch->take(); j < blk.blocks; j = ch->take())
       k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, scratch);
   }
 };
@@ -304,7 +295,7 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
   const layout lay = layout_for(b, k, blk);
   if (!carry_ready) for_each_index(b, 1, init_step<K>{k, ws});
   if (blk.blocks == 1) {
-    for_each_index(b, 1, scan_step<K>{k, blk, lay, 0, true, ws});
+    for_each_index(b, 1, scan_step<K>{k, blk, lay, true, ws});
     return;
   }
   if constexpr (host_engine<B>) {
@@ -313,14 +304,10 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
     for (index_t j = 0; j < blk.blocks; ++j) *reinterpret_cast<unsigned char*>(states + j) = 0;
     chain<A> ch{{0}, {0}, {false}, states, blk.blocks};
     for_each_index(b, lay.tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
-  } else {
-    const index_t tile = lay.tile;
-    for (index_t first = 0; first < blk.blocks; first += tile) {
-      const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
-      for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
-      for_each_index(b, 1, carry_step<K>{k, lay, count, ws});
-      for_each_index(b, count, scan_step<K>{k, blk, lay, first, false, ws});
-    }
+  } else {  // devices: every block at once (tile_of gives lay.tile == blk.blocks)
+    for_each_index(b, blk.blocks, reduce_step<K>{k, blk, lay, ws});
+    for_each_index(b, 1, carry_step<K>{k, lay, blk.blocks, ws});
+    for_each_index(b, blk.blocks, scan_step<K>{k, blk, lay, false, ws});
   }
 }
 
@@ -329,17 +316,12 @@ template <backend B, class K>
 typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typename K::agg_type* ws) {
   const layout lay = layout_for(b, k, blk);
   if constexpr (host_engine<B>) {
-    std::atomic<index_t> next{0};
-    for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &next});
-    for_each_index(b, 1, total_step<K>{k, lay, blk.blocks, true, ws});
-  } else {
-    const index_t tile = lay.tile;
-    for (index_t first = 0; first < blk.blocks; first += tile) {
-      const index_t count = blk.blocks - first < tile ? blk.blocks - first : tile;
-      for_each_index(b, count, reduce_step<K>{k, blk, lay, first, ws});
-      for_each_index(b, 1, total_step<K>{k, lay, count, first == 0, ws});
-    }
+    chain<typename K::agg_type> ch{{0}, {0}, {false}, nullptr, blk.blocks};
+    for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &ch});
+  } else {  // devices: every block at once
+    for_each_index(b, blk.blocks, reduce_step<K>{k, blk, lay, ws});
   }
+  for_each_index(b, 1, total_step<K>{k, lay, blk.blocks, ws});
   return ws + lay.total_agg();
 }
 
