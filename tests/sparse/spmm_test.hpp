@@ -266,7 +266,7 @@ TEST_CASE("spmm: B = identity reproduces A, so every nonzero lands once in its p
   }
 }
 
-#if !defined(LOOM_TEST_BACKEND_CUDA)
+#if !defined(LOOM_TEST_BACKEND_CUDA) && !defined(LOOM_TEST_BACKEND_STANDIN)
 namespace {
 struct counting_hook {
   int* counts;
@@ -530,7 +530,7 @@ TEST_CASE(
       REQUIRE(outs[static_cast<std::size_t>(c)]->to_host() == want[static_cast<std::size_t>(c)]);
   }
   // One const plan shared by two threads, each with its own workspace and C.
-#if !defined(LOOM_TEST_BACKEND_CUDA)
+#if !defined(LOOM_TEST_BACKEND_CUDA) && !defined(LOOM_TEST_BACKEND_STANDIN)
   std::vector<float> got0(static_cast<std::size_t>(m * n)), got1(got0.size());
   auto worker = [&](std::vector<float>& out, int c) {
     workspace ws(pl.workspace_bytes());

@@ -46,6 +46,26 @@ using backend_under_test = loom::cuda;
 inline backend_under_test make_backend() { return {}; }
 }  // namespace loom::test
 #define LOOM_BACKEND_TAG "[cuda]"
+#elif defined(LOOM_TEST_BACKEND_STANDIN)
+#include <loom/backend/standin.hpp>
+
+#include <cstdlib>
+namespace loom::test {
+using backend_under_test = loom::standin;
+//! One stream per test process, with random delays of up to LOOM_STANDIN_MAX_DELAY_US
+//! microseconds per operation (default 20) and the seed LOOM_STANDIN_SEED (default 1).
+inline loom::standin_stream& standin_test_stream() {
+  static loom::standin_stream s([] {
+    const char* d = std::getenv("LOOM_STANDIN_MAX_DELAY_US");
+    const char* seed = std::getenv("LOOM_STANDIN_SEED");
+    return loom::standin_delays{.seed = seed != nullptr ? std::strtoull(seed, nullptr, 10) : 1u,
+                                .max_delay = std::chrono::microseconds(d != nullptr ? std::atoll(d) : 20)};
+  }());
+  return s;
+}
+inline backend_under_test make_backend() { return {&standin_test_stream()}; }
+}  // namespace loom::test
+#define LOOM_BACKEND_TAG "[standin]"
 #else
 #error "define one LOOM_TEST_BACKEND_<B> before including support/backends.hpp"
 #endif
@@ -74,6 +94,11 @@ class buffer {
   ~buffer() {
 #if defined(LOOM_TEST_BACKEND_CUDA)
     cudaFree(ptr_);
+#elif defined(LOOM_TEST_BACKEND_STANDIN)
+    try {  // cudaFree waits for the device likewise
+      standin_test_stream().synchronize();
+    } catch (...) {
+    }
 #endif
   }
   T* data() const { return ptr_; }

@@ -30,10 +30,13 @@ void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     std::memcpy(dst, src, bytes);
+  } else if constexpr (requires { loom::detail::parallel_impl<B>::copy(b, dst, src, bytes); }) {
+    loom::detail::parallel_impl<B>::copy(b, dst, src, bytes);
   } else {
 #if defined(__CUDACC__)
     LOOM_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b.stream));
 #else
+    (void)b;
     static_assert(backend_traits<B>::memory_space::host_accessible, "linear_attention: upload needs nvcc");
 #endif
   }
