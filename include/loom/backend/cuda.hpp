@@ -39,6 +39,11 @@ struct backend_traits<cuda> {
                        __FILE__, __LINE__);
     return sms;
   }
+  //! loom::copy_bytes: cudaMemcpyAsync on the stream (either side host or device).
+  static void copy(const cuda& b, void* dst, const void* src, std::size_t bytes) {
+    detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, b.stream), "cudaMemcpyAsync", __FILE__,
+                       __LINE__);
+  }
 };
 
 //! Stream-ordered device scratch: allocated and freed on the policy's stream.

@@ -31,10 +31,10 @@
 #include <cstring>
 #include <exception>
 #include <memory>
-#include <type_traits>
 #include <mutex>
 #include <new>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 namespace loom {
@@ -131,6 +131,11 @@ class standin_stream {
   }
   //! Waits for everything enqueued so far (the host side of loom::fence).
   void synchronize() const { wait(last()); }
+  //! Waits for everything enqueued so far without looking at the stream's error (for destructors).
+  void drain() const noexcept {
+    std::unique_lock lk(m_);
+    cv_.wait(lk, [&] { return done_ == queued_; });
+  }
   //! Makes this stream's later operations wait for the point `e` marks on its stream.
   void wait_event(const standin_event& e) {
     if (e.stream_ == nullptr || e.stream_ == this) return;
@@ -240,6 +245,8 @@ struct backend_traits<standin> {
   static constexpr std::string_view name() noexcept { return "standin"; }
   static void fence(const standin& b) { b.queue().synchronize(); }
   static int concurrency(const standin&) noexcept { return 1; }
+  //! loom::copy_bytes: a stream-ordered memcpy (standin_memcpy).
+  static void copy(const standin& b, void* dst, const void* src, std::size_t bytes);
 };
 
 //! Copies `bytes` bytes from `src` to `dst` in stream order on b (as cudaMemcpyAsync): either side
@@ -247,6 +254,10 @@ struct backend_traits<standin> {
 inline void standin_memcpy(const standin& b, void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
   b.queue().enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
+}
+
+inline void backend_traits<standin>::copy(const standin& b, void* dst, const void* src, std::size_t bytes) {
+  standin_memcpy(b, dst, src, bytes);
 }
 
 namespace detail {
@@ -270,11 +281,6 @@ struct parallel_impl<standin> {
         if (i >= n) i -= n;
       }
     });
-  }
-
-  //! `bytes` bytes from src to dst in stream order (host or stand-in memory on either side).
-  static void copy(const standin& b, void* dst, const void* src, std::size_t bytes) {
-    standin_memcpy(b, dst, src, bytes);
   }
 
   //! The fixed blocking of loom::reduce (same bits as serial), run in stream order; the host waits.

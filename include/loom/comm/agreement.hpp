@@ -17,6 +17,7 @@
 //! can no longer leave the others waiting in a later collective (over MPI that was a hang).
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/core/error.hpp>
 
 #include <array>
@@ -179,7 +180,7 @@ std::vector<std::array<std::uint64_t, 2>> agree(C& comm, std::string_view call, 
 
   const auto p = static_cast<std::size_t>(comm.size());
   std::vector<std::uint64_t> all(p * detail::agreement_words);
-  comm.all_gather(std::span<const std::uint64_t>(mine), std::span<std::uint64_t>(all));
+  host_all_gather(comm, std::span<const std::uint64_t>(mine), std::span<std::uint64_t>(all));
   auto rec = [&](std::size_t r) { return all.data() + r * detail::agreement_words; };
   auto label_of = [&](std::size_t r) { return static_cast<std::int64_t>(rec(r)[2]); };
 

@@ -15,6 +15,7 @@
 //!   wait_ns                         wall time spent in wait()
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -34,6 +35,7 @@ template <communicator C>
 class counting {
  public:
   using request = typename C::request;
+  using memory_space = typename memory_of<C>::type;
 
   explicit counting(C inner, std::shared_ptr<traffic> record = std::make_shared<traffic>())
       : inner_(std::move(inner)), t_(std::move(record)) {}
@@ -73,6 +75,24 @@ class counting {
     t_->gathered_in += static_cast<std::int64_t>(recv.size_bytes() - send.size_bytes());
     inner_.all_gather(send, recv);
   }
+  //! The control-plane all_gather (comm::host_all_gather), counted as all_gather.
+  template <class S, class R>
+  void host_all_gather(std::span<S> send, std::span<R> recv) {
+    ++t_->collectives;
+    t_->gathered_in += static_cast<std::int64_t>(recv.size_bytes() - send.size_bytes());
+    comm::host_all_gather(inner_, std::span<const R>(send), recv);
+  }
+  //! Stream ordering (comm/stream_order.hpp), where the inner communicator has it.
+  template <class B>
+  requires requires(C& c, const B& b) { c.after(b); }
+  void after(const B& b) { inner_.after(b); }
+  template <class B>
+  requires requires(C& c, const B& b) { c.before(b); }
+  void before(const B& b) { inner_.before(b); }
+  template <class B>
+  requires requires(C& c, request& r, const B& b) { c.wait(r, b); }
+  void wait(request& req, const B& b) { inner_.wait(req, b); }
+
   template <class S, class R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
     ++t_->collectives;

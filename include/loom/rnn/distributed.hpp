@@ -154,7 +154,7 @@ plan<B, Cell, Space, true> make_plan(const B& b, C& comm, const Cell& c, index_t
             comm::hasher{}.add_string(typeid(Cell).name()).add(c.state_size(), c.input_size(), c.param_size()).value())
         .add("the options", opt.solver, opt.max_iterations, opt.abs_tol, opt.rel_tol, opt.guess, opt.on_failure,
              opt.fallback_iterations, opt.damping, opt.verify_jacobian, opt.check_inputs)
-        .add_digest("the document offsets", scan::detail::docs_digest(docs))
+        .add_digest("the document offsets", scan::detail::docs_digest(b, docs))
         .local(static_cast<std::uint64_t>(n));
   });
   return detail::plan_access::make<true>(b, c, scan::detail::slices_of(locals, comm.rank()), docs, opt, call);

@@ -35,8 +35,10 @@
 //! same bits for every P only when each rank's slice maps to whole blocks; for a fixed P and
 //! slicing it is bitwise reproducible.
 
+#include <loom/backend/copy.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
 
@@ -88,15 +90,14 @@ struct prefix_step {
   }
 };
 
-//! The digest of document offsets (global, so the same on every rank); their count only when
-//! they are not host-readable.
-template <memory_space Space>
-std::uint64_t docs_digest(const loom::segments<Space>& docs) {
+//! The digest of document offsets (global, so the same on every rank). Offsets in device memory
+//! are copied to the host for it (plan time only).
+template <backend B, memory_space Space>
+std::uint64_t docs_digest(const B& b, const loom::segments<Space>& docs) {
   comm::hasher h;
   if (docs.implicit()) return h.add(index_t{-1}).value();
   h.add(docs.size());
-  if constexpr (Space::host_accessible)
-    for (index_t i = 0; i < docs.size(); ++i) h.add(docs[i]);
+  for (const index_t o : loom::detail::host_offsets(b, docs)) h.add(o);
   return h.value();
 }
 
@@ -130,6 +131,9 @@ template <backend B, comm::communicator C, class K>
 void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const cross_rank& cr, bool reverse,
                      std::span<std::byte> ws, std::string_view call) {
   using A = typename K::agg_type;
+  static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
+                "cross-rank scans: the communicator cannot move buffers of the backend's memory space (a host "
+                "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
   LOOM_EXPECTS(comm.size() == cr.ranks && comm.rank() == cr.rank, errc::invalid_argument, call,
                ": the plan was made for rank ", cr.rank, " of ", cr.ranks, ", called on rank ", comm.rank(), " of ",
                comm.size());
@@ -146,9 +150,10 @@ void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const
   } else {
     for_each_index(b, 1, identity_step<K>{k, own});
   }
-  fence(b);
+  comm::handoff(comm, b);
   comm.all_gather(std::span<const A>(own, static_cast<std::size_t>(agg)),
                   std::span<A>(gathered, static_cast<std::size_t>(cr.ranks * agg)));
+  comm::handback(comm, b);
   for_each_index(b, 1, prefix_step<K>{k, gathered, agg, cr.ranks, cr.rank, reverse, prefix});
   for_each_index(b, 1, copy_step<A>{prefix, eng + lay.running(), k.carry_size});
   run_scan(b, k, blk, eng, true);
@@ -184,7 +189,7 @@ template <backend B, comm::communicator C, monoid M, memory_space Space = typena
 monoid_plan<B, M, Space, true> make_plan(const B& b, C& comm, const M& m, index_t n,
                                          const loom::segments<Space>& docs = {}, const options& opt = {}) {
   constexpr std::string_view call = "scan::make_plan";
-  const auto sig = detail::scan_signature(typeid(M).name(), opt, detail::docs_digest(docs),
+  const auto sig = detail::scan_signature(typeid(M).name(), opt, detail::docs_digest(b, docs),
                                           comm::hasher{}.add(sizeof(typename M::value_type)).value(), n);
   const detail::slices s = detail::agree_plan(comm, call, n, sig, opt);
   return detail::plan_access::monoid<true>(b, m, s.w, docs, opt, call, detail::rank_extra{s.ranks, s.rank});
@@ -199,7 +204,7 @@ auto make_plan(const B& b, C& comm, St, index_t n, index_t d, const loom::segmen
   constexpr std::string_view call = "scan::make_plan";
   using Acc = typename detail::accum_of<P>::type;
   const auto sig = detail::scan_signature(
-      St::name(), opt, detail::docs_digest(docs),
+      St::name(), opt, detail::docs_digest(b, docs),
       comm::hasher{}
           .add(d, St::a_size(d), static_cast<std::uint64_t>(sizeof(std::conditional_t<std::is_void_v<Acc>, char, Acc>)))
           .value(),

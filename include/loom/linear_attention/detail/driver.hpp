@@ -4,6 +4,7 @@
 //! The drivers that validate a call against its plan (plan.hpp) and launch the kernels of
 //! forward_kernels.hpp / backward_kernels.hpp with loom::for_each_index.
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/linear_attention/detail/backward_kernels.hpp>
 #include <loom/linear_attention/detail/checks.hpp>
@@ -27,19 +28,7 @@ namespace detail {
 
 template <class B>
 void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
-  if (bytes == 0) return;
-  if constexpr (backend_traits<B>::memory_space::host_accessible) {
-    std::memcpy(dst, src, bytes);
-  } else if constexpr (requires { loom::detail::parallel_impl<B>::copy(b, dst, src, bytes); }) {
-    loom::detail::parallel_impl<B>::copy(b, dst, src, bytes);
-  } else {
-#if defined(__CUDACC__)
-    LOOM_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, b.stream));
-#else
-    (void)b;
-    static_assert(backend_traits<B>::memory_space::host_accessible, "linear_attention: upload needs nvcc");
-#endif
-  }
+  loom::copy_bytes(b, dst, src, bytes);
 }
 
 //! The workspace blocks of one pass. The chunk table and offsets are copied into the workspace

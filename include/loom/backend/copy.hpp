@@ -1,0 +1,54 @@
+#pragma once
+
+//! @file
+//! loom::copy_bytes: bytes between memory spaces in a backend's order, and the host copy of
+//! document offsets that plans need where the offsets live in device memory.
+
+#include <loom/backend/traits.hpp>
+#include <loom/core/segments.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace loom {
+
+//! Copies `bytes` bytes from src to dst, either side host or the backend's memory: stream-ordered
+//! on device backends (host memory must stay valid until the copy has run; fence to observe it),
+//! complete on return on host backends.
+template <backend B>
+void copy_bytes(const B& b, void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if constexpr (requires { backend_traits<B>::copy(b, dst, src, bytes); }) {
+    backend_traits<B>::copy(b, dst, src, bytes);
+  } else {
+    static_assert(backend_traits<B>::memory_space::host_accessible,
+                  "copy_bytes: this backend names no copy for its memory space");
+    std::memcpy(dst, src, bytes);
+  }
+}
+
+namespace detail {
+//! The offsets of `seg` as host int64 values (empty when implicit). On a device space: a copy and
+//! a fence of b (plan time only).
+template <backend B, memory_space Space>
+std::vector<index_t> host_offsets(const B& b, const segments<Space>& seg) {
+  std::vector<index_t> out(static_cast<std::size_t>(seg.size()));
+  if (seg.implicit()) return out;
+  if constexpr (Space::host_accessible) {
+    for (index_t i = 0; i < seg.size(); ++i) out[static_cast<std::size_t>(i)] = seg[i];
+  } else if (seg.wide()) {
+    copy_bytes(b, out.data(), seg.data(), out.size() * sizeof(std::int64_t));
+    fence(b);
+  } else {
+    std::vector<std::int32_t> narrow(out.size());
+    copy_bytes(b, narrow.data(), seg.data(), narrow.size() * sizeof(std::int32_t));
+    fence(b);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = narrow[i];
+  }
+  return out;
+}
+}  // namespace detail
+
+}  // namespace loom

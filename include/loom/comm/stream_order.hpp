@@ -1,0 +1,72 @@
+#pragma once
+
+//! @file
+//! How a distributed primitive orders its compute and its communication, for every pair of
+//! backend and communicator (the execution model of docs/api.md):
+//!
+//!   loom::comm::handoff(comm, b);     // compute -> communication
+//!   comm.all_gather(mine, theirs);    // buffers in the backend's memory space
+//!   loom::comm::handback(comm, b);    // communication -> compute
+//!
+//! A host communicator (local, mpi, counting over them) completes every call on return, so
+//! handoff fences the backend (its results must be in memory before the communicator reads them)
+//! and handback does nothing. A stream-ordered communicator (comm::standin, comm::nccl) runs its
+//! operations on a communication stream: handoff makes that stream wait for the work the backend
+//! has enqueued so far, handback makes the backend's stream wait for the communication enqueued so
+//! far. Neither blocks the host, so a device call returns with its compute and transfers queued.
+//!
+//! Control-plane messages (the cross-rank agreement of make_plan, on host memory, needed on the
+//! host before make_plan returns) go through host_all_gather, which every communicator serves.
+
+#include <loom/backend/traits.hpp>
+#include <loom/comm/communicator.hpp>
+#include <loom/core/memory_space.hpp>
+
+#include <span>
+#include <type_traits>
+
+namespace loom::comm {
+
+//! The memory space a communicator's buffers must be in: C::memory_space for a device
+//! communicator, host memory for the others.
+template <class C>
+struct memory_of {
+  using type = host_memory;
+};
+template <class C>
+requires requires { typename C::memory_space; }
+struct memory_of<C> {
+  using type = typename C::memory_space;
+};
+
+//! True when C can move buffers that live in Space: its own space, or any host-accessible space
+//! for a communicator of host memory.
+template <class C, class Space>
+inline constexpr bool moves = std::is_same_v<typename memory_of<C>::type, Space> ||
+                              (memory_of<C>::type::host_accessible && Space::host_accessible);
+
+//! Compute -> communication: c's next operations see every result b has enqueued so far.
+template <class C, backend B>
+void handoff(C& c, const B& b) {
+  if constexpr (requires { c.after(b); })
+    c.after(b);
+  else
+    fence(b);
+}
+
+//! Communication -> compute: b's next work sees every operation c has enqueued so far.
+template <class C, backend B>
+void handback(C& c, const B& b) {
+  if constexpr (requires { c.before(b); }) c.before(b);
+}
+
+//! An all_gather of host memory, complete on return, on any communicator (the control plane).
+template <class C, class T>
+void host_all_gather(C& c, std::span<const T> send, std::span<T> recv) {
+  if constexpr (requires { c.host_all_gather(send, recv); })
+    c.host_all_gather(send, recv);
+  else
+    c.all_gather(send, recv);
+}
+
+}  // namespace loom::comm
