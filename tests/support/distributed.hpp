@@ -7,7 +7,7 @@
 // primitive runs on the CPU.
 //   loom::test::run_ranks(p, [&](auto& comm, const auto& b) { ... })
 //   loom::test::errors_on_ranks_of(p, fn)          what each rank threw (loom::error::what())
-//   loom::test::dview<T, R>(ptr, ext)              a view of host storage typed in the backend's space
+//   loom::test::dview<T, R>(ptr, ext), dview_t<T, R>  a view of host storage typed in the backend's space
 //   loom::test::docs_in_space(offsets)             segments in that space (int32 or int64)
 // A rank must fence its backend before the storage its calls use goes out of scope or is read
 // (loom::fence(b); a no-op on host backends), as a device program frees or reads device memory.
@@ -98,6 +98,10 @@ std::vector<std::string> errors_on_ranks_of(int p, F&& fn) {
   });
   return what;
 }
+
+//! A view type in the memory space of the backend under test.
+template <class T, std::size_t R>
+using dview_t = tensor_view<T, R, space>;
 
 //! A view of host storage typed in the memory space of the backend under test.
 template <class T, std::size_t R>

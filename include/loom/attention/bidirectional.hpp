@@ -23,23 +23,25 @@ namespace loom::attention::detail {
 template <>
 struct runner<ring::bidirectional_kv> {
   using kv = runner<ring::pass_kv>;
-  template <class T, class Acc>
+  template <class T, class Acc, class S>
   struct fwd {
-    kv_block<T> cw, ccw, cw_n, ccw_n;  //!< the blocks of each direction and their next ones
-    running_out<Acc> o;
+    coord_table ct;
+    kv_block<T, S> cw, ccw, cw_n, ccw_n;  //!< the blocks of each direction and their next ones
+    running_out<Acc, S> o;
     std::span<std::byte> local;
   };
-  template <class T, class Acc, class A>
-  static fwd<T, Acc> forward_buffers(A& a, const ring_state& st) {
-    fwd<T, Acc> w;
-    for (kv_block<T>* kv : {&w.cw, &w.ccw, &w.cw_n, &w.ccw_n}) *kv = kv_block<T>::take(a, st, st.max_rows);
-    w.o = running_out<Acc>::take(a, st);
+  template <class T, class Acc, class S, class A>
+  static fwd<T, Acc, S> forward_buffers(A& a, const ring_state& st) {
+    fwd<T, Acc, S> w;
+    w.ct = coord_table::take(a, st);
+    for (kv_block<T, S>* kv : {&w.cw, &w.ccw, &w.cw_n, &w.ccw_n}) *kv = kv_block<T, S>::take(a, st, st.max_rows);
+    w.o = running_out<Acc, S>::take(a, st);
     w.local = take_bytes(a, st.local_forward);
     return w;
   }
-  template <class T, class Acc, class A>
+  template <class T, class Acc, class S, class A>
   static auto backward_buffers(A& a, const ring_state& st) {
-    return kv::backward_buffers<T, Acc>(a, st);
+    return kv::backward_buffers<T, Acc, S>(a, st);
   }
   template <class T, class Acc>
   static void size(ring_state& st) {
@@ -48,30 +50,32 @@ struct runner<ring::bidirectional_kv> {
 
   template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
   static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
+    using S = typename backend_traits<B>::memory_space;
     workspace_carver a(ws);
-    auto w = forward_buffers<T, Acc>(a, st);
+    auto w = forward_buffers<T, Acc, S>(a, st);
+    w.ct.template bind<S>(b, st);
     const int p = st.ranks, me = st.me;
     const int foreign = p - 1, cw_steps = (foreign + 1) / 2, ccw_steps = foreign / 2;
-    w.cw.load(st.mine, k, v);
-    w.ccw.load(st.mine, k, v);
-    requests<C> reqs;
+    w.cw.load(b, st.mine, k, v);
+    w.ccw.load(b, st.mine, k, v);
+    requests<C, B> reqs;
     // Posts step s's transfers: the clockwise chain brings r - s from r - 1, the counter-clockwise
     // chain brings r + s from r + 1.
     auto post = [&](int s) {
-      if (s <= cw_steps) reqs.shift(comm, w.cw, w.cw_n, st.rows(ring_next(me, p, -s)), 10);
-      if (s <= ccw_steps) reqs.shift(comm, w.ccw, w.ccw_n, st.rows(ring_next(me, p, s)), 12, -1);
+      if (s <= cw_steps) reqs.shift(comm, b, w.cw, w.cw_n, st.rows(ring_next(me, p, -s)), 10);
+      if (s <= ccw_steps) reqs.shift(comm, b, w.ccw, w.ccw_n, st.rows(ring_next(me, p, s)), 12, -1);
     };
     if (cw_steps >= 1) post(1);
-    w.o.add(b, st, q, w.cw, me, true, w.local);
+    w.o.add(b, st, w.ct, q, w.cw, me, true, w.local);
     for (int s = 1; s <= cw_steps; ++s) {
-      reqs.wait(comm);
+      reqs.wait(comm, b);
       std::swap(w.cw, w.cw_n);
       if (s <= ccw_steps) std::swap(w.ccw, w.ccw_n);
       if (s + 1 <= cw_steps) post(s + 1);
-      w.o.add(b, st, q, w.cw, ring_next(me, p, -s), false, w.local);
-      if (s <= ccw_steps) w.o.add(b, st, q, w.ccw, ring_next(me, p, s), false, w.local);
+      w.o.add(b, st, w.ct, q, w.cw, ring_next(me, p, -s), false, w.local);
+      if (s <= ccw_steps) w.o.add(b, st, w.ct, q, w.ccw, ring_next(me, p, s), false, w.local);
     }
-    w.o.copy_to(out, lse);
+    w.o.copy_to(b, out, lse);
   }
 
   template <class T, class Acc, class B, class C, class... Views>

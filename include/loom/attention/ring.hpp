@@ -140,7 +140,9 @@ plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding
                                 std::string_view call, Local&& local_checks) {
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
-  static_assert(backend_traits<B>::memory_space::host_accessible, "ring attention runs on host memory");
+  static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
+                "ring attention: the communicator cannot move buffers of the backend's memory space (a host "
+                "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
   std::shared_ptr<ring_state> st;
   comm::agree(comm, call, [&] {
     LOOM_EXPECTS(sharding.ranks() == comm.size(), errc::invalid_argument, call, ": the plan is for ", sharding.ranks(),
@@ -185,6 +187,8 @@ void forward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O out
   constexpr std::string_view call = "ring::forward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
+  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
+                "ring::forward: the views must live in the backend's memory space");
   const auto& st = rp.state();
   detail::check_comm(comm, st.ranks, st.me, call);
   detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
@@ -201,6 +205,8 @@ void backward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O ou
   constexpr std::string_view call = "ring::backward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
+  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
+                "ring::backward: the views must live in the backend's memory space");
   const auto& st = rp.state();
   detail::check_comm(comm, st.ranks, st.me, call);
   detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);

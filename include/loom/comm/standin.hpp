@@ -29,21 +29,43 @@
 #include <loom/comm/local.hpp>
 #include <loom/comm/stream_order.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
+#include <thread>
 #include <utility>
 
 namespace loom::comm {
+
+//! A modelled link for comm::standin: every transfer keeps the communication stream busy for
+//! latency + bytes / bytes_per_second after it has moved the data (0: no modelled time). Bytes
+//! are what the rank receives (a sendrecv: the larger of its two directions, the link being
+//! full-duplex; collectives: the bytes from other ranks; all_reduce: twice the buffer).
+struct standin_link {
+  std::chrono::nanoseconds latency{0};
+  double bytes_per_second = 0;
+  [[nodiscard]] std::chrono::nanoseconds time_of(std::size_t bytes) const {
+    if (bytes_per_second <= 0 && latency.count() == 0) return std::chrono::nanoseconds(0);
+    const double s = bytes_per_second > 0 ? static_cast<double>(bytes) / bytes_per_second : 0.0;
+    return latency + std::chrono::nanoseconds(static_cast<long long>(s * 1e9));
+  }
+};
 
 class standin {
   struct state {
     local inner;
     loom::standin_delays delays;
+    standin_link link;
     loom::standin_stream stream;
-    state(local l, loom::standin_delays d) : inner(std::move(l)), delays(d), stream(d) {}
+    state(local l, loom::standin_delays d, standin_link k) : inner(std::move(l)), delays(d), link(k), stream(d) {}
+    //! The modelled time of a transfer of `bytes`, spent on the communication stream.
+    void busy(std::size_t bytes) const {
+      const auto t = link.time_of(bytes);
+      if (t.count() > 0) std::this_thread::sleep_for(t);
+    }
   };
 
  public:
@@ -61,9 +83,10 @@ class standin {
     bool valid_ = false;
   };
 
-  //! Wraps this rank's comm::local handle; the communication stream gets `delays`.
-  explicit standin(local inner, loom::standin_delays delays = {})
-      : s_(std::make_shared<state>(std::move(inner), delays)) {}
+  //! Wraps this rank's comm::local handle; the communication stream gets `delays`, transfers the
+  //! modelled `link`.
+  explicit standin(local inner, loom::standin_delays delays = {}, standin_link link = {})
+      : s_(std::make_shared<state>(std::move(inner), delays, link)) {}
 
   [[nodiscard]] int rank() const noexcept { return s_->inner.rank(); }
   [[nodiscard]] int size() const noexcept { return s_->inner.size(); }
@@ -76,6 +99,7 @@ class standin {
     return record(s_->stream.enqueue([st = s_.get(), data, dest, tag] {
       auto r = st->inner.isend(data, dest, tag);
       st->inner.wait(r);
+      st->busy(data.size_bytes());
     }));
   }
   template <transferable T>
@@ -84,6 +108,7 @@ class standin {
     return record(s_->stream.enqueue([st = s_.get(), data, src, tag] {
       auto r = st->inner.irecv(data, src, tag);
       st->inner.wait(r);
+      st->busy(data.size_bytes());
     }));
   }
   //! Blocks the host until the request's operation ran; throws its failure. Empty: returns at once.
@@ -103,34 +128,39 @@ class standin {
   void sendrecv(std::span<S> send, int dest, std::span<R> recv, int src, int tag) {
     check_peer("sendrecv", "dest", dest, tag);
     check_peer("sendrecv", "src", src, tag);
-    enqueue([send, dest, recv, src, tag](local& c) { c.sendrecv(send, dest, recv, src, tag); });
+    enqueue([send, dest, recv, src, tag](local& c) { c.sendrecv(send, dest, recv, src, tag); },
+            std::max(send.size_bytes(), recv.size_bytes()));
   }
   template <class S, class R>
   void all_gather(std::span<S> send, std::span<R> recv) {
-    enqueue([send, recv](local& c) { c.all_gather(send, recv); });
+    enqueue([send, recv](local& c) { c.all_gather(send, recv); }, recv.size_bytes() - send.size_bytes());
   }
   template <class S, class R>
   void all_to_all(std::span<S> send, std::span<R> recv) {
-    enqueue([send, recv](local& c) { c.all_to_all(send, recv); });
+    enqueue([send, recv](local& c) { c.all_to_all(send, recv); },
+            recv.size_bytes() - recv.size_bytes() / static_cast<std::size_t>(size()));
   }
   //! The counts and displacements are host arrays read when the operation runs.
   template <class S, class R>
   void all_to_allv(std::span<S> send, std::span<const std::size_t> send_counts,
                    std::span<const std::size_t> send_displs, std::span<R> recv,
                    std::span<const std::size_t> recv_counts, std::span<const std::size_t> recv_displs) {
-    enqueue([=](local& c) { c.all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs); });
+    std::size_t bytes = 0;
+    for (std::size_t r = 0; r < recv_counts.size(); ++r)
+      if (static_cast<int>(r) != rank()) bytes += recv_counts[r] * sizeof(R);
+    enqueue([=](local& c) { c.all_to_allv(send, send_counts, send_displs, recv, recv_counts, recv_displs); }, bytes);
   }
   template <class S, class R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
-    enqueue([send, recv, op](local& c) { c.all_reduce(send, recv, op); });
+    enqueue([send, recv, op](local& c) { c.all_reduce(send, recv, op); }, 2 * send.size_bytes());
   }
   template <class S, class R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
-    enqueue([send, recv, op](local& c) { c.reduce_scatter(send, recv, op); });
+    enqueue([send, recv, op](local& c) { c.reduce_scatter(send, recv, op); }, send.size_bytes() - recv.size_bytes());
   }
   template <class T>
   void broadcast(std::span<T> data, int root) {
-    enqueue([data, root](local& c) { c.broadcast(data, root); });
+    enqueue([data, root](local& c) { c.broadcast(data, root); }, data.size_bytes());
   }
 
   //! Complete on return (after the stream's earlier operations).
@@ -152,7 +182,7 @@ class standin {
     synchronize();
     loom::standin_delays d = s_->delays;
     d.seed = d.seed * 31 + static_cast<std::uint64_t>(color) + 1;
-    return standin(std::move(**out), d);
+    return standin(std::move(**out), d, s_->link);
   }
 
   //! The communication stream waits for the work enqueued on b so far.
@@ -172,8 +202,11 @@ class standin {
 
  private:
   template <class F>
-  void enqueue(F&& f) {
-    s_->stream.enqueue([st = s_.get(), f = std::forward<F>(f)] { f(st->inner); });
+  void enqueue(F&& f, std::size_t bytes = 0) {
+    s_->stream.enqueue([st = s_.get(), f = std::forward<F>(f), bytes] {
+      f(st->inner);
+      st->busy(bytes);
+    });
   }
   request record(std::uint64_t ticket) {
     (void)ticket;
@@ -196,6 +229,7 @@ struct standin_options {
   local_options local{};                   //!< the timeout of every wait
   std::uint64_t seed = 0;                  //!< each rank's streams get seeds derived from it
   std::chrono::microseconds max_delay{0};  //!< random delay per operation, on every stream
+  standin_link link{};                     //!< the modelled time of every transfer
 };
 
 //! Runs fn(comm, b) on `ranks` ranks (threads): b is the rank's compute policy (a stream of its
@@ -208,7 +242,7 @@ void run_standin(int ranks, F&& fn, standin_options opt = {}) {
       [&](local& c) {
         const auto r = static_cast<std::uint64_t>(c.rank());
         loom::standin_stream compute({.seed = opt.seed * 1000003 + 2 * r, .max_delay = opt.max_delay});
-        standin comm(c, {.seed = opt.seed * 1000003 + 2 * r + 1, .max_delay = opt.max_delay});
+        standin comm(c, {.seed = opt.seed * 1000003 + 2 * r + 1, .max_delay = opt.max_delay}, opt.link);
         // The compute stream may wait on the communication stream: it drains first, on every path.
         struct drain_first {
           loom::standin_stream& s;

@@ -7,8 +7,11 @@
 
 #include <loom/attention/local.hpp>
 #include <loom/attention/merge.hpp>
+#include <loom/backend/copy.hpp>
+#include <loom/backend/parallel.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/core/workspace.hpp>
 #include <loom/shard/plan.hpp>
 
@@ -73,9 +76,10 @@ void expect_rank_view(const V& v, const std::array<index_t, V::rank>& ext, std::
 template <class T, class Acc, bool unit_stride, class Q, class K, class V, class O, class L>
 void check_rank_views(const head_shape& s, index_t n, const Q& q, const K& k, const V& v, const O& out, const L& lse,
                       std::string_view call) {
-  static_assert(Q::space::host_accessible && K::space::host_accessible && V::space::host_accessible &&
-                    O::space::host_accessible && L::space::host_accessible,
-                "sequence parallel attention runs on host memory");
+  static_assert(
+      std::is_same_v<typename Q::space, typename K::space> && std::is_same_v<typename Q::space, typename V::space> &&
+          std::is_same_v<typename Q::space, typename O::space> && std::is_same_v<typename Q::space, typename L::space>,
+      "sequence parallel attention: q, k, v, out and lse must live in one memory space");
   static_assert(std::is_same_v<std::remove_cv_t<typename Q::value_type>, T> &&
                     std::is_same_v<std::remove_cv_t<typename K::value_type>, T> &&
                     std::is_same_v<std::remove_cv_t<typename V::value_type>, T> &&
@@ -170,20 +174,62 @@ struct ring_state {
   }
 };
 
-//! A host [n, h, d] block carved from a workspace (capacity fixed when carved; n may shrink).
+//! Fills p[0..n) with v (one item per element).
 template <class T>
+struct fill_kernel {
+  T* p;
+  T v;
+  LOOM_HD void operator()(index_t i) const { p[i] = v; }
+};
+
+//! Element i of a contiguous [n, h, d] block from / into a strided view (d = 1: a [n, h] view).
+template <class V, class T, bool two_d>
+struct copy_in_kernel {
+  V v;
+  T* p;
+  index_t h, d;
+  LOOM_HD void operator()(index_t i) const {
+    if constexpr (two_d) {
+      p[i] = static_cast<T>(v(i / h, i % h));
+    } else {
+      const index_t r = i / d;
+      p[i] = static_cast<T>(v(r / h, r % h, i % d));
+    }
+  }
+};
+template <class T, class V, bool two_d>
+struct copy_out_kernel {
+  const T* p;
+  V v;
+  index_t h, d;
+  LOOM_HD void operator()(index_t i) const {
+    using E = typename V::value_type;
+    if constexpr (two_d) {
+      v(i / h, i % h) = static_cast<E>(p[i]);
+    } else {
+      const index_t r = i / d;
+      v(r / h, r % h, i % d) = static_cast<E>(p[i]);
+    }
+  }
+};
+
+//! A [n, h, d] block carved from a workspace, in memory space Space (capacity fixed when carved;
+//! n may shrink). Its element loops run on a backend (device kernels where Space is a device's).
+template <class T, class Space = host_memory>
 struct block {
   T* p = nullptr;
   index_t n = 0, h = 0, d = 0;
-  [[nodiscard]] tensor_view<T, 3> view() const { return {p, {n, h, d}}; }
-  [[nodiscard]] tensor_view<const T, 3> cview() const { return {p, {n, h, d}}; }
+  [[nodiscard]] tensor_view<T, 3, Space> view() const { return {p, {n, h, d}}; }
+  [[nodiscard]] tensor_view<const T, 3, Space> cview() const { return {p, {n, h, d}}; }
   //! A [n, h] view of a block with d = 1 (lse rows).
-  [[nodiscard]] tensor_view<T, 2> view2() const { return {p, {n, h}}; }
-  [[nodiscard]] tensor_view<const T, 2> cview2() const { return {p, {n, h}}; }
+  [[nodiscard]] tensor_view<T, 2, Space> view2() const { return {p, {n, h}}; }
+  [[nodiscard]] tensor_view<const T, 2, Space> cview2() const { return {p, {n, h}}; }
   [[nodiscard]] std::span<const T> csend() const { return {p, static_cast<std::size_t>(n * h * d)}; }
   [[nodiscard]] std::span<T> span() const { return {p, static_cast<std::size_t>(n * h * d)}; }
-  void zero() const {
-    for (index_t e = 0; e < n * h * d; ++e) p[e] = T(0);
+  [[nodiscard]] index_t size() const { return n * h * d; }
+  template <backend B>
+  void zero(const B& b) const {
+    if (size() > 0) for_each_index(b, size(), fill_kernel<T>{p, T(0)});
   }
 };
 
@@ -198,8 +244,8 @@ struct ws_sizer {
 };
 
 //! rows x h x d elements of T from a carver or a sizer.
-template <class T, class A>
-block<T> take_block(A& a, index_t rows, index_t h, index_t d) {
+template <class T, class Space, class A>
+block<T, Space> take_block(A& a, index_t rows, index_t h, index_t d) {
   return {a.template take<T>(rows * h * d), rows, h, d};
 }
 
@@ -209,101 +255,144 @@ std::span<std::byte> take_bytes(A& a, std::size_t bytes) {
   return {a.template take<std::byte>(static_cast<index_t>(bytes)), bytes};
 }
 
-//! Copies a strided [n, h, d] view into a contiguous block of the same rows (and back).
-template <class V, class T>
-void copy_in(const V& v, block<T>& out) {
-  for (index_t t = 0; t < out.n; ++t)
-    for (index_t h = 0; h < out.h; ++h)
-      for (index_t c = 0; c < out.d; ++c) out.p[(t * out.h + h) * out.d + c] = static_cast<T>(v(t, h, c));
+//! Copies a strided [n, h, d] view into a contiguous block of the same rows (and back), on b.
+template <backend B, class V, class T, class S>
+void copy_in(const B& b, const V& v, block<T, S>& out) {
+  if (out.size() > 0) for_each_index(b, out.size(), copy_in_kernel<V, T, false>{v, out.p, out.h, out.d});
 }
-template <class V, class T>
-void copy_in2(const V& v, block<T>& out) {
-  for (index_t t = 0; t < out.n; ++t)
-    for (index_t h = 0; h < out.h; ++h) out.p[t * out.h + h] = static_cast<T>(v(t, h));
+template <backend B, class V, class T, class S>
+void copy_in2(const B& b, const V& v, block<T, S>& out) {
+  if (out.size() > 0) for_each_index(b, out.size(), copy_in_kernel<V, T, true>{v, out.p, out.h, 1});
 }
-template <class T, class V>
-void copy_out(const block<T>& in, V v) {
-  using E = typename V::value_type;
-  for (index_t t = 0; t < in.n; ++t)
-    for (index_t h = 0; h < in.h; ++h)
-      for (index_t c = 0; c < in.d; ++c) v(t, h, c) = static_cast<E>(in.p[(t * in.h + h) * in.d + c]);
+template <backend B, class T, class S, class V>
+void copy_out(const B& b, const block<T, S>& in, V v) {
+  if (in.size() > 0) for_each_index(b, in.size(), copy_out_kernel<T, V, false>{in.p, v, in.h, in.d});
 }
-template <class T, class V>
-void copy_out2(const block<T>& in, V v) {
-  using E = typename V::value_type;
-  for (index_t t = 0; t < in.n; ++t)
-    for (index_t h = 0; h < in.h; ++h) v(t, h) = static_cast<E>(in.p[t * in.h + h]);
+template <backend B, class T, class S, class V>
+void copy_out2(const B& b, const block<T, S>& in, V v) {
+  if (in.size() > 0) for_each_index(b, in.size(), copy_out_kernel<T, V, true>{in.p, v, in.h, 1});
 }
 
 //! A rank's keys and values as two blocks of `rows` rows: one travelling copy (or its gradient).
-template <class T>
+template <class T, class Space = host_memory>
 struct kv_block {
-  block<T> k, v;
+  block<T, Space> k, v;
   template <class A>
   static kv_block take(A& a, const ring_state& st, index_t rows) {
-    return {take_block<T>(a, rows, st.dims.heads_kv, st.dims.dim_qk),
-            take_block<T>(a, rows, st.dims.heads_kv, st.dims.dim_v)};
+    return {take_block<T, Space>(a, rows, st.dims.heads_kv, st.dims.dim_qk),
+            take_block<T, Space>(a, rows, st.dims.heads_kv, st.dims.dim_v)};
   }
   void set_rows(index_t n) { k.n = v.n = n; }
-  void zero() const {
-    k.zero();
-    v.zero();
+  template <backend B>
+  void zero(const B& b) const {
+    k.zero(b);
+    v.zero(b);
   }
   //! n rows of the caller's k and v.
-  template <class K, class V>
-  void load(index_t n, const K& kk, const V& vv) {
+  template <backend B, class K, class V>
+  void load(const B& b, index_t n, const K& kk, const V& vv) {
     set_rows(n);
-    copy_in(kk, k);
-    copy_in(vv, v);
+    copy_in(b, kk, k);
+    copy_in(b, vv, v);
   }
 };
 
 //! The gradient accumulators of one call: dQ of q_rows rows, dK/dV of kv_rows rows.
-template <class Acc>
+template <class Acc, class Space = host_memory>
 struct grads {
-  block<Acc> q;
-  kv_block<Acc> kv;
+  block<Acc, Space> q;
+  kv_block<Acc, Space> kv;
   template <class A>
   static grads take(A& a, const ring_state& st, index_t q_rows, index_t kv_rows) {
-    return {take_block<Acc>(a, q_rows, st.dims.heads_q, st.dims.dim_qk), kv_block<Acc>::take(a, st, kv_rows)};
+    return {take_block<Acc, Space>(a, q_rows, st.dims.heads_q, st.dims.dim_qk),
+            kv_block<Acc, Space>::take(a, st, kv_rows)};
   }
   //! n rows each, zeroed.
-  void start(index_t n) {
+  template <backend B>
+  void start(const B& b, index_t n) {
     q.n = n;
     kv.set_rows(n);
-    q.zero();
-    kv.zero();
+    q.zero(b);
+    kv.zero(b);
   }
-  template <class DQ, class DK, class DV>
-  void copy_to(DQ dq, DK dk, DV dv) const {
-    copy_out(q, dq);
-    copy_out(kv.k, dk);
-    copy_out(kv.v, dv);
+  template <backend B, class DQ, class DK, class DV>
+  void copy_to(const B& b, DQ dq, DK dk, DV dv) const {
+    copy_out(b, q, dq);
+    copy_out(b, kv.k, dk);
+    copy_out(b, kv.v, dv);
   }
 };
 
-//! Outstanding requests of one step, in a fixed array (no allocation).
-template <comm::communicator C>
+//! The token coordinates of a call where its kernels can read them: the plan's host tables on a
+//! host memory space; on a device space, their copy in the workspace (uploaded, stream-ordered,
+//! when the call starts). Reserved in every workspace, so one size serves every memory space.
+struct coord_table {
+  index_t *doc = nullptr, *pos = nullptr;
+  const index_t *rdoc = nullptr, *rpos = nullptr;  //!< what the kernels read
+  template <class A>
+  static coord_table take(A& a, const ring_state& st) {
+    return {a.template take<index_t>(st.total), a.template take<index_t>(st.total)};
+  }
+  template <class Space, backend B>
+  void bind(const B& b, const ring_state& st) {
+    if constexpr (Space::host_accessible) {
+      rdoc = st.doc.data();
+      rpos = st.pos.data();
+    } else {
+      copy_bytes(b, doc, st.doc.data(), st.doc.size() * sizeof(index_t));
+      copy_bytes(b, pos, st.pos.data(), st.pos.size() * sizeof(index_t));
+      rdoc = doc;
+      rpos = pos;
+    }
+  }
+  [[nodiscard]] token_coords of(const ring_state& st, int r) const {
+    const index_t at = st.begin[static_cast<std::size_t>(r)];
+    return {rdoc + at, rpos + at, 1, 1};
+  }
+  [[nodiscard]] token_coords all() const { return {rdoc, rpos, 1, 1}; }
+};
+
+//! True when C orders its operations on a stream of its own relative to b's (comm/stream_order.hpp).
+template <class C, class B>
+inline constexpr bool stream_ordered = requires(C& c, const B& b) {
+  c.after(b);
+};
+
+//! The transfers of one step. Over a host communicator: isend / irecv requests, waited by wait()
+//! (the transfer overlaps the step's compute on host threads). Over a stream-ordered one: the
+//! communication stream first waits for the compute enqueued so far (the block to send is
+//! complete and the block to receive into is no longer read), then one grouped sendrecv; wait()
+//! makes the compute stream wait for the transfers. The step's compute, enqueued between the two,
+//! overlaps them; nothing blocks the host.
+template <comm::communicator C, backend B>
 struct requests {
   std::array<typename C::request, 12> r{};
   std::size_t n = 0;
   //! Posts the transfer of `cur` to the next rank and of the previous rank's block into `next`
   //! (`rows` rows; with dir = -1 the other way round).
-  template <class T>
-  void shift(C& comm, const block<T>& cur, block<T>& next, index_t rows, int tag, int dir = 1) {
+  template <class T, class S>
+  void shift(C& comm, const B& b, const block<T, S>& cur, block<T, S>& next, index_t rows, int tag, int dir = 1) {
     const int p = comm.size(), me = comm.rank();
     next.n = rows;
-    r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
-    r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
+    if constexpr (stream_ordered<C, B>) {
+      comm::handoff(comm, b);
+      comm.sendrecv(cur.csend(), ring_next(me, p, dir), next.span(), ring_next(me, p, -dir), tag);
+    } else {
+      r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
+      r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
+    }
   }
   //! Both blocks of a K/V pair (tags tag and tag + 1).
-  template <class T>
-  void shift(C& comm, const kv_block<T>& cur, kv_block<T>& next, index_t rows, int tag, int dir = 1) {
-    shift(comm, cur.k, next.k, rows, tag, dir);
-    shift(comm, cur.v, next.v, rows, tag + 1, dir);
+  template <class T, class S>
+  void shift(C& comm, const B& b, const kv_block<T, S>& cur, kv_block<T, S>& next, index_t rows, int tag, int dir = 1) {
+    shift(comm, b, cur.k, next.k, rows, tag, dir);
+    shift(comm, b, cur.v, next.v, rows, tag + 1, dir);
   }
-  void wait(C& comm) {
-    comm::wait_all(comm, std::span<typename C::request>(r.data(), n));
+  void wait(C& comm, const B& b) {
+    if constexpr (stream_ordered<C, B>)
+      comm::handback(comm, b);
+    else
+      comm::wait_all(comm, std::span<typename C::request>(r.data(), n));
     n = 0;
   }
 };

@@ -1,6 +1,7 @@
-// Ring attention over comm::local: every variant (pass_kv, pass_q, all_gather_kv, bidirectional)
-// with every sharding (contiguous, zigzag, per_document), forward and backward, against the fp64
-// oracle; balance, communication counts, determinism and rejections.
+// Ring attention: every variant (pass_kv, pass_q, all_gather_kv, bidirectional) with every
+// sharding (contiguous, zigzag, per_document), forward and backward, against the fp64 oracle;
+// balance, communication counts, determinism and rejections. One body, run on host memory
+// (serial, comm::local) and on the device stand-in (comm::standin): support/distributed.hpp.
 
 #include <loom/attention/bidirectional.hpp>
 #include <loom/attention/ring.hpp>
@@ -9,6 +10,7 @@
 #include <loom/comm/local.hpp>
 
 #include <support/allocations.hpp>
+#include <support/distributed.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/ranks.hpp>
@@ -54,7 +56,21 @@ struct ring_result {
   long long heap = 0, temporaries = 0;  // allocations of the plan-taking calls, every rank
 };
 
-using counted_comm = lt::uncounted<loom::comm::counting<loom::comm::local>>;
+// The rank's communicator with its traffic recorded in `rec`; on host memory comm::local's own
+// allocations are not counted (lt::uncounted); on the stand-in they happen on the communication
+// stream's thread.
+#if defined(LOOM_TEST_BACKEND_STANDIN)
+auto counted_comm(loom::comm::standin& c, std::shared_ptr<loom::comm::traffic> rec) {
+  return loom::comm::counting<loom::comm::standin>(c, std::move(rec));
+}
+#else
+auto counted_comm(loom::comm::local& c, std::shared_ptr<loom::comm::traffic> rec) {
+  return lt::uncounted<loom::comm::counting<loom::comm::local>>(
+      loom::comm::counting<loom::comm::local>(c, std::move(rec)));
+}
+#endif
+template <class V, class T>
+using rank_plan = lr::plan<V, lt::backend_under_test, loom::default_precision<T>>;
 
 // Runs variant V (and its backward when `bwd`) on P in-process ranks through one plan per rank
 // and `calls` calls of each; gathers global results. The communicator's own allocations are not
@@ -62,7 +78,7 @@ using counted_comm = lt::uncounted<loom::comm::counting<loom::comm::local>>;
 // instead of fresh ones (one per rank, made by an earlier run).
 template <class V, class T = double>
 ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, bool bwd, int calls = 1,
-                     const std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>>* plans = nullptr) {
+                     const std::vector<rank_plan<V, T>>* plans = nullptr) {
   using Acc = loom::accum_t<T>;
   using P = loom::default_precision<T>;
   const auto& s = g.s;
@@ -74,39 +90,39 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
   res.dv.assign(g.v.size(), 0.0);
   std::mutex mu;
   const la::options opt{s.causal, s.window, s.scale};
-  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+  lt::run_ranks(p, [&](auto& lc, const auto& be) {
     auto rec = std::make_shared<loom::comm::traffic>();
-    counted_comm comm(loom::comm::counting<loom::comm::local>(lc, rec));
+    auto comm = counted_comm(lc, rec);
     const int r = comm.rank();
     const index_t n = plan.rank(r).tokens;
     auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
          v = rows_of<T>(plan, r, g.v, s.hkv * s.dv), dout = rows_of<T>(plan, r, g.dout, s.hq * s.dv);
     std::vector<T> out(static_cast<std::size_t>(n * s.hq * s.dv)), dq(q.size()), dk(k.size()), dv(v.size());
     std::vector<Acc> lse(static_cast<std::size_t>(n * s.hq));
-    const loom::tensor_view<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
+    const lt::dview_t<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
         vv(v.data(), {n, s.hkv, s.dv});
     const auto rp = plans ? (*plans)[static_cast<std::size_t>(r)]
-                          : lr::make_plan<P>(loom::serial{}, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
+                          : lr::make_plan<P>(be, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
     const long planned = rec->collectives.load(), gathered = rec->gathered_in.load();
     loom::workspace_buffer ws(std::max(rp.workspace_bytes(), rp.backward_workspace_bytes()));
     const long m0 = rec->messages.load();
     const auto fwd = lt::count_allocations([&] {
       for (int c = 0; c < calls; ++c)
-        lr::forward(loom::serial{}, comm, rp, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
-                    loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), ws.span());
+        lr::forward(be, comm, rp, qv, kv, vv, lt::dview_t<T, 3>(out.data(), {n, s.hq, s.dv}),
+                    lt::dview_t<Acc, 2>(lse.data(), {n, s.hq}), ws.span());
     });
     const long sends = (rec->messages.load() - m0) / calls, fcoll = rec->collectives.load() - planned;
     lt::allocation_report bwa;
     if (bwd)
       bwa = lt::count_allocations([&] {
         for (int c = 0; c < calls; ++c)
-          lr::backward(loom::serial{}, comm, rp, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
-                       loom::tensor_view<const Acc, 2>(lse.data(), {n, s.hq}),
-                       loom::tensor_view<const T, 3>(dout.data(), {n, s.hq, s.dv}),
-                       loom::tensor_view<T, 3>(dq.data(), {n, s.hq, s.dk}),
-                       loom::tensor_view<T, 3>(dk.data(), {n, s.hkv, s.dk}),
-                       loom::tensor_view<T, 3>(dv.data(), {n, s.hkv, s.dv}), ws.span());
+          lr::backward(be, comm, rp, qv, kv, vv, lt::dview_t<const T, 3>(out.data(), {n, s.hq, s.dv}),
+                       lt::dview_t<const Acc, 2>(lse.data(), {n, s.hq}),
+                       lt::dview_t<const T, 3>(dout.data(), {n, s.hq, s.dv}),
+                       lt::dview_t<T, 3>(dq.data(), {n, s.hq, s.dk}), lt::dview_t<T, 3>(dk.data(), {n, s.hkv, s.dk}),
+                       lt::dview_t<T, 3>(dv.data(), {n, s.hkv, s.dv}), ws.span());
       });
+    loom::fence(be);
     auto widen = [](const auto& x) { return std::vector<double>(x.begin(), x.end()); };
     std::lock_guard<std::mutex> lock(mu);
     res.heap += fwd.heap + bwa.heap;
@@ -141,27 +157,26 @@ ring_result run_convenience(const global_inputs& g, int p, const shard::plan& pl
   res.dv.assign(g.v.size(), 0.0);
   std::mutex mu;
   const la::options opt{s.causal, s.window, s.scale};
-  loom::comm::run_local(p, [&](loom::comm::local& lc) {
+  lt::run_ranks(p, [&](auto& lc, const auto& be) {
     auto rec = std::make_shared<loom::comm::traffic>();
-    loom::comm::counting<loom::comm::local> comm(lc, rec);
+    loom::comm::counting<std::remove_reference_t<decltype(lc)>> comm(lc, rec);
     const int r = comm.rank();
     const index_t n = plan.rank(r).tokens;
     auto q = rows_of<T>(plan, r, g.q, s.hq * s.dk), k = rows_of<T>(plan, r, g.k, s.hkv * s.dk),
          v = rows_of<T>(plan, r, g.v, s.hkv * s.dv), dout = rows_of<T>(plan, r, g.dout, s.hq * s.dv);
     std::vector<T> out(static_cast<std::size_t>(n * s.hq * s.dv)), dq(q.size()), dk(k.size()), dv(v.size());
     std::vector<Acc> lse(static_cast<std::size_t>(n * s.hq));
-    const loom::tensor_view<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
+    const lt::dview_t<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
         vv(v.data(), {n, s.hkv, s.dv});
-    lr::forward(loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<T, 3>(out.data(), {n, s.hq, s.dv}),
-                loom::tensor_view<Acc, 2>(lse.data(), {n, s.hq}), opt);
+    lr::forward(be, comm, V{}, plan, qv, kv, vv, lt::dview_t<T, 3>(out.data(), {n, s.hq, s.dv}),
+                lt::dview_t<Acc, 2>(lse.data(), {n, s.hq}), opt);
     const long fcoll = rec->collectives.load();
     if (bwd)
-      lr::backward(
-          loom::serial{}, comm, V{}, plan, qv, kv, vv, loom::tensor_view<const T, 3>(out.data(), {n, s.hq, s.dv}),
-          loom::tensor_view<const Acc, 2>(lse.data(), {n, s.hq}),
-          loom::tensor_view<const T, 3>(dout.data(), {n, s.hq, s.dv}),
-          loom::tensor_view<T, 3>(dq.data(), {n, s.hq, s.dk}), loom::tensor_view<T, 3>(dk.data(), {n, s.hkv, s.dk}),
-          loom::tensor_view<T, 3>(dv.data(), {n, s.hkv, s.dv}), opt);
+      lr::backward(be, comm, V{}, plan, qv, kv, vv, lt::dview_t<const T, 3>(out.data(), {n, s.hq, s.dv}),
+                   lt::dview_t<const Acc, 2>(lse.data(), {n, s.hq}),
+                   lt::dview_t<const T, 3>(dout.data(), {n, s.hq, s.dv}), lt::dview_t<T, 3>(dq.data(), {n, s.hq, s.dk}),
+                   lt::dview_t<T, 3>(dk.data(), {n, s.hkv, s.dk}), lt::dview_t<T, 3>(dv.data(), {n, s.hkv, s.dv}), opt);
+    loom::fence(be);
     auto widen = [](const auto& x) { return std::vector<double>(x.begin(), x.end()); };
     std::lock_guard<std::mutex> lock(mu);
     if (r == 0) res.forward_collectives = fcoll;
@@ -206,7 +221,8 @@ shard::plan plan_of(const std::vector<index_t>& cu, int p) {
 
 }  // namespace
 
-TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P = 1..8", "[attention][ring]") {
+TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P = 1..8" LOOM_BACKEND_TAG,
+          "[attention][ring]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};  // lengths 1, 7, 130, 3, 1000
   const auto g = make_global({0, 0, 4, 2, 32, 24, true}, docs, 100);
   const lt::tolerance tol{1e-10, 1e-10};
@@ -229,7 +245,8 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
   }
 }
 
-TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, full and causal", "[attention][ring]") {
+TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, full and causal" LOOM_BACKEND_TAG,
+          "[attention][ring]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};
   for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}}) {
     if (lt::sanitized && hkv != 1) continue;
@@ -247,7 +264,7 @@ TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, ful
         {2e-2, 2e-2}, "bf16");
 }
 
-TEST_CASE("ring attention: balance of the plans, determinism", "[attention][ring]") {
+TEST_CASE("ring attention: balance of the plans, determinism" LOOM_BACKEND_TAG, "[attention][ring]") {
   // One causal document: zigzag and per_document give every rank the same causal pairs within 1%
   // (far inside the issue's "1% plus one chunk").
   for (int p : {2, 3, 4, 8}) {
@@ -271,42 +288,40 @@ TEST_CASE("ring attention: balance of the plans, determinism", "[attention][ring
   REQUIRE(std::memcmp(a.dk.data(), b.dk.data(), a.dk.size() * sizeof(double)) == 0);
 }
 
-TEST_CASE("ring attention: rejections on every rank", "[attention][ring][errors]") {
+TEST_CASE("ring attention: rejections on every rank" LOOM_BACKEND_TAG, "[attention][ring][errors]") {
   const std::vector<index_t> docs{0, 40};
   const auto plan = plan_of<shard::contiguous>(docs, 2);
   // Rank 1 claims 4 kv heads, rank 0 claims 2: both ranks must refuse.
-  auto what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+  auto what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     const index_t n = plan.rank(comm.rank()).tokens;
     const index_t hkv = comm.rank() == 0 ? 2 : 4;
     std::vector<double> q(static_cast<std::size_t>(n * 4 * 8)), k(static_cast<std::size_t>(n * hkv * 8)), out(q.size()),
         lse(static_cast<std::size_t>(n * 4));
-    lr::forward(loom::serial{}, comm, lr::pass_kv{}, plan, loom::tensor_view<const double, 3>(q.data(), {n, 4, 8}),
-                loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
-                loom::tensor_view<const double, 3>(k.data(), {n, hkv, 8}),
-                loom::tensor_view<double, 3>(out.data(), {n, 4, 8}), loom::tensor_view<double, 2>(lse.data(), {n, 4}));
+    lr::forward(be, comm, lr::pass_kv{}, plan, lt::dview_t<const double, 3>(q.data(), {n, 4, 8}),
+                lt::dview_t<const double, 3>(k.data(), {n, hkv, 8}),
+                lt::dview_t<const double, 3>(k.data(), {n, hkv, 8}), lt::dview_t<double, 3>(out.data(), {n, 4, 8}),
+                lt::dview_t<double, 2>(lse.data(), {n, 4}));
   });
   CHECK(lt::all_contain(what, "ranks disagree on the shapes"));
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     std::vector<double> q(5 * 2 * 8), out(q.size()), lse(10);
-    lr::forward(loom::serial{}, comm, lr::pass_kv{}, plan, loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
-                loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
-                loom::tensor_view<const double, 3>(q.data(), {5, 2, 8}),
-                loom::tensor_view<double, 3>(out.data(), {5, 2, 8}), loom::tensor_view<double, 2>(lse.data(), {5, 2}));
+    lr::forward(be, comm, lr::pass_kv{}, plan, lt::dview_t<const double, 3>(q.data(), {5, 2, 8}),
+                lt::dview_t<const double, 3>(q.data(), {5, 2, 8}), lt::dview_t<const double, 3>(q.data(), {5, 2, 8}),
+                lt::dview_t<double, 3>(out.data(), {5, 2, 8}), lt::dview_t<double, 2>(lse.data(), {5, 2}));
   });
   CHECK(lt::all_contain(what, "q holds 5 tokens but the plan gives rank"));
   const auto plan3 = plan_of<shard::contiguous>(docs, 3);
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     std::vector<double> q(20 * 2 * 8), out(q.size()), lse(40);
-    lr::forward(loom::serial{}, comm, lr::pass_q{}, plan3, loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
-                loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
-                loom::tensor_view<const double, 3>(q.data(), {20, 2, 8}),
-                loom::tensor_view<double, 3>(out.data(), {20, 2, 8}),
-                loom::tensor_view<double, 2>(lse.data(), {20, 2}));
+    lr::forward(be, comm, lr::pass_q{}, plan3, lt::dview_t<const double, 3>(q.data(), {20, 2, 8}),
+                lt::dview_t<const double, 3>(q.data(), {20, 2, 8}), lt::dview_t<const double, 3>(q.data(), {20, 2, 8}),
+                lt::dview_t<double, 3>(out.data(), {20, 2, 8}), lt::dview_t<double, 2>(lse.data(), {20, 2}));
   });
   CHECK(lt::all_contain(what, "the plan is for 3 ranks but the communicator has 2"));
 }
 
-TEST_CASE("ring attention: a non-finite input stays in its document on every rank", "[attention][ring][nonfinite]") {
+TEST_CASE("ring attention: a non-finite input stays in its document on every rank" LOOM_BACKEND_TAG,
+          "[attention][ring][nonfinite]") {
   // Document 1 spans rank boundaries for every sharding; one of its q, k, v or dout values is NaN
   // or inf. Every other document's out, lse and gradients are bitwise those of the clean run.
   const std::vector<index_t> docs{0, 40, 141, 163, 250};
@@ -352,13 +367,12 @@ namespace {
 
 // Plans of every rank, made on their own rank threads.
 template <class V, class T>
-std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>> make_plans(const global_inputs& g, int p,
-                                                                              const shard::plan& plan) {
+std::vector<rank_plan<V, T>> make_plans(const global_inputs& g, int p, const shard::plan& plan) {
   const auto& s = g.s;
-  std::vector<lr::plan<V, loom::serial, loom::default_precision<T>>> plans(static_cast<std::size_t>(p));
-  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+  std::vector<rank_plan<V, T>> plans(static_cast<std::size_t>(p));
+  lt::run_ranks(p, [&](auto& comm, const auto& be) {
     plans[static_cast<std::size_t>(comm.rank())] = lr::make_plan<loom::default_precision<T>>(
-        loom::serial{}, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, la::options{s.causal, s.window, s.scale});
+        be, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, la::options{s.causal, s.window, s.scale});
   });
   return plans;
 }
@@ -400,8 +414,9 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
 
 }  // namespace
 
-TEST_CASE("ring attention: one agreement per plan, no allocation per call, reuse across calls and threads",
-          "[attention][ring][plan]") {
+TEST_CASE(
+    "ring attention: one agreement per plan, no allocation per call, reuse across calls and threads" LOOM_BACKEND_TAG,
+    "[attention][ring][plan]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, 311};
   const auto g = make_global({0, 0, 4, 2, 16, 8, true, {37, 0}}, docs, 1000);
   for (int p : {1, 3}) {
@@ -413,7 +428,8 @@ TEST_CASE("ring attention: one agreement per plan, no allocation per call, reuse
   }
 }
 
-TEST_CASE("ring attention: windows (left, right) across rank boundaries", "[attention][ring][window]") {
+TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BACKEND_TAG,
+          "[attention][ring][window]") {
   const std::vector<index_t> docs{0, 5, 262, 263, 401};
   const la::window_size ws[] = {{40, 0}, {0, 29}, {23, 23}, {-1, 61}};
   std::uint64_t seed = 1100;
@@ -431,56 +447,54 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries", "[atte
     }
 }
 
-TEST_CASE("ring attention: make_plan agrees once; per-call checks against the plan", "[attention][ring][errors]") {
+TEST_CASE("ring attention: make_plan agrees once; per-call checks against the plan" LOOM_BACKEND_TAG,
+          "[attention][ring][errors]") {
   const std::vector<index_t> docs{0, 40};
   const auto plan = plan_of<shard::contiguous>(docs, 2);
   // Disagreements are every rank's error, from make_plan.
-  auto what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
-    (void)lr::make_plan(loom::serial{}, comm, plan, {4, comm.rank() == 0 ? index_t{2} : index_t{4}, 8, 8});
+  auto what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    (void)lr::make_plan(be, comm, plan, {4, comm.rank() == 0 ? index_t{2} : index_t{4}, 8, 8});
   });
   CHECK(lt::all_contain(what, "ring::make_plan: ranks disagree on the shapes"));
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     if (comm.rank() == 0)
-      (void)lr::make_plan(loom::serial{}, comm, lr::pass_q{}, plan, {4, 2, 8, 8});
+      (void)lr::make_plan(be, comm, lr::pass_q{}, plan, {4, 2, 8, 8});
     else
-      (void)lr::make_plan(loom::serial{}, comm, lr::pass_kv{}, plan, {4, 2, 8, 8});
+      (void)lr::make_plan(be, comm, lr::pass_kv{}, plan, {4, 2, 8, 8});
   });
   CHECK(lt::all_contain(what, "ranks disagree on the ring variant"));
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     la::options o;
     o.window = {comm.rank() == 1 ? index_t{-3} : index_t{4}, 0};
-    (void)lr::make_plan(loom::serial{}, comm, plan, {4, 2, 8, 8}, o);
+    (void)lr::make_plan(be, comm, plan, {4, 2, 8, 8}, o);
   });
   CHECK(lt::all_contain(what, "options.window (left, right) must each be >= -1"));
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
-    (void)lr::make_plan(loom::serial{}, comm, plan_of<shard::contiguous>(docs, 3), {4, 2, 8, 8});
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    (void)lr::make_plan(be, comm, plan_of<shard::contiguous>(docs, 3), {4, 2, 8, 8});
   });
   CHECK(lt::all_contain(what, "the plan is for 3 ranks but the communicator has 2"));
   // Per call, on this rank (here every rank makes the same mistake, so none waits on another).
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
-    const auto rp = lr::make_plan(loom::serial{}, comm, plan, {4, 2, 8, 8});
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    const auto rp = lr::make_plan(be, comm, plan, {4, 2, 8, 8});
     const index_t n = rp.tokens();
     std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
         l(static_cast<std::size_t>(n * 4));
     loom::workspace_buffer ws(rp.workspace_bytes());
-    lr::forward(loom::serial{}, comm, rp, loom::tensor_view<const float, 3>(q.data(), {n, 4, 8}),
-                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
-                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
-                loom::tensor_view<float, 3>(o.data(), {n, 4, 8}), loom::tensor_view<float, 2>(l.data(), {n, 4}),
+    lr::forward(be, comm, rp, lt::dview_t<const float, 3>(q.data(), {n, 4, 8}),
+                lt::dview_t<const float, 3>(kv.data(), {n, 2, 8}), lt::dview_t<const float, 3>(kv.data(), {n, 2, 8}),
+                lt::dview_t<float, 3>(o.data(), {n, 4, 8}), lt::dview_t<float, 2>(l.data(), {n, 4}),
                 ws.span().first(ws.size() - 64));
   });
   CHECK(lt::all_contain(what, "ring::forward: workspace must hold at least"));
-  what = lt::errors_on_ranks(2, [&](loom::comm::local& comm) {
-    const auto rp = lr::make_plan(loom::serial{}, comm, lr::all_gather_kv{}, plan, {4, 2, 8, 8});
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    const auto rp = lr::make_plan(be, comm, lr::all_gather_kv{}, plan, {4, 2, 8, 8});
     const index_t n = rp.tokens();
     std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
         l(static_cast<std::size_t>(n * 4));
     loom::workspace_buffer ws(rp.workspace_bytes());
-    lr::forward(loom::serial{}, comm, rp, loom::tensor_view<const float, 3>(q.data(), {n, 4, 8}),
-                loom::tensor_view<const float, 3>(kv.data(), {n, 1, 16}),
-                loom::tensor_view<const float, 3>(kv.data(), {n, 2, 8}),
-                loom::tensor_view<float, 3>(o.data(), {n, 4, 8}), loom::tensor_view<float, 2>(l.data(), {n, 4}),
-                ws.span());
+    lr::forward(be, comm, rp, lt::dview_t<const float, 3>(q.data(), {n, 4, 8}),
+                lt::dview_t<const float, 3>(kv.data(), {n, 1, 16}), lt::dview_t<const float, 3>(kv.data(), {n, 2, 8}),
+                lt::dview_t<float, 3>(o.data(), {n, 4, 8}), lt::dview_t<float, 2>(l.data(), {n, 4}), ws.span());
   });
   CHECK(lt::all_contain(what, "ring::forward: k must be [20, 2, 8], got [20, 1, 16]"));
 }
