@@ -1,9 +1,11 @@
 # Test helpers.
 #   loom_add_test(<name> SOURCES ... [LINK ...] [LABELS ...] [MAIN default|kokkos])
 #     one Catch2 executable; each TEST_CASE becomes a ctest entry named "<name>:<case>".
-#   loom_add_backend_test(<name> BODY <file.hpp> BACKENDS serial openmp kokkos cuda [LABELS ...])
+#   loom_add_backend_test(<name> BODY <file.hpp> BACKENDS serial openmp kokkos cuda standin
+#                         [DISTRIBUTED] [LABELS ...])
 #     writes one translation unit per available backend that defines LOOM_TEST_BACKEND_<B> and
-#     includes the body, so a single test body is swept over every backend. cuda units are built
+#     includes the body, so a single test body is swept over every backend (standin: the device
+#     stand-in, always available; DISTRIBUTED bodies run ranks, see tests/support/distributed.hpp). cuda units are built
 #     by nvcc and, with LOOM_CUDA_COMPILE_ONLY, compiled but never run.
 include(Catch)
 
@@ -17,12 +19,19 @@ function(loom_add_test name)
   # catch_discover_tests flattens a list-valued property, so the labels travel as one joined label
   # ("comm-local", "backend-kokkos"); ctest -L takes a regex, so -L kokkos still selects it.
   string(JOIN "-" _label ${T_LABELS})
-  catch_discover_tests(${name} TEST_PREFIX "${name}:" PROPERTIES LABELS "${_label}" DISCOVERY_TIMEOUT 60)
+  # --warn NoTests: a ctest entry whose filter matches no test case fails instead of passing empty.
+  catch_discover_tests(${name} TEST_PREFIX "${name}:" EXTRA_ARGS --warn NoTests PROPERTIES LABELS "${_label}"
+                       DISCOVERY_TIMEOUT 60)
 endfunction()
 
 function(loom_add_backend_test name)
-  cmake_parse_arguments(T "" "BODY" "BACKENDS;LABELS;LINK" ${ARGN})
+  cmake_parse_arguments(T "DISTRIBUTED" "BODY" "BACKENDS;LABELS;LINK" ${ARGN})
   foreach(_b IN LISTS T_BACKENDS)
+    # The stand-in runs every distributed body; the single-rank ones unless switched off (sanitizer
+    # builds, where the serial variant already covers their kernels).
+    if(_b STREQUAL "standin" AND NOT T_DISTRIBUTED AND NOT LOOM_TEST_STANDIN_SINGLE_RANK)
+      continue()
+    endif()
     if(_b STREQUAL "serial" OR _b STREQUAL "standin")
       set(_target loom::loom)
     elseif(TARGET loom::${_b})

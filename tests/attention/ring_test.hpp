@@ -228,6 +228,7 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
   const lt::tolerance tol{1e-10, 1e-10};
   for (int p : {1, 2, 3, 4, 5, 8}) {
     if (lt::sanitized && (p == 4 || p == 8)) continue;  // sanitizer builds: odd, even and P = 1
+    if (lt::sanitized && lt::standin_ranks_run && (p == 1 || p == 5)) continue;  // and on the stand-in: 2, 3
     for (int strategy = 0; strategy < 3; ++strategy) {
       const auto plan = strategy == 0   ? plan_of<shard::contiguous>(docs, p)
                         : strategy == 1 ? plan_of<shard::zigzag>(docs, p)
@@ -254,8 +255,9 @@ TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, ful
     check(run_ring<lr::pass_kv>(g, 3, plan_of<shard::per_document>(docs, 3), true), g, true, {1e-10, 1e-10}, "causal");
   }
   const auto full = make_global({0, 0, 8, 2, 96, 96, false}, {0, 131, 1021}, 210);
-  check(run_ring<lr::pass_q>(full, 4, plan_of<shard::zigzag>({0, 131, 1021}, 4), true), full, true, {1e-10, 1e-10},
-        "full");
+  if (!(lt::sanitized && lt::standin_ranks_run))
+    check(run_ring<lr::pass_q>(full, 4, plan_of<shard::zigzag>({0, 131, 1021}, 4), true), full, true, {1e-10, 1e-10},
+          "full");
   // fp32 and bf16 storage: the issue's tolerances against the fp64 oracle of the rounded inputs
   // are looser than rounding the inputs themselves, so the oracle sees the unrounded ones here.
   const auto f = make_global({0, 0, 4, 2, 64, 64, true}, docs, 220);
@@ -447,7 +449,7 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BA
     }
 }
 
-TEST_CASE("ring attention: make_plan agrees once; per-call checks against the plan" LOOM_BACKEND_TAG,
+TEST_CASE("ring attention: make_plan agrees once, per-call checks against the plan" LOOM_BACKEND_TAG,
           "[attention][ring][errors]") {
   const std::vector<index_t> docs{0, 40};
   const auto plan = plan_of<shard::contiguous>(docs, 2);

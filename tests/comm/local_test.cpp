@@ -1,7 +1,10 @@
 // comm::local: the conformance suite for P = 1..8, through comm::any too, and every error path.
 
+#include <loom/backend/parallel.hpp>
 #include <loom/comm/any.hpp>
+#include <loom/comm/detail/poll.hpp>
 #include <loom/comm/local.hpp>
+#include <loom/comm/standin.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -587,5 +590,120 @@ TEST_CASE("LOOM_COMM_TIMEOUT_MS must be a plain positive integer", "[comm][local
     // The default options read it too, so run_local rejects it before starting any rank.
     CHECK_THROWS_WITH(run_local(2, [](local&) {}), Catch::Contains("LOOM_COMM_TIMEOUT_MS"));
     CHECK_NOTHROW(run_local(2, [](local&) {}, {.timeout = ms(1000)}));
+  }
+}
+
+// The deadline-polled wait of the device communicators (comm::nccl's wait, synchronize, barrier,
+// init_rank): done, an asynchronous failure, a timeout; the abort runs once on each failure path.
+TEST_CASE("device waits: polling against a deadline aborts and names the call", "[comm][timeout]") {
+  using loom::comm::detail::poll_state;
+  int polls = 0, aborts = 0;
+  loom::comm::detail::poll_until_done(
+      "comm::test wait", ms(1000), [&](std::string&) { return ++polls < 3 ? poll_state::pending : poll_state::done; },
+      [&] { ++aborts; });
+  CHECK(polls == 3);
+  CHECK(aborts == 0);
+  try {
+    loom::comm::detail::poll_until_done(
+        "comm::test wait", ms(1000),
+        [&](std::string& m) {
+          m = "NCCL reports unhandled system error";
+          return poll_state::failed;
+        },
+        [&] { ++aborts; });
+    FAIL("a failed poll must throw");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == loom::errc::comm_failure);
+    CHECK_THAT(e.what(), Catch::Contains("comm::test wait: NCCL reports unhandled system error"));
+  }
+  CHECK(aborts == 1);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    loom::comm::detail::poll_until_done(
+        "comm::test synchronize", ms(50), [&](std::string&) { return poll_state::pending; }, [&] { ++aborts; });
+    FAIL("a poll that never completes must time out");
+  } catch (const loom::error& e) {
+    CHECK(e.code() == loom::errc::timeout);
+    CHECK_THAT(e.what(),
+               Catch::Contains("comm::test synchronize: timed out after 50 ms") && Catch::Contains("aborted"));
+  }
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  CHECK(aborts == 2);
+  CHECK(waited >= ms(50));
+  CHECK(waited < std::chrono::seconds(5));
+}
+
+// comm::standin has NCCL's semantics: an isend and an irecv are separate operations of one stream,
+// so two ranks that both send first block each other, and the wait reports it within the timeout
+// (a GPU would hang); the grouped sendrecv is the ring step.
+TEST_CASE("comm::standin: ungrouped sends of both ranks time out, sendrecv completes", "[comm][standin][timeout]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> seen(2);
+  loom::comm::standin_options opt;
+  opt.local.timeout = ms(200);
+  try {
+    loom::comm::run_standin(
+        2,
+        [&](loom::comm::standin& c, loom::standin) {
+          std::vector<int> out(4, c.rank()), in(4, -1);
+          try {
+            auto s = c.isend(std::span<const int>(out), 1 - c.rank(), 0);
+            auto r = c.irecv(std::span<int>(in), 1 - c.rank(), 0);
+            c.wait(s);
+            c.wait(r);
+          } catch (const loom::error& e) {
+            seen[static_cast<std::size_t>(c.rank())] = std::string(loom::to_string(e.code())) + "|" + e.what();
+            throw;
+          }
+        },
+        opt);
+    FAIL("both ranks sending first must fail");
+  } catch (const loom::error& e) {
+    CHECK((e.code() == loom::errc::timeout || e.code() == loom::errc::comm_failure));
+  }
+  for (const auto& w : seen) {
+    INFO(w);
+    CHECK((w.find("timed out") != std::string::npos || w.find("aborted") != std::string::npos));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  std::vector<int> got(2, -1);
+  loom::comm::run_standin(2, [&](loom::comm::standin& c, loom::standin) {
+    std::array<int, 3> out{c.rank(), c.rank(), c.rank()}, in{-1, -1, -1};
+    c.sendrecv(std::span<const int>(out), 1 - c.rank(), std::span<int>(in), 1 - c.rank(), 0);
+    c.synchronize();
+    got[static_cast<std::size_t>(c.rank())] = in[0] + in[1] + in[2];
+  });
+  CHECK(got == std::vector<int>{3, 0});
+}
+
+// A request's event orders a compute stream after the transfer without blocking the host.
+TEST_CASE("comm::standin: wait(request, b) orders the compute stream after the receive", "[comm][standin]") {
+  std::array<double, 2> sum{-1, -1};
+  loom::comm::standin_options opt;
+  opt.max_delay = std::chrono::microseconds(300);
+  for (std::uint64_t seed = 0; seed < 20; ++seed) {
+    opt.seed = seed;
+    loom::comm::run_standin(
+        2,
+        [&](loom::comm::standin& c, loom::standin b) {
+          const int me = c.rank();
+          std::vector<double> data(1000, me == 0 ? 1.0 : 0.0), into(1000, 0.0);
+          double total = 0;
+          if (me == 0) {
+            auto s = c.isend(std::span<const double>(data), 1, 0);
+            c.wait(s);
+          } else {
+            auto r = c.irecv(std::span<double>(into), 0, 0);
+            c.wait(r, b);  // the kernel below runs after the receive
+            loom::for_each_index(b, 1, [&, p = into.data()](loom::index_t) {
+              for (int i = 0; i < 1000; ++i) total += p[i];
+            });
+            loom::fence(b);
+          }
+          sum[static_cast<std::size_t>(me)] = total;
+        },
+        opt);
+    INFO("seed " << seed);
+    CHECK(sum[1] == 1000.0);
   }
 }

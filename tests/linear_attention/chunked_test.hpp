@@ -335,8 +335,8 @@ struct plan_io {
 }  // namespace
 
 TEST_CASE(
-    "linear_attention plan form: allocates nothing; one plan reused across calls and threads gives the bits of "
-    "fresh plans; int32 and int64 offsets agree",
+    "linear_attention plan form: allocates nothing, one plan reused across calls and threads gives the bits of "
+    "fresh plans, int32 and int64 offsets agree",
     "[linear_attention][plan]" LOOM_BACKEND_TAG) {
   const auto b = make_backend();
   const index_t T = 157, H = 3;

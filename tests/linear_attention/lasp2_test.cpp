@@ -520,7 +520,7 @@ TEST_CASE("linear_attention::lasp2 with one plan reused allocates nothing and gi
   }
 }
 
-TEST_CASE("linear_attention::lasp2: make_plan(b, comm, ...) agrees once; N calls with one plan repeat no agreement",
+TEST_CASE("linear_attention::lasp2: make_plan(b, comm, ...) agrees once, N calls with one plan repeat no agreement",
           "[linear_attention][lasp2][plan]") {
   const index_t T = 60, H = 2, d = 3;
   const std::vector<std::int32_t> cu32{0, 25, 25, T};  // int32 offsets

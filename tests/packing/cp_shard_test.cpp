@@ -138,7 +138,7 @@ TEST_CASE("shard::per_document balances packed documents that zigzag does not", 
   CHECK(work_ratio(shard::make_plan(std::span<const index_t>(cu2), 2, shard::per_document{})) == Approx(1.0));
 }
 
-TEST_CASE("shard::zigzag balances one causal document exactly; contiguous does not", "[packing][shard]") {
+TEST_CASE("shard::zigzag balances one causal document exactly, contiguous does not", "[packing][shard]") {
   const int ranks = GENERATE(1, 2, 3, 4, 5, 8);
   const index_t c = 7;
   const std::vector<index_t> cu{0, 2 * ranks * c};

@@ -332,7 +332,7 @@ TEST_CASE("rnn: a chaotic, badly scaled cell falls back and returns the sequenti
   }
 }
 
-TEST_CASE("rnn: converged sequences stop early; warm start" LOOM_BACKEND_TAG, "[rnn]") {
+TEST_CASE("rnn: converged sequences stop early, warm start" LOOM_BACKEND_TAG, "[rnn]") {
   if constexpr (space::host_accessible) {
     // One easy sequence (tiny weights would converge at once) next to long ones: all match.
     const problem p = make_problem(make_gru, 3000, 4, true, 1.0, 19);

@@ -170,7 +170,7 @@ TEST_CASE("scan: integer plus, minimum and maximum, every variant, exact" LOOM_B
   }
 }
 
-TEST_CASE("scan: plus in fp32 against the fp64 oracle; same bits as serial" LOOM_BACKEND_TAG, "[scan]") {
+TEST_CASE("scan: plus in fp32 against the fp64 oracle, same bits as serial" LOOM_BACKEND_TAG, "[scan]") {
   const auto b = make_backend();
   for (index_t n : lengths) {
     const auto xf = lt::uniform<float>(n, -1.0, 1.0, 200 + static_cast<std::uint64_t>(n));
@@ -219,7 +219,7 @@ TEST_CASE("scan: plus in fp32 and fp64, every vector and chunk boundary, exact" 
   plus_every_tail<double>();
 }
 
-TEST_CASE("scan: strided views, forward and reverse, exact; the gaps are not written" LOOM_BACKEND_TAG, "[scan]") {
+TEST_CASE("scan: strided views, forward and reverse, exact, the gaps are not written" LOOM_BACKEND_TAG, "[scan]") {
   const auto b = make_backend();
   for (index_t n : {index_t{1}, index_t{65}, index_t{1021}, index_t{16323}}) {
     const auto x = lt::small_integers<float>(n, -3, 3, 500 + static_cast<std::uint64_t>(n));
@@ -460,7 +460,7 @@ TEST_CASE("recurrence: exactness harness, ±1 transitions and integer payloads g
   }
 }
 
-TEST_CASE("recurrence: rotations keep the norm; closed-form geometric sums" LOOM_BACKEND_TAG, "[scan][recurrence]") {
+TEST_CASE("recurrence: rotations keep the norm, closed-form geometric sums" LOOM_BACKEND_TAG, "[scan][recurrence]") {
   const auto b = make_backend();
   const index_t n = 33753, d = 2;
   // h_t = R(θ_t) h_{t-1}, h_{-1} = e1: h_t = R(θ_0 + ... + θ_t) e1.
@@ -628,7 +628,7 @@ TEST_CASE("scan: inclusive scans in place (out is in), every variant, exact" LOO
   }
 }
 
-TEST_CASE("scan: out overlapping in without being in is rejected; interleaved views are not" LOOM_BACKEND_TAG,
+TEST_CASE("scan: out overlapping in without being in is rejected, interleaved views are not" LOOM_BACKEND_TAG,
           "[scan][errors]") {
   const auto b = make_backend();
   const index_t n = 64;
@@ -844,7 +844,7 @@ TEST_CASE("recurrence: outputs overlapping inputs are rejected, naming both" LOO
 // Plans: no allocation per call, reuse across calls and threads, int32 and int64 offsets
 
 TEST_CASE(
-    "scan plans: a plan-taking call allocates nothing; reuse across calls and threads is bitwise equal to fresh "
+    "scan plans: a plan-taking call allocates nothing, reuse across calls and threads is bitwise equal to fresh "
     "plans" LOOM_BACKEND_TAG,
     "[scan][plan]") {
   const auto b = make_backend();

@@ -408,7 +408,7 @@ std::vector<float> run_separate(const AV& a, index_t n, bool col_major, index_t 
 }  // namespace
 
 TEST_CASE(
-    "spmm: C may share memory with B (C = A C in place, or shifted); same bits as separate buffers" LOOM_BACKEND_TAG,
+    "spmm: C may share memory with B (C = A C in place, or shifted), same bits as separate buffers" LOOM_BACKEND_TAG,
     "[sparse][spmm][alias]") {
   const index_t m = 70;  // square A: K = M
   const auto dense = make_matrix<float>(m, m, 0.7, true, 40);
@@ -484,7 +484,7 @@ TEST_CASE("spmm rejects sizes whose products overflow, naming them" LOOM_BACKEND
 // The plan form: no allocation, one plan reused across calls and threads, rejections
 
 TEST_CASE(
-    "spmm plan form: allocates nothing; one plan reused across calls and threads gives the bits of fresh "
+    "spmm plan form: allocates nothing, one plan reused across calls and threads gives the bits of fresh "
     "plans" LOOM_BACKEND_TAG,
     "[sparse][spmm][plan]") {
   const auto b_ = make_backend();

@@ -31,6 +31,13 @@
 
 namespace loom::test {
 
+//! True when the ranks run on the device stand-in (sanitizer builds trim their largest cases there).
+#if defined(LOOM_TEST_BACKEND_STANDIN)
+inline constexpr bool standin_ranks_run = true;
+#else
+inline constexpr bool standin_ranks_run = false;
+#endif
+
 #if defined(LOOM_TEST_BACKEND_STANDIN)
 //! The delays of the ranks' streams: LOOM_STANDIN_SEED, LOOM_STANDIN_MAX_DELAY_US (default 20 us).
 inline loom::comm::standin_options standin_ranks(std::uint64_t seed_offset = 0) {
