@@ -25,6 +25,7 @@
 
 #include <array>
 #include <cstdlib>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -48,8 +49,19 @@ inline loom::comm::standin_options standin_ranks(std::uint64_t seed_offset = 0) 
   o.max_delay = std::chrono::microseconds(d != nullptr ? std::atoll(d) : 20);
   return o;
 }
+//! When set, the options every run_ranks uses (a delay-injection test sweeps its seeds).
+inline std::optional<loom::comm::standin_options>& standin_override() {
+  static std::optional<loom::comm::standin_options> o;
+  return o;
+}
 template <class F>
-void run_ranks(int p, F&& fn, loom::comm::standin_options opt = standin_ranks()) {
+void run_ranks(int p, F&& fn) {
+  const auto opt = standin_override() ? *standin_override() : standin_ranks();
+  loom::comm::run_standin(
+      p, [&](loom::comm::standin& comm, loom::standin b) { fn(comm, b); }, opt);
+}
+template <class F>
+void run_ranks(int p, F&& fn, loom::comm::standin_options opt) {
   loom::comm::run_standin(
       p, [&](loom::comm::standin& comm, loom::standin b) { fn(comm, b); }, opt);
 }

@@ -178,7 +178,10 @@ plan<pass_kv, B, P> make_plan(const B& b, C& comm, const shard::plan& sharding, 
 }
 
 //! Forward on a plan: out and lse of this rank's queries over every rank's keys. Allocates
-//! nothing. `workspace`: plan.workspace_bytes() bytes, aligned.
+//! nothing. `workspace`: plan.workspace_bytes() bytes, aligned. Over a host communicator the call
+//! is complete on return; over a stream-ordered one (device memory) it returns with its kernels
+//! and transfers queued, and reads the plan's host tables while they run: keep the plan, the
+//! views and the workspace alive until the stream has finished (fence, or a later event).
 //! @throws loom::error on this rank only: (shape_mismatch) views not of the plan's extents;
 //! (invalid_argument) a short or misaligned workspace, a communicator of another rank or size.
 template <class B, class V, precision_policy P, comm::communicator C, class Q, class K, class Vv, class O, class L>
