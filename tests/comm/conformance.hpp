@@ -41,12 +41,20 @@ std::span<T> mspan(std::vector<T>& v) {
   return {v.data(), v.size()};
 }
 
+//! A stream-ordered communicator (comm::standin, comm::nccl) returns before its operations ran:
+//! the host waits for them before it reads a result. Host communicators complete on return.
+template <class C>
+void settle(C& c) {
+  if constexpr (requires { c.synchronize(); }) c.synchronize();
+}
+
 template <class C>
 void conf_rank_size(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   LOOM_RANK_CHECK(r, me >= 0 && me < p, "rank ", me, " size ", p);
   std::vector<int> all(static_cast<std::size_t>(p), -1);
   c.all_gather(std::span<const int>(&me, 1), mspan(all));
+  settle(c);
   for (int q = 0; q < p; ++q) LOOM_RANK_CHECK(r, all[static_cast<std::size_t>(q)] == q, "q=", q);
 }
 
@@ -57,9 +65,11 @@ void conf_sendrecv_ring(C& c, rank_report& r, std::size_t n = 1021) {
   std::vector<double> send(n), recv(n, -1);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, right, i);
   c.sendrecv(cspan(send), right, mspan(recv), left, 7);
+  settle(c);
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, recv[i] == pattern(left, me, i), "i=", i);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, left, i);
   c.sendrecv(cspan(send), left, mspan(recv), right, 8);
+  settle(c);
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, recv[i] == pattern(right, me, i), "i=", i);
 }
 
@@ -71,6 +81,7 @@ void conf_large(C& c, rank_report& r) {
   std::vector<float> send(n), recv(n, -1.f);
   for (std::size_t i = 0; i < n; ++i) send[i] = static_cast<float>(pattern(me, right, i));
   c.sendrecv(cspan(send), right, mspan(recv), left, 1);
+  settle(c);
   std::size_t bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad += recv[i] != static_cast<float>(pattern(left, me, i));
   LOOM_RANK_CHECK(r, bad == 0, bad, " wrong elements of ", n);
@@ -78,6 +89,7 @@ void conf_large(C& c, rank_report& r) {
   std::vector<float> x(n);
   for (std::size_t i = 0; i < n; ++i) x[i] = static_cast<float>((me + 1) * (i % 7));
   c.all_reduce(cspan(x), mspan(x), comm::reduce_op::sum);
+  settle(c);
   const float ranks_sum = static_cast<float>(p * (p + 1) / 2);
   bad = 0;
   for (std::size_t i = 0; i < n; ++i) bad += x[i] != ranks_sum * static_cast<float>(i % 7);
@@ -95,9 +107,13 @@ void conf_zero_size(C& c, rank_report& r) {
   c.wait(rq);
   std::vector<double> gathered;
   c.all_gather(cspan(empty), mspan(gathered));
+  settle(c);
   c.all_reduce(cspan(empty), mspan(empty), comm::reduce_op::sum);
+  settle(c);
   c.all_to_all(cspan(empty), mspan(empty));
+  settle(c);
   c.broadcast(mspan(empty), 0);
+  settle(c);
   LOOM_RANK_CHECK(r, empty.empty() && gathered.empty(), "zero-size calls");
 }
 
@@ -146,6 +162,7 @@ void conf_all_gather(C& c, rank_report& r) {
   std::vector<double> send(n), recv(up * n, -1);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, 0, i);
   c.all_gather(cspan(send), mspan(recv));
+  settle(c);
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < n; ++i)
       LOOM_RANK_CHECK(r, recv[q * n + i] == pattern(static_cast<int>(q), 0, i), "q=", q, " i=", i);
@@ -154,6 +171,7 @@ void conf_all_gather(C& c, rank_report& r) {
   for (std::size_t i = 0; i < 3; ++i)
     all[static_cast<std::size_t>(me) * 3 + i] = bfloat16(static_cast<float>(me * 3 + i));
   c.all_gather(std::span<const bfloat16>(all.data() + me * 3, 3), mspan(all));
+  settle(c);
   for (std::size_t j = 0; j < up * 3; ++j)
     LOOM_RANK_CHECK(r, static_cast<float>(all[j]) == static_cast<float>(j), "j=", j);
   // A struct travels as bytes.
@@ -165,6 +183,7 @@ void conf_all_gather(C& c, rank_report& r) {
   const item mine{me, 0.5f * static_cast<float>(me), static_cast<std::int16_t>(-me)};
   std::vector<item> items(up);
   c.all_gather(std::span<const item>(&mine, 1), mspan(items));
+  settle(c);
   for (int q = 0; q < p; ++q) {
     const auto& it = items[static_cast<std::size_t>(q)];
     LOOM_RANK_CHECK(r, it.a == q && it.b == 0.5f * static_cast<float>(q) && it.c == -q, "item ", q);
@@ -180,11 +199,13 @@ void conf_all_to_all(C& c, rank_report& r) {
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < b; ++i) send[q * b + i] = static_cast<float>(pattern(me, static_cast<int>(q), i));
   c.all_to_all(cspan(send), mspan(recv));
+  settle(c);
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < b; ++i)
       LOOM_RANK_CHECK(r, recv[q * b + i] == static_cast<float>(pattern(static_cast<int>(q), me, i)), "q=", q);
   // In place.
   c.all_to_all(cspan(send), mspan(send));
+  settle(c);
   LOOM_RANK_CHECK(r, send == recv, "in-place all_to_all");
 }
 
@@ -210,6 +231,7 @@ void conf_all_to_allv(C& c, rank_report& r) {
     for (std::size_t i = 0; i < sc[static_cast<std::size_t>(q)]; ++i)
       send[sd[static_cast<std::size_t>(q)] + i] = static_cast<std::int64_t>(pattern(me, q, i));
   c.all_to_allv(cspan(send), cspan(sc), cspan(sd), mspan(recv), cspan(rc), cspan(rd));
+  settle(c);
   for (int q = 0; q < p; ++q)
     for (std::size_t i = 0; i < rc[static_cast<std::size_t>(q)]; ++i)
       LOOM_RANK_CHECK(r, recv[rd[static_cast<std::size_t>(q)] + i] == static_cast<std::int64_t>(pattern(q, me, i)),
@@ -239,19 +261,24 @@ void conf_all_reduce(C& c, rank_report& r) {
     }
   }
   c.all_reduce(cspan(x), mspan(y), comm::reduce_op::sum);
+  settle(c);
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, y[i] == sum_expect[i], "sum i=", i);
   c.all_reduce(cspan(xi), mspan(yi), comm::reduce_op::min);
+  settle(c);
   for (std::size_t i = 0; i < n; ++i)
     LOOM_RANK_CHECK(r, yi[i] == static_cast<std::int32_t>(min_expect[i]), "min i=", i);
   c.all_reduce(cspan(xi), mspan(xi), comm::reduce_op::max);  // in place
+  settle(c);
   for (std::size_t i = 0; i < n; ++i)
     LOOM_RANK_CHECK(r, xi[i] == static_cast<std::int32_t>(max_expect[i]), "max i=", i);
   std::vector<float> f(5, me % 2 ? -1.f : 1.f);
   c.all_reduce(cspan(f), mspan(f), comm::reduce_op::prod);
+  settle(c);
   const float prod_expect = (p / 2) % 2 ? -1.f : 1.f;
   for (float v : f) LOOM_RANK_CHECK(r, v == prod_expect, "prod");
   std::vector<half> h(9, half(0.5f));
   c.all_reduce(cspan(h), mspan(h), comm::reduce_op::sum);
+  settle(c);
   for (half v : h) LOOM_RANK_CHECK(r, static_cast<float>(v) == 0.5f * static_cast<float>(p), "half sum");
 }
 
@@ -263,6 +290,7 @@ void conf_reduce_scatter(C& c, rank_report& r) {
   std::vector<double> send(up * n), recv(n, -1);
   for (std::size_t j = 0; j < up * n; ++j) send[j] = pattern(me, 0, j);
   c.reduce_scatter(cspan(send), mspan(recv), comm::reduce_op::sum);
+  settle(c);
   for (std::size_t i = 0; i < n; ++i) {
     double e = 0;
     for (int q = 0; q < p; ++q) e += pattern(q, 0, static_cast<std::size_t>(me) * n + i);
@@ -277,6 +305,7 @@ void conf_broadcast(C& c, rank_report& r) {
     std::vector<std::uint8_t> v(13);
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::uint8_t>(me == root ? pattern(root, 1, i) : 255);
     c.broadcast(mspan(v), root);
+    settle(c);
     for (std::size_t i = 0; i < v.size(); ++i)
       LOOM_RANK_CHECK(r, v[i] == static_cast<std::uint8_t>(pattern(root, 1, i)), "root ", root, " i=", i);
   }
@@ -311,6 +340,7 @@ void conf_split(C& c, rank_report& r) {
   LOOM_RANK_CHECK(r, sub.rank() == static_cast<int>(pos), "rank ", sub.rank());
   std::int64_t v = me, total = 0;
   sub.all_reduce(std::span<const std::int64_t>(&v, 1), std::span<std::int64_t>(&total, 1), comm::reduce_op::sum);
+  settle(sub);
   LOOM_RANK_CHECK(r, total == std::accumulate(members.begin(), members.end(), std::int64_t{0}), "sum ", total);
   conf_sendrecv_ring(sub, r, 31);
   // Nested: split the split into singletons.
@@ -318,6 +348,21 @@ void conf_split(C& c, rank_report& r) {
   LOOM_RANK_CHECK(r, single.size() == 1 && single.rank() == 0, "singleton");
   // The parent still works after its children.
   c.barrier();
+}
+
+//! The cases a stream-ordered communicator with NCCL's semantics (no tags, point-to-point
+//! matched in issue order on one stream) must pass: every collective and the grouped sendrecv.
+template <class C>
+void stream_conformance_suite(C& c, rank_report& r) {
+  conf_rank_size(c, r);
+  conf_sendrecv_ring(c, r);
+  conf_all_gather(c, r);
+  conf_all_to_all(c, r);
+  conf_all_to_allv(c, r);
+  conf_all_reduce(c, r);
+  conf_reduce_scatter(c, r);
+  conf_broadcast(c, r);
+  conf_split(c, r);
 }
 
 //! Runs every case on `c`.

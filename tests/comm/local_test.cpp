@@ -707,3 +707,26 @@ TEST_CASE("comm::standin: wait(request, b) orders the compute stream after the r
     CHECK(sum[1] == 1000.0);
   }
 }
+
+// The conformance cases a communicator with NCCL's semantics must pass (every collective and the
+// grouped sendrecv), on the stand-in's stream-ordered communicator with random stream delays.
+TEST_CASE("comm::standin conforms (collectives, sendrecv, split) for P = 1..5", "[comm][standin]") {
+  const int p = GENERATE(range(1, 6));
+  std::vector<rank_report> reports(static_cast<std::size_t>(p));
+  loom::comm::standin_options opt;
+  opt.seed = static_cast<std::uint64_t>(p);
+  opt.max_delay = std::chrono::microseconds(50);
+  loom::comm::run_standin(
+      p,
+      [&](loom::comm::standin& c, loom::standin) {
+        loom::test::stream_conformance_suite(c, reports[static_cast<std::size_t>(c.rank())]);
+      },
+      opt);
+  for (int q = 0; q < p; ++q) {
+    INFO("P = " << p << ", rank " << q);
+    const auto& r = reports[static_cast<std::size_t>(q)];
+    for (const auto& f : r.failures) FAIL_CHECK(f);
+    CHECK(r.failures.empty());
+    CHECK(r.checks > 0);
+  }
+}
