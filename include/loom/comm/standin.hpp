@@ -96,20 +96,22 @@ class standin {
   template <class T>
   requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
     check_peer("isend", "dest", dest, tag);
-    return record(s_->stream.enqueue([st = s_.get(), data, dest, tag] {
+    s_->stream.enqueue([st = s_.get(), data, dest, tag] {
       auto r = st->inner.isend(data, dest, tag);
       st->inner.wait(r);
       st->busy(data.size_bytes());
-    }));
+    });
+    return record();
   }
   template <transferable T>
   request irecv(std::span<T> data, int src, int tag) {
     check_peer("irecv", "src", src, tag);
-    return record(s_->stream.enqueue([st = s_.get(), data, src, tag] {
+    s_->stream.enqueue([st = s_.get(), data, src, tag] {
       auto r = st->inner.irecv(data, src, tag);
       st->inner.wait(r);
       st->busy(data.size_bytes());
-    }));
+    });
+    return record();
   }
   //! Blocks the host until the request's operation ran; throws its failure. Empty: returns at once.
   void wait(request& req) {
@@ -208,8 +210,8 @@ class standin {
       st->busy(bytes);
     });
   }
-  request record(std::uint64_t ticket) {
-    (void)ticket;
+  //! A request whose event marks the operation just enqueued.
+  request record() {
     request r;
     r.done_.record(s_->stream);
     r.valid_ = true;

@@ -372,21 +372,15 @@ struct requests {
   //! (`rows` rows; with dir = -1 the other way round).
   template <class T, class S>
   void shift(C& comm, const B& b, const block<T, S>& cur, block<T, S>& next, index_t rows, int tag, int dir = 1) {
-    const int p = comm.size(), me = comm.rank();
-    next.n = rows;
-    if constexpr (stream_ordered<C, B>) {
-      comm::handoff(comm, b);
-      comm.sendrecv(cur.csend(), ring_next(me, p, dir), next.span(), ring_next(me, p, -dir), tag);
-    } else {
-      r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
-      r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
-    }
+    hand_off(comm, b);
+    post(comm, cur, next, rows, tag, dir);
   }
-  //! Both blocks of a K/V pair (tags tag and tag + 1).
+  //! Both blocks of a K/V pair (tags tag and tag + 1), after one hand-off.
   template <class T, class S>
   void shift(C& comm, const B& b, const kv_block<T, S>& cur, kv_block<T, S>& next, index_t rows, int tag, int dir = 1) {
-    shift(comm, b, cur.k, next.k, rows, tag, dir);
-    shift(comm, b, cur.v, next.v, rows, tag + 1, dir);
+    hand_off(comm, b);
+    post(comm, cur.k, next.k, rows, tag, dir);
+    post(comm, cur.v, next.v, rows, tag + 1, dir);
   }
   void wait(C& comm, const B& b) {
     if constexpr (stream_ordered<C, B>)
@@ -394,6 +388,22 @@ struct requests {
     else
       comm::wait_all(comm, std::span<typename C::request>(r.data(), n));
     n = 0;
+  }
+
+ private:
+  static void hand_off(C& comm, const B& b) {
+    if constexpr (stream_ordered<C, B>) comm::handoff(comm, b);
+  }
+  template <class T, class S>
+  void post(C& comm, const block<T, S>& cur, block<T, S>& next, index_t rows, int tag, int dir) {
+    const int p = comm.size(), me = comm.rank();
+    next.n = rows;
+    if constexpr (stream_ordered<C, B>) {
+      comm.sendrecv(cur.csend(), ring_next(me, p, dir), next.span(), ring_next(me, p, -dir), tag);
+    } else {
+      r[n++] = comm.isend(cur.csend(), ring_next(me, p, dir), tag);
+      r[n++] = comm.irecv(next.span(), ring_next(me, p, -dir), tag);
+    }
   }
 };
 
