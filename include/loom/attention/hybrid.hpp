@@ -31,7 +31,8 @@
 //! Communication per rank (sum of the parts, see hp.bytes_sent): the Ulysses formulas of
 //! ulysses.hpp inside the group (T replaced by the ring shard's n_g tokens), plus ring pass-KV on
 //! hkv_u kv heads: forward Σ_{s=0}^{R-2} n_{g-s} hkv_u (Dqk + Dv) b; backward that again plus
-//! T hkv_u (Dqk + Dv) A (the travelling dK/dV accumulators). Host memory.
+//! T hkv_u (Dqk + Dv) A (the travelling dK/dV accumulators). Memory as ulysses.hpp: host memory over
+//! a host communicator, device memory over a stream-ordered one (both groups are splits of comm).
 
 #include <loom/attention/ring.hpp>
 #include <loom/attention/ulysses.hpp>
@@ -189,6 +190,9 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
   constexpr std::string_view call = "hybrid::make_plan";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
+  static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
+                "hybrid attention: the communicator cannot move buffers of the backend's memory space (a host "
+                "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
   const int p = comm.size(), me = comm.rank(), rr = ring_sharding.ranks();
   grid g{};
   comm::agree(comm, call, [&] {
@@ -240,8 +244,9 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out
   detail::check_comm(comm, hp.ranks(), hp.rank(), call);
   detail::check_views<T, Acc>(hp.shape(), hp.tokens(hp.rank()), q, k, v, out, lse, call);
   check_workspace(workspace, hp.workspace_bytes(), call);
-  hp.pipeline().forward(hp.ulysses_comm(), q, k, v, out, lse, workspace,
-                        [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
+  hp.pipeline().forward(b, hp.ulysses_comm(), q, k, v, out, lse, workspace,
+                        [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls,
+                            std::span<std::byte> ws) {
                           ring::forward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ws);
                         });
 }
@@ -259,8 +264,8 @@ void backward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O ou
   detail::check_views<T, Acc>(hp.shape(), n, q, k, v, out, lse, call);
   detail::check_rank_gradients<T, false>(hp.shape(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, hp.workspace_bytes(), call);
-  hp.pipeline().backward(hp.ulysses_comm(), q, k, v, out, lse, dout, dq, dk, dv, workspace,
-                         [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
+  hp.pipeline().backward(b, hp.ulysses_comm(), q, k, v, out, lse, dout, dq, dk, dv, workspace,
+                         [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
                              auto dvs, std::span<std::byte> ws) {
                            ring::backward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws);
                          });

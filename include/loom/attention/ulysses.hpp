@@ -45,7 +45,14 @@
 //! For P | Hq, P | Hkv and P | T this is the blog's 4 N h / P per link: forward
 //! (P - 1) / P^2 T (Hq Dqk + Hkv (Dqk + Dv) + Hq Dv) b plus the lse. make_plan adds one
 //! agreement (comm/agreement.hpp); calls add none. Work: the local kernel's on T tokens and
-//! hq_r heads. Host memory; deterministic for a fixed backend and P.
+//! hq_r heads. Deterministic for a fixed backend and P.
+//!
+//! Memory: host memory over a host communicator (comm::local, comm::mpi); device memory over a
+//! stream-ordered one (comm::standin, comm::nccl): the packing and unpacking are kernels of the
+//! backend and each all_to_allv is ordered after them on the communication stream (comm::handoff,
+//! comm::handback), so a call enqueues its work and returns without a host synchronisation. On a
+//! device the call reads the plan's token table (uploaded into the workspace): the plan must outlive
+//! the call's stream work.
 
 #include <loom/attention/detail/ulysses_exchange.hpp>
 #include <loom/backend/temporary.hpp>
@@ -184,6 +191,9 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
   using state = typename plan<B, P>::state;
+  static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
+                "Ulysses attention: the communicator cannot move buffers of the backend's memory space (a host "
+                "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
   auto st = std::make_shared<state>();
   comm::agree(comm, call, [&] {
     detail::check_shape(s, opt, comm.size(), call);
@@ -193,13 +203,12 @@ plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_
     st->opt = opt;
     st->pipe =
         detail::head_pipeline<T, Acc>(tokens, {s.heads_q, s.heads_kv, comm.size()}, comm.rank(), s.dim_qk, s.dim_v);
-    // The local plans read the documents of the plan's own copy of the sharding.
+    // The local plans take the token coordinates the pipeline keeps (documents and positions).
     std::size_t fwd = 0, bwd = 0;
     for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
       const auto sh = st->pipe.segment(i);
       st->local.push_back(attention::make_plan<P>(
-          b, st->pipe.tokens().segments(),
-          attention::shape{st->pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
+          b, attention::shape{st->pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
       fwd = std::max(fwd, st->local.back().workspace_bytes());
       bwd = std::max(bwd, st->local.back().backward_workspace_bytes());
     }
@@ -221,9 +230,10 @@ void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L 
   detail::check_comm(comm, up.ranks(), up.rank(), call);
   detail::check_views<T, Acc>(up.dims(), up.tokens().rank(up.rank()).tokens, q, k, v, out, lse, call);
   check_workspace(workspace, up.workspace_bytes(), call);
-  up.pipeline().forward(comm, q, k, v, out, lse, workspace,
-                        [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
-                          attention::forward(b, up.local(s), qs, ks, vs, os, ls, ws);
+  up.pipeline().forward(b, comm, q, k, v, out, lse, workspace,
+                        [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls,
+                            std::span<std::byte> ws) {
+                          attention::forward(b, up.local(s), qs, ks, vs, c, c, os, ls, ws);
                         });
 }
 
@@ -243,9 +253,11 @@ void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L
   detail::check_rank_gradients<T, false>(up.dims(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, up.workspace_bytes(), call);
   up.pipeline().backward(
-      comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
-      [&](std::size_t s, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks, auto dvs,
-          std::span<std::byte> ws) { attention::backward(b, up.local(s), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws); });
+      b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
+      [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
+          auto dvs, std::span<std::byte> ws) {
+        attention::backward(b, up.local(s), qs, ks, vs, c, c, os, ls, ds, dqs, dks, dvs, ws);
+      });
 }
 
 //! Convenience forward: make_plan (precision deduced from q), a temporary workspace, the plan

@@ -73,20 +73,20 @@ inline std::vector<head_segment> segments_of(const head_split& hs, int j) {
   return out;
 }
 
-//! One rank's rows of a tensor: [n, heads, dim] with strides (s0, s1, 1).
+//! One rank's rows of a tensor: [n, heads, dim] with strides (s0, s1, s2) (an lse view: dim 1).
 template <class T>
 struct rows_desc {
   T* data;
-  index_t s0, s1;
+  index_t s0, s1, s2;
   index_t dim;
   bool kv;
 };
 template <class V>
 rows_desc<typename V::element_type> rows_desc_of(const V& v, bool kv) {
   if constexpr (V::rank == 3)
-    return {v.data(), v.stride(0), v.stride(1), v.extent(2), kv};
+    return {v.data(), v.stride(0), v.stride(1), v.stride(2), v.extent(2), kv};
   else
-    return {v.data(), v.stride(0), v.stride(1), 1, kv};
+    return {v.data(), v.stride(0), v.stride(1), 1, 1, kv};
 }
 
 //! A head shard over the whole sequence: contiguous [T, h_me, dim].
@@ -97,153 +97,227 @@ struct full_desc {
   bool kv;
 };
 
-//! Elements of the sequence-shard side of an exchange for rank r: the sum over tensors of
-//! n_r x (all heads that go to or come from other ranks) x dim, every rank's block included.
-template <class T>
-std::size_t shard_side_elems(const shard::plan& tokens, const head_split& hs, int r, std::span<const full_desc<T>> t) {
-  std::size_t e = 0;
-  for (const auto& d : t)
-    for (int j = 0; j < hs.p; ++j) e += static_cast<std::size_t>(tokens.rank(r).tokens * hs.count(j, d.kv) * d.dim);
-  return e;
-}
-//! Elements of the head-shard side for rank r: T x h_r x dim, summed over tensors.
-template <class T>
-std::size_t head_side_elems(const shard::plan& tokens, const head_split& hs, int r, std::span<const full_desc<T>> t) {
-  std::size_t e = 0;
-  for (const auto& d : t) e += static_cast<std::size_t>(tokens.total_tokens() * hs.count(r, d.kv) * d.dim);
+//! The columns of one exchanged tensor: its head dim, and whether its heads are kv heads.
+struct column {
+  index_t dim;
+  bool kv;
+};
+
+//! The counts and displacements (elements) of one all_to_allv of rank me, made at plan time; `row`
+//! is the elements of one token on the head-shard side (Σ over tensors of h_me x dim).
+struct exchange {
+  std::vector<std::size_t> sc, sd, rc, rd;
+  index_t row = 0;
+  [[nodiscard]] std::size_t send_elems() const { return sd.empty() ? 0 : sd.back() + sc.back(); }
+  [[nodiscard]] std::size_t recv_elems() const { return rd.empty() ? 0 : rd.back() + rc.back(); }
+  //! The way back: what was sent is received.
+  [[nodiscard]] exchange back() const { return {rc, rd, sc, sd, row}; }
+};
+
+//! Sequence shards -> head shards of the tensors `cols` on rank me: to rank j, n_me x Σ h_j x dim
+//! (block j: each tensor's [n_me, h_j, dim] in turn); from rank i, n_i x row (each tensor's [n_i,
+//! h_me, dim] in turn). head -> sequence is its back().
+inline exchange to_heads_exchange(const shard::plan& tokens, const head_split& hs, int me,
+                                  std::span<const column> cols) {
+  exchange e;
+  const auto n = static_cast<std::size_t>(tokens.rank(me).tokens);
+  for (const auto& c : cols) e.row += hs.count(me, c.kv) * c.dim;
+  std::size_t s = 0, r = 0;
+  for (int j = 0; j < hs.p; ++j) {
+    std::size_t per = 0;
+    for (const auto& c : cols) per += static_cast<std::size_t>(hs.count(j, c.kv) * c.dim);
+    e.sd.push_back(s);
+    e.sc.push_back(n * per);
+    s += n * per;
+    e.rd.push_back(r);
+    e.rc.push_back(static_cast<std::size_t>(tokens.rank(j).tokens * e.row));
+    r += e.rc.back();
+  }
   return e;
 }
 
-//! Sequence shards -> head shards. src: this rank's rows of each tensor ([n_me, H, dim]); dst: the
-//! head shards ([T, h_me, dim], sequence order). sendbuf / recvbuf hold shard_side_elems /
-//! head_side_elems elements; counts holds 4 P entries. One all_to_allv.
-template <comm::communicator C, class T>
-void to_heads(C& comm, const shard::plan& tokens, const head_split& hs, std::span<const rows_desc<const T>> src,
-              std::span<const full_desc<T>> dst, T* sendbuf, T* recvbuf, std::size_t* counts) {
-  const int p = hs.p, me = comm.rank();
-  const index_t n = tokens.rank(me).tokens;
-  std::size_t* sc = counts;
-  std::size_t* sd = counts + p;
-  std::size_t* rc = counts + 2 * p;
-  std::size_t* rd = counts + 3 * p;
-  std::size_t at = 0;
-  for (int j = 0; j < p; ++j) {  // block j: for each tensor, [n, h_j, dim] of j's heads
-    sd[j] = at;
-    for (const auto& s : src) {
-      const index_t h0 = hs.begin(j, s.kv), nh = hs.count(j, s.kv);
-      for (index_t t = 0; t < n; ++t)
-        for (index_t h = 0; h < nh; ++h) {
-          std::copy_n(s.data + t * s.s0 + (h0 + h) * s.s1, s.dim, sendbuf + at);
-          at += static_cast<std::size_t>(s.dim);
+//! Where each token of the group's sequence sits in the exchange blocks: its owner's first token
+//! in rank order (`start`), the owner's token count (`own`) and its local row there (`loc`). Token
+//! g of tensor k (prefix = Σ of the earlier tensors' rows) is at start[g] row + own[g] prefix +
+//! loc[g] row_k of the head-shard side's blocks. And its (document, position): the coordinates of
+//! the inner attention over the head shards.
+struct token_table {
+  static constexpr int columns = 5;
+  std::vector<index_t> start, own, loc, doc, pos;
+  token_table() = default;
+  explicit token_table(const shard::plan& tokens) {
+    const auto t = static_cast<std::size_t>(tokens.total_tokens());
+    start.assign(t, -1);
+    own.assign(t, 0);
+    loc.assign(t, 0);
+    doc.assign(t, 0);
+    pos.assign(t, 0);
+    index_t first = 0;
+    for (int i = 0; i < tokens.ranks(); ++i) {
+      for (const auto& pc : tokens.rank(i).pieces)
+        for (index_t k = 0; k < pc.length; ++k) {
+          const auto g = static_cast<std::size_t>(pc.global_begin + k);
+          start[g] = first;
+          own[g] = tokens.rank(i).tokens;
+          loc[g] = pc.local_begin + k;
+          doc[g] = pc.document;
+          pos[g] = pc.doc_offset + k;
         }
+      first += tokens.rank(i).tokens;
     }
-    sc[j] = at - sd[j];
+    for (const auto s : start)
+      LOOM_EXPECTS(s >= 0, errc::invalid_argument, "sequence parallel plan: the sharding leaves a token unassigned");
   }
-  at = 0;
-  for (int i = 0; i < p; ++i) {
-    rd[i] = at;
-    std::size_t c = 0;
-    for (const auto& d : dst) c += static_cast<std::size_t>(tokens.rank(i).tokens * hs.count(me, d.kv) * d.dim);
-    rc[i] = c;
-    at += c;
+};
+
+//! The token table where a call's kernels read it (pointers into the plan on host memory, into the
+//! call's workspace on a device).
+struct token_at {
+  const index_t *start, *own, *loc, *doc, *pos;
+  //! The (document, position) of the group's t tokens, as the inner attention reads them.
+  template <class S>
+  [[nodiscard]] attention::coords<S> coords(index_t t) const {
+    return {tensor_view<const index_t, 1, S>(doc, {t}), tensor_view<const index_t, 1, S>(pos, {t})};
   }
-  comm.all_to_allv(std::span<const T>(sendbuf, sd[p - 1] + sc[p - 1]), std::span<const std::size_t>(sc, p),
-                   std::span<const std::size_t>(sd, p), std::span<T>(recvbuf, at), std::span<const std::size_t>(rc, p),
-                   std::span<const std::size_t>(rd, p));
-  for (int i = 0; i < p; ++i) {  // unpack: every piece of rank i to its place in the sequence
-    const T* from = recvbuf + rd[i];
-    const index_t ni = tokens.rank(i).tokens;
-    for (const auto& d : dst) {
-      const index_t row = hs.count(me, d.kv) * d.dim;
-      for (const auto& pc : tokens.rank(i).pieces)
-        std::copy_n(from + pc.local_begin * row, pc.length * row, d.data + pc.global_begin * row);
-      from += ni * row;
+};
+
+//! Rows (t, h) of n x nh, dim elements each, from one strided [n, nh, dim] layout into another
+//! (converted to D; added when `add`). One item per row.
+template <class S, class D, bool add>
+struct rows_kernel {
+  const S* src;
+  index_t ss0, ss1, ss2;
+  D* dst;
+  index_t ds0, ds1, ds2;
+  index_t nh, dim;
+  LOOM_HD void operator()(index_t i) const {
+    const index_t t = i / nh, h = i % nh;
+    const S* x = src + t * ss0 + h * ss1;
+    D* y = dst + t * ds0 + h * ds1;
+    for (index_t c = 0; c < dim; ++c) {
+      if constexpr (add)
+        y[c * ds2] += static_cast<D>(x[c * ss2]);
+      else
+        y[c * ds2] = static_cast<D>(x[c * ss2]);
     }
+  }
+};
+
+//! Token g of a head shard ([T, row], contiguous) to (to_blocks) or from its place in the
+//! exchange blocks (token_table). One item per token.
+template <class G, class X, bool to_blocks>
+struct tokens_kernel {
+  G* shard;
+  X* blocks;
+  token_at at;
+  index_t block_row, prefix, row;
+  LOOM_HD void operator()(index_t g) const {
+    const index_t b = at.start[g] * block_row + at.own[g] * prefix + at.loc[g] * row;
+    for (index_t c = 0; c < row; ++c) {
+      if constexpr (to_blocks)
+        blocks[b + c] = shard[g * row + c];
+      else
+        shard[g * row + c] = blocks[b + c];
+    }
+  }
+};
+
+//! Sequence shards -> head shards, on b (kernels) and comm (one all_to_allv of ex). src: this
+//! rank's rows of each tensor ([n_me, H, dim]); dst: the head shards ([T, h_me, dim], sequence
+//! order). sendbuf / recvbuf hold ex.send_elems() / ex.recv_elems() elements.
+template <backend B, comm::communicator C, class T>
+void to_heads(const B& b, C& comm, const shard::plan& tokens, const head_split& hs, const exchange& ex, token_at at,
+              std::span<const rows_desc<const T>> src, std::span<const full_desc<T>> dst, T* sendbuf, T* recvbuf) {
+  const int p = hs.p, me = comm.rank();
+  const index_t n = tokens.rank(me).tokens, tt = tokens.total_tokens();
+  for (int j = 0; j < p; ++j) {  // block j: each tensor's [n, h_j, dim] of j's heads
+    T* to = sendbuf + ex.sd[static_cast<std::size_t>(j)];
+    for (const auto& s : src) {
+      const index_t nh = hs.count(j, s.kv);
+      if (n * nh > 0)
+        for_each_index(b, n * nh,
+                       rows_kernel<T, T, false>{s.data + hs.begin(j, s.kv) * s.s1, s.s0, s.s1, s.s2, to, nh * s.dim,
+                                                s.dim, 1, nh, s.dim});
+      to += n * nh * s.dim;
+    }
+  }
+  comm::handoff(comm, b);
+  comm.all_to_allv(std::span<const T>(sendbuf, ex.send_elems()), std::span<const std::size_t>(ex.sc),
+                   std::span<const std::size_t>(ex.sd), std::span<T>(recvbuf, ex.recv_elems()),
+                   std::span<const std::size_t>(ex.rc), std::span<const std::size_t>(ex.rd));
+  comm::handback(comm, b);
+  index_t prefix = 0;
+  for (const auto& d : dst) {  // every token of each tensor to its place in the sequence
+    const index_t row = hs.count(me, d.kv) * d.dim;
+    if (tt * row > 0) for_each_index(b, tt, tokens_kernel<T, T, false>{d.data, recvbuf, at, ex.row, prefix, row});
+    prefix += row;
   }
 }
 
-//! Head shards -> sequence shards. src: head shards ([T, h_me, dim]); dst: this rank's rows
-//! ([n_me, H, dim]), converted to their element type. A kv tensor's heads held by several ranks
-//! are summed in Acc, in rank order (deterministic); acc holds n_me x Hkv x (sum of the kv
-//! tensors' dims) elements. sendbuf / recvbuf hold head_side_elems / shard_side_elems elements.
-template <class Acc, comm::communicator C, class T, class G>
-void from_heads(C& comm, const shard::plan& tokens, const head_split& hs, std::span<const full_desc<const T>> src,
-                std::span<const rows_desc<G>> dst, T* sendbuf, T* recvbuf, Acc* acc, std::size_t* counts) {
+//! Head shards -> sequence shards (ex: a to_heads exchange's back()). src: head shards ([T, h_me,
+//! dim]); dst: this rank's rows ([n_me, H, dim]), converted to their element type. When `sum_kv`,
+//! the kv tensors' heads (held by several ranks) are summed in Acc, in rank order (deterministic):
+//! acc holds n_me x Hkv x (Σ of the kv tensors' dims) elements.
+template <class Acc, backend B, comm::communicator C, class T, class G>
+void from_heads(const B& b, C& comm, const shard::plan& tokens, const head_split& hs, const exchange& ex, token_at at,
+                bool sum_kv, std::span<const full_desc<const T>> src, std::span<const rows_desc<G>> dst, T* sendbuf,
+                T* recvbuf, Acc* acc) {
   const int p = hs.p, me = comm.rank();
-  const index_t n = tokens.rank(me).tokens;
-  std::size_t* sc = counts;
-  std::size_t* sd = counts + p;
-  std::size_t* rc = counts + 2 * p;
-  std::size_t* rd = counts + 3 * p;
-  std::size_t at = 0;
-  for (int i = 0; i < p; ++i) {  // block i: for each tensor, rank i's rows of my heads
-    sd[i] = at;
-    const index_t ni = tokens.rank(i).tokens;
-    for (const auto& s : src) {
-      const index_t row = hs.count(me, s.kv) * s.dim;
-      for (const auto& pc : tokens.rank(i).pieces)
-        std::copy_n(s.data + pc.global_begin * row, pc.length * row, sendbuf + at + pc.local_begin * row);
-      at += static_cast<std::size_t>(ni * row);
-    }
-    sc[i] = at - sd[i];
+  const index_t n = tokens.rank(me).tokens, tt = tokens.total_tokens();
+  index_t prefix = 0;
+  for (const auto& s : src) {  // block i: each tensor's rows of rank i, in i's local order
+    const index_t row = hs.count(me, s.kv) * s.dim;
+    if (tt * row > 0) for_each_index(b, tt, tokens_kernel<const T, T, true>{s.data, sendbuf, at, ex.row, prefix, row});
+    prefix += row;
   }
-  at = 0;
-  for (int j = 0; j < p; ++j) {
-    rd[j] = at;
-    std::size_t c = 0;
-    for (const auto& d : dst) c += static_cast<std::size_t>(n * hs.count(j, d.kv) * d.dim);
-    rc[j] = c;
-    at += c;
-  }
-  comm.all_to_allv(std::span<const T>(sendbuf, sd[p - 1] + sc[p - 1]), std::span<const std::size_t>(sc, p),
-                   std::span<const std::size_t>(sd, p), std::span<T>(recvbuf, at), std::span<const std::size_t>(rc, p),
-                   std::span<const std::size_t>(rd, p));
-  // Some kv head is held by two ranks: its partial gradients are summed (in Acc, rank order).
-  bool sum_kv = false;
-  for (int j = 0; j + 1 < p; ++j) sum_kv = sum_kv || (hs.kv_count(j) > 0 && hs.kv_end(j) > hs.kv_begin(j + 1));
-  std::size_t acc_size = 0;
+  comm::handoff(comm, b);
+  comm.all_to_allv(std::span<const T>(sendbuf, ex.send_elems()), std::span<const std::size_t>(ex.sc),
+                   std::span<const std::size_t>(ex.sd), std::span<T>(recvbuf, ex.recv_elems()),
+                   std::span<const std::size_t>(ex.rc), std::span<const std::size_t>(ex.rd));
+  comm::handback(comm, b);
+  Acc* a = acc;
   for (const auto& d : dst)
-    if (d.kv && sum_kv) acc_size += static_cast<std::size_t>(n * hs.hkv * d.dim);
-  std::fill_n(acc, acc_size, Acc(0));
+    if (d.kv && sum_kv && n > 0) {
+      for_each_index(b, n * hs.hkv * d.dim, fill_kernel<Acc>{a, Acc(0)});
+      a += n * hs.hkv * d.dim;
+    }
   for (int j = 0; j < p; ++j) {
-    const T* from = recvbuf + rd[j];
-    Acc* a = acc;
+    const T* from = recvbuf + ex.rd[static_cast<std::size_t>(j)];
+    a = acc;
     for (const auto& d : dst) {
-      const index_t htot = hs.total(d.kv), h0 = hs.begin(j, d.kv), nh = hs.count(j, d.kv);
+      const index_t h0 = hs.begin(j, d.kv), nh = hs.count(j, d.kv), htot = hs.total(d.kv);
       const bool sum = d.kv && sum_kv;
-      for (index_t t = 0; t < n; ++t)
-        for (index_t h = 0; h < nh; ++h) {
-          const T* x = from + (t * nh + h) * d.dim;
-          if (sum) {
-            Acc* y = a + (t * htot + h0 + h) * d.dim;
-            for (index_t c = 0; c < d.dim; ++c) y[c] += static_cast<Acc>(x[c]);
-          } else {
-            G* y = d.data + t * d.s0 + (h0 + h) * d.s1;
-            for (index_t c = 0; c < d.dim; ++c) y[c] = static_cast<G>(x[c]);
-          }
-        }
+      if (n * nh > 0) {
+        if (sum)
+          for_each_index(b, n * nh,
+                         rows_kernel<T, Acc, true>{from, nh * d.dim, d.dim, 1, a + h0 * d.dim, htot * d.dim, d.dim, 1,
+                                                   nh, d.dim});
+        else
+          for_each_index(b, n * nh,
+                         rows_kernel<T, G, false>{from, nh * d.dim, d.dim, 1, d.data + h0 * d.s1, d.s0, d.s1, d.s2, nh,
+                                                  d.dim});
+      }
       from += n * nh * d.dim;
       if (sum) a += n * htot * d.dim;
     }
   }
-  Acc* a = acc;
+  a = acc;
   for (const auto& d : dst) {
     if (!(d.kv && sum_kv)) continue;
-    for (index_t t = 0; t < n; ++t)
-      for (index_t h = 0; h < hs.hkv; ++h)
-        for (index_t c = 0; c < d.dim; ++c)
-          d.data[t * d.s0 + h * d.s1 + c] = static_cast<G>(a[(t * hs.hkv + h) * d.dim + c]);
+    if (n > 0)
+      for_each_index(b, n * hs.hkv,
+                     rows_kernel<Acc, G, false>{a, hs.hkv * d.dim, d.dim, 1, d.data, d.s0, d.s1, d.s2, hs.hkv, d.dim});
     a += n * hs.hkv * d.dim;
   }
 }
 
-//! A [T, h, d] head shard (contiguous), restricted to heads [h0, h0 + nh).
-template <class T>
-tensor_view<T, 3> heads_view(T* base, index_t t, index_t h, index_t d, index_t h0, index_t nh) {
+//! A [T, h, d] head shard (contiguous), restricted to heads [h0, h0 + nh), in memory space S.
+template <class S, class T>
+tensor_view<T, 3, S> heads_view(T* base, index_t t, index_t h, index_t d, index_t h0, index_t nh) {
   return {base + h0 * d, {t, nh, d}, {h * d, d, 1}};
 }
-template <class T>
-tensor_view<T, 2> heads_view2(T* base, index_t t, index_t h, index_t h0, index_t nh) {
+template <class S, class T>
+tensor_view<T, 2, S> heads_view2(T* base, index_t t, index_t h, index_t h0, index_t nh) {
   return {base + h0, {t, nh}, {h, 1}};
 }
 
@@ -254,55 +328,64 @@ struct segment_shape {
 
 //! One rank's to-heads -> inner attention -> back pipeline over an exchange group of hs.p ranks
 //! whose rows `tokens` describes (Ulysses: the whole sequence; hybrid: one ring shard). Storage T,
-//! accumulation Acc, gradients of type T. Built once per plan; const and shareable afterwards.
+//! accumulation Acc, gradients of type T. Built once per plan (the exchanges' counts, the token
+//! table, the workspace layouts); const and shareable afterwards. Its element loops are kernels of
+//! the call's backend and the exchanges are ordered after them with comm::handoff / handback, so
+//! the pipeline runs on host memory and, stream-ordered, on a device's.
 template <class T, class Acc>
 class head_pipeline {
  public:
   head_pipeline() = default;
   //! The exchange buffers of rank `me`; the inner attention's bytes follow with reserve_inner().
   head_pipeline(shard::plan tokens, head_split hs, int me, index_t dk, index_t dv)
-      : tokens_(std::move(tokens)), hs_(hs), me_(me), dk_(dk), dv_(dv), segments_(segments_of(hs, me)) {
-    const auto tt = tokens_.total_tokens();
+      : tokens_(std::move(tokens)), hs_(hs), me_(me), dk_(dk), dv_(dv), segments_(segments_of(hs, me)),
+        table_(tokens_) {
+    const index_t tt = tokens_.total_tokens();
     const index_t hq = hs.q_count(me), hkv = hs.kv_count(me);
-    const std::array<full_desc<T>, 3> in{{{nullptr, dk, false}, {nullptr, dk, true}, {nullptr, dv, true}}};
-    const std::array<full_desc<T>, 1> o{{{nullptr, dv, false}}};
-    const std::array<full_desc<Acc>, 1> l{{{nullptr, 1, false}}};
+    for (int j = 0; j + 1 < hs.p; ++j) sum_kv_ = sum_kv_ || (hs.kv_count(j) > 0 && hs.kv_end(j) > hs.kv_begin(j + 1));
+    const std::array<column, 3> in3{{{dk, false}, {dk, true}, {dv, true}}};
+    const std::array<column, 5> in5{{{dk, false}, {dk, true}, {dv, true}, {dv, false}, {dv, false}}};
+    const std::array<column, 1> o{{{dv, false}}}, l{{{1, false}}};
+    in3_ = to_heads_exchange(tokens_, hs, me, in3);
+    in5_ = to_heads_exchange(tokens_, hs, me, in5);
+    lse_in_ = to_heads_exchange(tokens_, hs, me, l);
+    out_back_ = to_heads_exchange(tokens_, hs, me, o).back();
+    lse_back_ = lse_in_.back();
+    grad_back_ = in3_.back();
     {
       workspace_layout w;
-      f_.counts = w.add<std::size_t>(4 * hs.p);
-      f_.send = w.add<T>(elems(shard_side_elems<T>(tokens_, hs, me, in)));
-      f_.recv = w.add<T>(elems(head_side_elems<T>(tokens_, hs, me, in)));
+      f_.table = w.add<index_t>(token_table::columns * tt);
+      f_.send = w.add<T>(elems(in3_.send_elems()));
+      f_.recv = w.add<T>(elems(in3_.recv_elems()));
       f_.q = w.add<T>(tt * hq * dk);
       f_.k = w.add<T>(tt * hkv * dk);
       f_.v = w.add<T>(tt * hkv * dv);
       f_.out = w.add<T>(tt * hq * dv);
       f_.lse = w.add<Acc>(tt * hq);
-      f_.osend = w.add<T>(elems(head_side_elems<T>(tokens_, hs, me, o)));
-      f_.orecv = w.add<T>(elems(shard_side_elems<T>(tokens_, hs, me, o)));
-      f_.lsend = w.add<Acc>(elems(head_side_elems<Acc>(tokens_, hs, me, l)));
-      f_.lrecv = w.add<Acc>(elems(shard_side_elems<Acc>(tokens_, hs, me, l)));
+      f_.osend = w.add<T>(elems(out_back_.send_elems()));
+      f_.orecv = w.add<T>(elems(out_back_.recv_elems()));
+      f_.lsend = w.add<Acc>(elems(lse_back_.send_elems()));
+      f_.lrecv = w.add<Acc>(elems(lse_back_.recv_elems()));
       forward_bytes_ = w.bytes();
     }
     {
-      const std::array<full_desc<T>, 5> in5{
-          {{nullptr, dk, false}, {nullptr, dk, true}, {nullptr, dv, true}, {nullptr, dv, false}, {nullptr, dv, false}}};
       workspace_layout w;
-      b_.counts = w.add<std::size_t>(4 * hs.p);
-      b_.send = w.add<T>(elems(shard_side_elems<T>(tokens_, hs, me, in5)));
-      b_.recv = w.add<T>(elems(head_side_elems<T>(tokens_, hs, me, in5)));
+      b_.table = w.add<index_t>(token_table::columns * tt);
+      b_.send = w.add<T>(elems(in5_.send_elems()));
+      b_.recv = w.add<T>(elems(in5_.recv_elems()));
       b_.q = w.add<T>(tt * hq * dk);
       b_.k = w.add<T>(tt * hkv * dk);
       b_.v = w.add<T>(tt * hkv * dv);
       b_.out = w.add<T>(tt * hq * dv);
       b_.dout = w.add<T>(tt * hq * dv);
-      b_.lsend = w.add<Acc>(elems(shard_side_elems<Acc>(tokens_, hs, me, l)));
-      b_.lrecv = w.add<Acc>(elems(head_side_elems<Acc>(tokens_, hs, me, l)));
+      b_.lsend = w.add<Acc>(elems(lse_in_.send_elems()));
+      b_.lrecv = w.add<Acc>(elems(lse_in_.recv_elems()));
       b_.lse = w.add<Acc>(tt * hq);
       b_.dq = w.add<T>(tt * hq * dk);
       b_.dk = w.add<T>(tt * hkv * dk);
       b_.dv = w.add<T>(tt * hkv * dv);
-      b_.gsend = w.add<T>(elems(head_side_elems<T>(tokens_, hs, me, in)));
-      b_.grecv = w.add<T>(elems(shard_side_elems<T>(tokens_, hs, me, in)));
+      b_.gsend = w.add<T>(elems(grad_back_.send_elems()));
+      b_.grecv = w.add<T>(elems(grad_back_.recv_elems()));
       b_.acc = w.add<Acc>(tokens_.rank(me).tokens * hs.hkv * (dk + dv));
       backward_bytes_ = w.bytes();
     }
@@ -328,46 +411,50 @@ class head_pipeline {
   [[nodiscard]] std::size_t forward_bytes() const noexcept { return forward_bytes_; }
   [[nodiscard]] std::size_t backward_bytes() const noexcept { return backward_bytes_; }
 
-  //! q, k, v to head shards; inner(s, q_s, k_s, v_s, out_s, lse_s, ws) for every segment s; out
-  //! and lse back. `ws` holds forward_bytes() (checked by the caller).
-  template <comm::communicator C, class Q, class K, class V, class O, class L, class Inner>
-  void forward(C& comm, const Q& q, const K& k, const V& v, const O& out, const L& lse, std::span<std::byte> ws,
-               Inner&& inner) const {
+  //! q, k, v to head shards; inner(s, c, q_s, k_s, v_s, out_s, lse_s, ws) for every segment s (c:
+  //! the coordinates of the group's tokens); out and lse back. `ws` holds forward_bytes() (checked by the caller).
+  template <backend B, comm::communicator C, class Q, class K, class V, class O, class L, class Inner>
+  void forward(const B& b, C& comm, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+               std::span<std::byte> ws, Inner&& inner) const {
+    using S = typename backend_traits<B>::memory_space;
     const workspace_carver w(ws);
-    auto* counts = w.at<std::size_t>(f_.counts);
+    const token_at at = bind<S>(b, w.at<index_t>(f_.table));
     T *fq = w.at<T>(f_.q), *fk = w.at<T>(f_.k), *fv = w.at<T>(f_.v), *fo = w.at<T>(f_.out);
     Acc* fl = w.at<Acc>(f_.lse);
     const index_t tt = tokens_.total_tokens(), hq = hs_.q_count(me_), hkv = hs_.kv_count(me_);
     const std::array<rows_desc<const T>, 3> src{rows_desc_of(q, false), rows_desc_of(k, true), rows_desc_of(v, true)};
     const std::array<full_desc<T>, 3> dst{{{fq, dk_, false}, {fk, dk_, true}, {fv, dv_, true}}};
-    to_heads<C, T>(comm, tokens_, hs_, src, dst, w.at<T>(f_.send), w.at<T>(f_.recv), counts);
+    to_heads<B, C, T>(b, comm, tokens_, hs_, in3_, at, src, dst, w.at<T>(f_.send), w.at<T>(f_.recv));
     const auto iws = ws.subspan(f_.inner, inner_forward_);
     if (tt > 0)
       for (std::size_t s = 0; s < segments_.size(); ++s) {
         const auto& sg = segments_[s];
         const index_t q0 = sg.q0 - hs_.q_begin(me_), k0 = sg.kv0 - hs_.kv_begin(me_);
-        inner(s, tensor_view<const T, 3>(heads_view(fq, tt, hq, dk_, q0, sg.nq)),
-              tensor_view<const T, 3>(heads_view(fk, tt, hkv, dk_, k0, sg.nkv)),
-              tensor_view<const T, 3>(heads_view(fv, tt, hkv, dv_, k0, sg.nkv)), heads_view(fo, tt, hq, dv_, q0, sg.nq),
-              heads_view2(fl, tt, hq, q0, sg.nq), iws);
+        inner(s, at.template coords<S>(tt), tensor_view<const T, 3, S>(heads_view<S>(fq, tt, hq, dk_, q0, sg.nq)),
+              tensor_view<const T, 3, S>(heads_view<S>(fk, tt, hkv, dk_, k0, sg.nkv)),
+              tensor_view<const T, 3, S>(heads_view<S>(fv, tt, hkv, dv_, k0, sg.nkv)),
+              heads_view<S>(fo, tt, hq, dv_, q0, sg.nq), heads_view2<S>(fl, tt, hq, q0, sg.nq), iws);
       }
     const std::array<full_desc<const T>, 1> os{{{fo, dv_, false}}};
     const std::array<rows_desc<T>, 1> od{rows_desc_of(out, false)};
-    from_heads<Acc, C, T, T>(comm, tokens_, hs_, os, od, w.at<T>(f_.osend), w.at<T>(f_.orecv), nullptr, counts);
+    from_heads<Acc, B, C, T, T>(b, comm, tokens_, hs_, out_back_, at, false, os, od, w.at<T>(f_.osend),
+                                w.at<T>(f_.orecv), nullptr);
     const std::array<full_desc<const Acc>, 1> ls{{{fl, 1, false}}};
     const std::array<rows_desc<Acc>, 1> ld{rows_desc_of(lse, false)};
-    from_heads<Acc, C, Acc, Acc>(comm, tokens_, hs_, ls, ld, w.at<Acc>(f_.lsend), w.at<Acc>(f_.lrecv), nullptr, counts);
+    from_heads<Acc, B, C, Acc, Acc>(b, comm, tokens_, hs_, lse_back_, at, false, ls, ld, w.at<Acc>(f_.lsend),
+                                    w.at<Acc>(f_.lrecv), nullptr);
   }
 
-  //! q, k, v, out, dout and lse to head shards; inner(s, q_s, k_s, v_s, out_s, lse_s, dout_s, dq_s,
-  //! dk_s, dv_s, ws) for every segment; dq, dk, dv back (partial dK/dV of replicated kv heads
+  //! q, k, v, out, dout and lse to head shards; inner(s, c, q_s, k_s, v_s, out_s, lse_s, dout_s,
+  //! dq_s, dk_s, dv_s, ws) for every segment; dq, dk, dv back (partial dK/dV of replicated kv heads
   //! summed in Acc, in rank order). `ws` holds backward_bytes().
-  template <comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV,
-            class Inner>
-  void backward(C& comm, const Q& q, const K& k, const V& v, const O& out, const L& lse, const DO& dout, const DQ& dq,
-                const DK& dk, const DV& dv, std::span<std::byte> ws, Inner&& inner) const {
+  template <backend B, comm::communicator C, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+            class DV, class Inner>
+  void backward(const B& b, C& comm, const Q& q, const K& k, const V& v, const O& out, const L& lse, const DO& dout,
+                const DQ& dq, const DK& dk, const DV& dv, std::span<std::byte> ws, Inner&& inner) const {
+    using S = typename backend_traits<B>::memory_space;
     const workspace_carver w(ws);
-    auto* counts = w.at<std::size_t>(b_.counts);
+    const token_at at = bind<S>(b, w.at<index_t>(b_.table));
     T *fq = w.at<T>(b_.q), *fk = w.at<T>(b_.k), *fv = w.at<T>(b_.v), *fo = w.at<T>(b_.out), *fd = w.at<T>(b_.dout);
     T *gq = w.at<T>(b_.dq), *gk = w.at<T>(b_.dk), *gv = w.at<T>(b_.dv);
     Acc* fl = w.at<Acc>(b_.lse);
@@ -376,43 +463,66 @@ class head_pipeline {
                                                 rows_desc_of(out, false), rows_desc_of(dout, false)};
     const std::array<full_desc<T>, 5> dst{
         {{fq, dk_, false}, {fk, dk_, true}, {fv, dv_, true}, {fo, dv_, false}, {fd, dv_, false}}};
-    to_heads<C, T>(comm, tokens_, hs_, src, dst, w.at<T>(b_.send), w.at<T>(b_.recv), counts);
+    to_heads<B, C, T>(b, comm, tokens_, hs_, in5_, at, src, dst, w.at<T>(b_.send), w.at<T>(b_.recv));
     const std::array<rows_desc<const Acc>, 1> lsrc{rows_desc_of(lse, false)};
     const std::array<full_desc<Acc>, 1> ldst{{{fl, 1, false}}};
-    to_heads<C, Acc>(comm, tokens_, hs_, lsrc, ldst, w.at<Acc>(b_.lsend), w.at<Acc>(b_.lrecv), counts);
+    to_heads<B, C, Acc>(b, comm, tokens_, hs_, lse_in_, at, lsrc, ldst, w.at<Acc>(b_.lsend), w.at<Acc>(b_.lrecv));
     const auto iws = ws.subspan(b_.inner, inner_backward_);
     if (tt > 0)
       for (std::size_t s = 0; s < segments_.size(); ++s) {
         const auto& sg = segments_[s];
         const index_t q0 = sg.q0 - hs_.q_begin(me_), k0 = sg.kv0 - hs_.kv_begin(me_);
-        inner(s, tensor_view<const T, 3>(heads_view(fq, tt, hq, dk_, q0, sg.nq)),
-              tensor_view<const T, 3>(heads_view(fk, tt, hkv, dk_, k0, sg.nkv)),
-              tensor_view<const T, 3>(heads_view(fv, tt, hkv, dv_, k0, sg.nkv)),
-              tensor_view<const T, 3>(heads_view(fo, tt, hq, dv_, q0, sg.nq)),
-              tensor_view<const Acc, 2>(heads_view2(fl, tt, hq, q0, sg.nq)),
-              tensor_view<const T, 3>(heads_view(fd, tt, hq, dv_, q0, sg.nq)), heads_view(gq, tt, hq, dk_, q0, sg.nq),
-              heads_view(gk, tt, hkv, dk_, k0, sg.nkv), heads_view(gv, tt, hkv, dv_, k0, sg.nkv), iws);
+        inner(s, at.template coords<S>(tt), tensor_view<const T, 3, S>(heads_view<S>(fq, tt, hq, dk_, q0, sg.nq)),
+              tensor_view<const T, 3, S>(heads_view<S>(fk, tt, hkv, dk_, k0, sg.nkv)),
+              tensor_view<const T, 3, S>(heads_view<S>(fv, tt, hkv, dv_, k0, sg.nkv)),
+              tensor_view<const T, 3, S>(heads_view<S>(fo, tt, hq, dv_, q0, sg.nq)),
+              tensor_view<const Acc, 2, S>(heads_view2<S>(fl, tt, hq, q0, sg.nq)),
+              tensor_view<const T, 3, S>(heads_view<S>(fd, tt, hq, dv_, q0, sg.nq)),
+              heads_view<S>(gq, tt, hq, dk_, q0, sg.nq), heads_view<S>(gk, tt, hkv, dk_, k0, sg.nkv),
+              heads_view<S>(gv, tt, hkv, dv_, k0, sg.nkv), iws);
       }
+    using G = typename DQ::value_type;
     const std::array<full_desc<const T>, 3> gs{{{gq, dk_, false}, {gk, dk_, true}, {gv, dv_, true}}};
-    const std::array<rows_desc<typename DQ::value_type>, 3> gd{rows_desc_of(dq, false), rows_desc_of(dk, true),
-                                                               rows_desc_of(dv, true)};
-    from_heads<Acc, C, T, typename DQ::value_type>(comm, tokens_, hs_, gs, gd, w.at<T>(b_.gsend), w.at<T>(b_.grecv),
-                                                   w.at<Acc>(b_.acc), counts);
+    const std::array<rows_desc<G>, 3> gd{rows_desc_of(dq, false), rows_desc_of(dk, true), rows_desc_of(dv, true)};
+    from_heads<Acc, B, C, T, G>(b, comm, tokens_, hs_, grad_back_, at, sum_kv_, gs, gd, w.at<T>(b_.gsend),
+                                w.at<T>(b_.grecv), w.at<Acc>(b_.acc));
   }
 
  private:
   static index_t elems(std::size_t n) { return static_cast<index_t>(n); }
+  //! The token table where the call's kernels read it: the plan's on host memory; on a device,
+  //! its copy in the workspace (token_table::columns x T index_t, reserved on every space so one
+  //! size serves all), uploaded stream-ordered when the call starts.
+  template <class S, backend B>
+  token_at bind(const B& b, index_t* ws) const {
+    const std::array<const std::vector<index_t>*, token_table::columns> cols{&table_.start, &table_.own, &table_.loc,
+                                                                             &table_.doc, &table_.pos};
+    std::array<const index_t*, token_table::columns> at{};
+    const auto t = table_.start.size();
+    for (std::size_t c = 0; c < cols.size(); ++c) {
+      if constexpr (S::host_accessible) {
+        at[c] = cols[c]->data();
+      } else {
+        if (t > 0) copy_bytes(b, ws + c * t, cols[c]->data(), t * sizeof(index_t));
+        at[c] = ws + c * t;
+      }
+    }
+    return {at[0], at[1], at[2], at[3], at[4]};
+  }
   struct fwd_at {
-    std::size_t counts, send, recv, q, k, v, out, lse, osend, orecv, lsend, lrecv, inner;
+    std::size_t table, send, recv, q, k, v, out, lse, osend, orecv, lsend, lrecv, inner;
   };
   struct bwd_at {
-    std::size_t counts, send, recv, q, k, v, out, dout, lsend, lrecv, lse, dq, dk, dv, gsend, grecv, acc, inner;
+    std::size_t table, send, recv, q, k, v, out, dout, lsend, lrecv, lse, dq, dk, dv, gsend, grecv, acc, inner;
   };
   shard::plan tokens_;
   head_split hs_;
   int me_ = 0;
   index_t dk_ = 0, dv_ = 0;
   std::vector<head_segment> segments_;
+  token_table table_;
+  bool sum_kv_ = false;
+  exchange in3_, in5_, lse_in_, out_back_, lse_back_, grad_back_;
   fwd_at f_{};
   bwd_at b_{};
   std::size_t forward_bytes_ = 0, backward_bytes_ = 0, inner_forward_ = 0, inner_backward_ = 0;
