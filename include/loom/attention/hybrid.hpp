@@ -244,11 +244,11 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out
   detail::check_comm(comm, hp.ranks(), hp.rank(), call);
   detail::check_views<T, Acc>(hp.shape(), hp.tokens(hp.rank()), q, k, v, out, lse, call);
   check_workspace(workspace, hp.workspace_bytes(), call);
-  hp.pipeline().forward(b, hp.ulysses_comm(), q, k, v, out, lse, workspace,
-                        [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls,
-                            std::span<std::byte> ws) {
-                          ring::forward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ws);
-                        });
+  hp.pipeline().forward(
+      b, hp.ulysses_comm(), q, k, v, out, lse, workspace,
+      [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
+        ring::forward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ws);
+      });
 }
 
 //! Hybrid backward on a plan (ring pass-KV backward inside); dq, dk, dv are overwritten.
@@ -265,8 +265,8 @@ void backward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O ou
   detail::check_rank_gradients<T, false>(hp.shape(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, hp.workspace_bytes(), call);
   hp.pipeline().backward(b, hp.ulysses_comm(), q, k, v, out, lse, dout, dq, dk, dv, workspace,
-                         [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
-                             auto dvs, std::span<std::byte> ws) {
+                         [&](std::size_t s, const auto&, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs,
+                             auto dks, auto dvs, std::span<std::byte> ws) {
                            ring::backward(b, hp.ring_comm(), hp.ring(s), qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws);
                          });
 }

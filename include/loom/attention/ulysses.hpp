@@ -230,11 +230,11 @@ void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L 
   detail::check_comm(comm, up.ranks(), up.rank(), call);
   detail::check_views<T, Acc>(up.dims(), up.tokens().rank(up.rank()).tokens, q, k, v, out, lse, call);
   check_workspace(workspace, up.workspace_bytes(), call);
-  up.pipeline().forward(b, comm, q, k, v, out, lse, workspace,
-                        [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls,
-                            std::span<std::byte> ws) {
-                          attention::forward(b, up.local(s), qs, ks, vs, c, c, os, ls, ws);
-                        });
+  up.pipeline().forward(
+      b, comm, q, k, v, out, lse, workspace,
+      [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
+        attention::forward(b, up.local(s), qs, ks, vs, c, c, os, ls, ws);
+      });
 }
 
 //! Ulysses backward on a plan: q, k, v, out, lse (the forward's) and dout travel to head shards,
@@ -252,12 +252,11 @@ void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L
   detail::check_views<T, Acc>(up.dims(), n, q, k, v, out, lse, call);
   detail::check_rank_gradients<T, false>(up.dims(), n, dout, dq, dk, dv, call);
   check_workspace(workspace, up.workspace_bytes(), call);
-  up.pipeline().backward(
-      b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
-      [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, auto ds, auto dqs, auto dks,
-          auto dvs, std::span<std::byte> ws) {
-        attention::backward(b, up.local(s), qs, ks, vs, c, c, os, ls, ds, dqs, dks, dvs, ws);
-      });
+  up.pipeline().backward(b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
+                         [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, auto ds,
+                             auto dqs, auto dks, auto dvs, std::span<std::byte> ws) {
+                           attention::backward(b, up.local(s), qs, ks, vs, c, c, os, ls, ds, dqs, dks, dvs, ws);
+                         });
 }
 
 //! Convenience forward: make_plan (precision deduced from q), a temporary workspace, the plan

@@ -289,13 +289,13 @@ void from_heads(const B& b, C& comm, const shard::plan& tokens, const head_split
       const bool sum = d.kv && sum_kv;
       if (n * nh > 0) {
         if (sum)
-          for_each_index(b, n * nh,
-                         rows_kernel<T, Acc, true>{from, nh * d.dim, d.dim, 1, a + h0 * d.dim, htot * d.dim, d.dim, 1,
-                                                   nh, d.dim});
+          for_each_index(
+              b, n * nh,
+              rows_kernel<T, Acc, true>{from, nh * d.dim, d.dim, 1, a + h0 * d.dim, htot * d.dim, d.dim, 1, nh, d.dim});
         else
-          for_each_index(b, n * nh,
-                         rows_kernel<T, G, false>{from, nh * d.dim, d.dim, 1, d.data + h0 * d.s1, d.s0, d.s1, d.s2, nh,
-                                                  d.dim});
+          for_each_index(
+              b, n * nh,
+              rows_kernel<T, G, false>{from, nh * d.dim, d.dim, 1, d.data + h0 * d.s1, d.s0, d.s1, d.s2, nh, d.dim});
       }
       from += n * nh * d.dim;
       if (sum) a += n * htot * d.dim;
@@ -338,7 +338,12 @@ class head_pipeline {
   head_pipeline() = default;
   //! The exchange buffers of rank `me`; the inner attention's bytes follow with reserve_inner().
   head_pipeline(shard::plan tokens, head_split hs, int me, index_t dk, index_t dv)
-      : tokens_(std::move(tokens)), hs_(hs), me_(me), dk_(dk), dv_(dv), segments_(segments_of(hs, me)),
+      : tokens_(std::move(tokens)),
+        hs_(hs),
+        me_(me),
+        dk_(dk),
+        dv_(dv),
+        segments_(segments_of(hs, me)),
         table_(tokens_) {
     const index_t tt = tokens_.total_tokens();
     const index_t hq = hs.q_count(me), hkv = hs.kv_count(me);
