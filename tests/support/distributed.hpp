@@ -118,6 +118,13 @@ std::vector<std::string> errors_on_ranks_of(int p, F&& fn) {
   return what;
 }
 
+//! Waits for the work a rank enqueued on b, without looking at its errors: before a rank's storage
+//! goes out of scope on an error path (on the stand-in; nothing to wait for on host backends).
+template <class B>
+void drain(const B& b) noexcept {
+  if constexpr (requires { b.queue().drain(); }) b.queue().drain();
+}
+
 //! A view type in the memory space of the backend under test.
 template <class T, std::size_t R>
 using dview_t = tensor_view<T, R, space>;

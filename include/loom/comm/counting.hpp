@@ -82,6 +82,13 @@ class counting {
     t_->gathered_in += static_cast<std::int64_t>(recv.size_bytes() - send.size_bytes());
     comm::host_all_gather(inner_, std::span<const R>(send), recv);
   }
+  //! The control-plane all_reduce (comm::host_all_reduce), counted as all_reduce.
+  template <class S, class R>
+  void host_all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
+    ++t_->collectives;
+    t_->reduced += static_cast<std::int64_t>(send.size_bytes());
+    comm::host_all_reduce(inner_, std::span<const R>(send), recv, op);
+  }
   //! Stream ordering (comm/stream_order.hpp), where the inner communicator has it.
   template <class B>
   requires requires(C& c, const B& b) { c.after(b); }

@@ -14,7 +14,7 @@
 //! peers send first, so the ring step is sendrecv, one grouped send and receive.
 //!
 //! Never a hang: every host wait (wait(req), synchronize(), barrier, split, host_all_gather,
-//! init_rank) polls the event and ncclCommGetAsyncError against the timeout of nccl_options
+//! host_all_reduce, init_rank) polls the event and ncclCommGetAsyncError against the timeout of nccl_options
 //! (default: LOOM_COMM_TIMEOUT_MS, as the host communicators); on an asynchronous NCCL error or the
 //! deadline it calls ncclCommAbort and throws loom::error (comm_failure or timeout) naming the call.
 //! With nccl_options::check_signatures, each collective first exchanges its signature (call,
@@ -362,6 +362,29 @@ class nccl {
     detail::nccl_cuda_check(cudaMemcpyAsync(dev, send.data(), sb, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
     detail::nccl_check(ncclAllGather(dev, dev + sb, sb, ncclUint8, comm_, stream_), "ncclAllGather");
     detail::nccl_cuda_check(cudaMemcpyAsync(recv.data(), dev + sb, rb, cudaMemcpyDeviceToHost, stream_),
+                            "cudaMemcpyAsync");
+    synchronize();
+  }
+
+  //! An all_reduce of host memory, complete on return (comm::host_all_reduce: decisions every rank
+  //! takes alike), through a device bounce buffer on the communication stream.
+  template <class S, class R>
+  requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
+  void host_all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
+    LOOM_EXPECTS(recv.size() == send.size(), errc::shape_mismatch, "comm::nccl host_all_reduce: recv holds ",
+                 recv.size(), " elements, expected ", send.size());
+    check_signature("host_all_reduce", dtype_of<R>(), send.size(), static_cast<int>(op));
+    const std::size_t bytes = send.size_bytes();
+    R* dev = nullptr;
+    detail::nccl_cuda_check(cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes + sizeof(R), stream_),
+                            "cudaMallocAsync");
+    const std::shared_ptr<R> guard(dev, [s = stream_](R* q) { cudaFreeAsync(q, s); });
+    detail::nccl_cuda_check(cudaMemcpyAsync(dev, send.data(), bytes, cudaMemcpyHostToDevice, stream_),
+                            "cudaMemcpyAsync");
+    detail::nccl_check(
+        ncclAllReduce(dev, dev, send.size(), detail::nccl_datatype<R>(), detail::nccl_op(op), comm_, stream_),
+        "ncclAllReduce");
+    detail::nccl_cuda_check(cudaMemcpyAsync(recv.data(), dev, bytes, cudaMemcpyDeviceToHost, stream_),
                             "cudaMemcpyAsync");
     synchronize();
   }

@@ -20,7 +20,7 @@
 //!   block each other (until the timeout): the ring step is sendrecv, which is one grouped operation.
 //! - after(b) / before(b) order the communication stream after / before b's stream (what
 //!   comm::handoff / comm::handback call); synchronize() waits for the communication stream.
-//! - barrier, split and host_all_gather (the control plane) complete on return.
+//! - barrier, split, host_all_gather and host_all_reduce (the control plane) complete on return.
 //! - A failure inside an operation (a peer that never arrives within the timeout, mismatched
 //!   collectives, an aborted run) is sticky on the communication stream and is thrown, naming the
 //!   call, by the next wait on it: a request, synchronize(), a control-plane call.
@@ -174,6 +174,12 @@ class standin {
   template <class S, class R>
   void host_all_gather(std::span<S> send, std::span<R> recv) {
     all_gather(send, recv);
+    synchronize();
+  }
+  //! An all_reduce of host memory, complete on return (comm::host_all_reduce).
+  template <class S, class R>
+  void host_all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
+    all_reduce(send, recv, op);
     synchronize();
   }
   //! Collective, complete on return: the communicator of the ranks with the same color, ordered

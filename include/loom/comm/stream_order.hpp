@@ -60,6 +60,27 @@ void handback(C& c, const B& b) {
   if constexpr (requires { c.before(b); }) c.before(b);
 }
 
+//! Waits for requests from b's point of view: over a stream-ordered communicator b's stream waits
+//! for them (no host block); over a host communicator the host waits (comm::wait_all).
+template <class C, backend B>
+void wait_all_on(C& c, std::span<typename C::request> reqs, const B& b) {
+  if constexpr (requires(typename C::request & r) { c.wait(r, b); }) {
+    for (auto& r : reqs) c.wait(r, b);
+  } else {
+    wait_all(c, reqs);
+  }
+}
+
+//! An all_reduce of host memory, complete on return, on any communicator (the control plane:
+//! decisions every rank must take alike, such as a convergence test).
+template <class C, class T>
+void host_all_reduce(C& c, std::span<const T> send, std::span<T> recv, reduce_op op) {
+  if constexpr (requires { c.host_all_reduce(send, recv, op); })
+    c.host_all_reduce(send, recv, op);
+  else
+    c.all_reduce(send, recv, op);
+}
+
 //! An all_gather of host memory, complete on return, on any communicator (the control plane).
 template <class C, class T>
 void host_all_gather(C& c, std::span<const T> send, std::span<T> recv) {

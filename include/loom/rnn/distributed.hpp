@@ -27,11 +27,18 @@
 //! only), so the report is identical on every rank. The damped fallback doubles that per step;
 //! the sequential fallback is a pipeline over the ranks (rank r starts when rank r-1 has sent its
 //! last row). Backward: one halo exchange, the cross-rank adjoint scan, and all_reduce(sum) of
-//! dtheta (param_size values) and dh0 (S × d values). Host-accessible backends only. A call
-//! allocates nothing of its own (the communicator's own buffers are the communicator's).
+//! dtheta (param_size values) and dh0 (S × d values). A call allocates nothing of its own (the
+//! communicator's own buffers are the communicator's).
+//!
+//! Memory: host memory over a host communicator; device memory over a stream-ordered one
+//! (comm::standin, comm::nccl): the halo, the scans' exchange and the gradient sums are ordered
+//! with the backend's stream (comm::handoff / handback, a stream wait per request), and the
+//! residual norms, which every rank reads on the host to decide convergence, go through
+//! comm::host_all_reduce (complete on return, as the single-device solver's read-back is).
 
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/rnn/newton.hpp>
 #include <loom/scan/distributed.hpp>
 
@@ -41,6 +48,14 @@
 namespace loom::rnn {
 
 namespace detail {
+
+//! Zeroes a [rows, cols] view with strides (s0, s1), one item per element.
+template <class T>
+struct zero_2d {
+  T* p;
+  index_t s0, s1, cols;
+  LOOM_HD void operator()(index_t i) const { p[(i / cols) * s0 + (i % cols) * s1] = T(0); }
+};
 
 template <backend B, comm::communicator C, class Plan>
 struct comm_context {
@@ -56,18 +71,23 @@ struct comm_context {
 
   index_t base() const { return plan_access::begin(p); }
 
+  // The last row of h to the next non-empty rank, the previous one's into buf. The ranks form a
+  // chain (never a cycle), so the send posted before the receive cannot block both neighbours.
   const T* halo(const T* h, index_t hs, index_t rows, T* buf) {
     if (rows == 0) return nullptr;
     typename C::request reqs[2];
     int k = 0;
-    fence(b);
+    comm::handoff(comm, b);
     if (next >= 0)
       reqs[k++] = comm.isend(std::span<const T>(h + (rows - 1) * hs, static_cast<std::size_t>(d)), next, 71);
     if (prev >= 0) reqs[k++] = comm.irecv(std::span<T>(buf, static_cast<std::size_t>(d)), prev, 71);
-    comm::wait_all(comm, std::span<typename C::request>(reqs, static_cast<std::size_t>(k)));
+    comm::wait_all_on(comm, std::span<typename C::request>(reqs, static_cast<std::size_t>(k)), b);
     return prev >= 0 ? buf : nullptr;
   }
-  void all_max(std::span<double> v) { comm.all_reduce(std::span<const double>(v), v, comm::reduce_op::max); }
+  // Host values every rank decides on (the residual norms): the control plane.
+  void all_max(std::span<double> v) {
+    comm::host_all_reduce(comm, std::span<const double>(v), v, comm::reduce_op::max);
+  }
   template <class St, class AV, class RV, class HV>
   void solve(St, AV a, RV rhs, HV h, bool with_init) {
     scan::linear_recurrence(b, comm, plan_access::scan_plan<St>(p), a, rhs, h,
@@ -75,35 +95,40 @@ struct comm_context {
   }
   template <class St, class AV, class GV, class LV, class DH0V>
   void adjoint(St, AV a, GV g, LV lambda, DH0V dh0) {
-    for (index_t s = 0; s < dh0.extent(0); ++s)
-      for (index_t c = 0; c < dh0.extent(1); ++c) dh0(s, c) = 0;  // rows of other ranks' sequences
+    if (dh0.size() > 0)  // rows of other ranks' sequences stay zero
+      for_each_index(b, dh0.size(),
+                     zero_2d<typename DH0V::value_type>{dh0.data(), dh0.stride(0), dh0.stride(1), dh0.extent(1)});
     scan::linear_recurrence_adjoint(b, comm, plan_access::scan_plan<St>(p), a, g, lambda,
                                     scan::adjoint_states<T, Space>{{}, dh0}, scan_ws);
   }
   template <class DTV, class DH0V>
   void sum_gradients(DTV dtheta, DH0V dh0) {
-    fence(b);
+    comm::handoff(comm, b);
     using V = typename DTV::value_type;
     const std::span<V> t(dtheta.data(), static_cast<std::size_t>(dtheta.extent(0)));
     comm.all_reduce(std::span<const V>(t), t, comm::reduce_op::sum);
     for (index_t s = 0; s < dh0.extent(0) && dh0.size() > 0; ++s) {  // row by row: rows may be strided
-      const std::span<typename DH0V::value_type> row(&dh0(s, 0), static_cast<std::size_t>(dh0.extent(1)));
+      const std::span<typename DH0V::value_type> row(dh0.data() + s * dh0.stride(0),
+                                                     static_cast<std::size_t>(dh0.extent(1)));
       comm.all_reduce(std::span<const typename DH0V::value_type>(row), row, comm::reduce_op::sum);
     }
+    comm::handback(comm, b);
   }
   template <class F>
   void sequential(T* h, index_t hs, index_t rows, index_t, T* buf, F&& run) {
     const T* halo_row = nullptr;
     if (rows > 0 && prev >= 0) {
-      auto r = comm.irecv(std::span<T>(buf, static_cast<std::size_t>(d)), prev, 72);
-      comm.wait(r);
+      comm::handoff(comm, b);  // buf is no longer read by earlier work
+      typename C::request r = comm.irecv(std::span<T>(buf, static_cast<std::size_t>(d)), prev, 72);
+      comm::wait_all_on(comm, std::span<typename C::request>(&r, 1), b);
       halo_row = buf;
     }
     run(halo_row);
-    fence(b);
     if (rows > 0 && next >= 0) {
-      auto r = comm.isend(std::span<const T>(h + (rows - 1) * hs, static_cast<std::size_t>(d)), next, 72);
-      comm.wait(r);
+      comm::handoff(comm, b);
+      typename C::request r =
+          comm.isend(std::span<const T>(h + (rows - 1) * hs, static_cast<std::size_t>(d)), next, 72);
+      comm::wait_all_on(comm, std::span<typename C::request>(&r, 1), b);
     }
   }
 };
@@ -128,8 +153,9 @@ template <backend B, comm::communicator C, class XV>
 void check_x_collectively(const B& b, C& comm, XV x, index_t m, std::string_view call) {
   const double xm =
       reduce(b, x.size(), 0.0, max_op{}, abs_of<typename XV::value_type>{x.data(), m > 0 ? m : 1, x.stride(0)});
-  double bad = std::isfinite(xm) ? -1.0 : static_cast<double>(comm.rank());
-  comm.all_reduce(std::span<const double>(&bad, 1), std::span<double>(&bad, 1), comm::reduce_op::max);
+  const double mine = std::isfinite(xm) ? -1.0 : static_cast<double>(comm.rank());
+  double bad = -1.0;
+  comm::host_all_reduce(comm, std::span<const double>(&mine, 1), std::span<double>(&bad, 1), comm::reduce_op::max);
   LOOM_EXPECTS(bad < 0, errc::invalid_argument, call, ": x holds non-finite values (NaN or inf) on rank ",
                static_cast<int>(bad), "; set options.check_inputs = false to let them propagate");
 }
@@ -144,7 +170,9 @@ void check_x_collectively(const B& b, C& comm, XV x, index_t m, std::string_view
 template <backend B, comm::communicator C, cell Cell, memory_space Space = typename backend_traits<B>::memory_space>
 plan<B, Cell, Space, true> make_plan(const B& b, C& comm, const Cell& c, index_t n,
                                      const loom::segments<Space>& docs = {}, const options& opt = {}) {
-  static_assert(Space::host_accessible, "loom::rnn sequence parallel: host-accessible backends only");
+  static_assert(comm::moves<C, Space>,
+                "loom::rnn sequence parallel: the communicator cannot move buffers of the backend's memory space (a "
+                "host communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
   constexpr std::string_view call = "rnn::make_plan";
   const auto locals = comm::agree(comm, call, [&] {
     detail::check_plan(c, n, opt, call);

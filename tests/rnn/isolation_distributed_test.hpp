@@ -1,12 +1,14 @@
-// The sequence-parallel Newton solver over comm::local (P = 2..4, uneven slices, an empty one for
+// The sequence-parallel Newton solver (P = 2..4, uneven slices, an empty one for
 // P > 2, sequences crossing slices): a NaN or an infinity in one sequence's x, h0 row or dh (input
 // checks off) leaves every other sequence's solution, convergence, dx and dh0 with the same bits as
-// the same distributed run with that sequence clean, and the report is the same on every rank.
+// the same distributed run with that sequence clean, and the report is the same on every rank. One
+// body, run on host memory (serial, comm::local) and on the device stand-in (comm::standin).
 
 #include <loom/backend/serial.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/rnn/distributed.hpp>
 
+#include <support/distributed.hpp>
 #include <support/random.hpp>
 
 #include <catch2/catch.hpp>
@@ -24,7 +26,7 @@ namespace lp = loom::test::poison;
 namespace {
 
 template <class T, std::size_t R>
-using view = loom::tensor_view<T, R>;
+using view = lt::dview_t<T, R>;
 
 struct rnn_problem {
   index_t n = 0, d = 0, m = 0, segs = 0;
@@ -45,23 +47,24 @@ rnn_result run(const Cell& c, const rnn_problem& p, const std::vector<index_t>& 
   rnn_result r{std::vector<double>(static_cast<std::size_t>(p.n * d)), std::vector<double>(p.x.size()),
                std::vector<double>(p.h0.size()), std::vector<lr::report>(static_cast<std::size_t>(ranks)),
                std::vector<std::string>(static_cast<std::size_t>(ranks))};
-  const loom::segments<> docs(view<const index_t, 1>(p.off.data(), {p.segs + 1}));
+  const auto docs = lt::docs_in_space(p.off);
   opt.check_inputs = false;
-  loom::comm::run_local(ranks, [&](loom::comm::local& comm) {
+  lt::run_ranks(ranks, [&](auto& comm, const auto& be) {
     const auto q = static_cast<std::size_t>(comm.rank());
     const index_t b = cut[q], e = cut[q + 1];
     std::vector<double> dh0(p.h0.size()), dth(static_cast<std::size_t>(c.param_size()));
     try {
       const view<const double, 2> xv(p.x.data() + b * m, {e - b, m}), h0v(p.h0.data(), {p.segs, d});
-      r.reps[q] =
-          lr::forward(loom::serial{}, comm, c, xv, h0v, view<double, 2>(r.h.data() + b * d, {e - b, d}), docs, opt);
-      lr::backward(loom::serial{}, comm, c, xv, h0v, view<const double, 2>(r.h.data() + b * d, {e - b, d}),
+      r.reps[q] = lr::forward(be, comm, c, xv, h0v, view<double, 2>(r.h.data() + b * d, {e - b, d}), docs, opt);
+      lr::backward(be, comm, c, xv, h0v, view<const double, 2>(r.h.data() + b * d, {e - b, d}),
                    view<const double, 2>(p.g.data() + b * d, {e - b, d}),
                    view<double, 2>(r.dx.data() + b * m, {e - b, m}), view<double, 2>(dh0.data(), {p.segs, d}),
                    view<double, 1>(dth.data(), {c.param_size()}), docs, opt);
+      loom::fence(be);
       if (q == 0) r.dh0 = dh0;  // complete on every rank
     } catch (const std::exception& ex) {
       r.errors[q] = ex.what();
+      lt::drain(be);
     }
   });
   return r;
