@@ -1,12 +1,14 @@
-// Document isolation across ranks (comm::local, P = 2..4, uneven slices, an empty one for P > 2,
+// Document isolation across ranks (P = 2..4, uneven slices, an empty one for P > 2,
 // documents crossing slices): a NaN or an infinity in one document's A, b, initial state, g or
 // final-state gradient leaves every other document's h, final state, λ and initial-state gradient
 // with the same bits as the same distributed run with that document clean. Segmented scans too.
+// One body, run on host memory (serial, comm::local) and on the device stand-in (comm::standin).
 
 #include <loom/backend/serial.hpp>
 #include <loom/comm/local.hpp>
 #include <loom/scan/distributed.hpp>
 
+#include <support/distributed.hpp>
 #include <support/random.hpp>
 
 #include <catch2/catch.hpp>
@@ -25,7 +27,7 @@ namespace lp = loom::test::poison;
 namespace {
 
 template <class T, std::size_t R>
-using view = loom::tensor_view<T, R>;
+using view = lt::dview_t<T, R>;
 
 template <class T>
 struct inputs {
@@ -44,22 +46,24 @@ outputs<T> run(const inputs<T>& in, const std::vector<index_t>& off, const std::
   const int p = static_cast<int>(cut.size()) - 1;
   outputs<T> out{std::vector<T>(static_cast<std::size_t>(n * d)), std::vector<T>(static_cast<std::size_t>(segs * d)),
                  std::vector<T>(static_cast<std::size_t>(n * d)), std::vector<T>(static_cast<std::size_t>(segs * d))};
-  const loom::segments<> ov(view<const index_t, 1>(off.data(), {segs + 1}));
+  const auto ov = lt::docs_in_space(off);
   ls::options opt;
   opt.block = block;
-  loom::comm::run_local(p, [&](loom::comm::local& comm) {
+  lt::run_ranks(p, [&](auto& comm, const auto& be) {
     const index_t b = cut[static_cast<std::size_t>(comm.rank())], e = cut[static_cast<std::size_t>(comm.rank()) + 1];
     // final states and initial-state gradients: each rank writes the rows it owns into its own copy
     std::vector<T> fin(out.fin.size(), T(0)), dinit(out.dinit.size(), T(0));
-    const auto av = lp::a_view<St>(in.a.data() + b * as, e - b, d);
-    ls::linear_recurrence(loom::serial{}, comm, St{}, av, view<const T, 2>(in.b.data() + b * d, {e - b, d}),
-                          view<T, 2>(out.h.data() + b * d, {e - b, d}), ov,
-                          ls::states<T>{view<const T, 2>(in.init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})},
-                          opt);
-    ls::linear_recurrence_adjoint(
-        loom::serial{}, comm, St{}, av, view<const T, 2>(in.g.data() + b * d, {e - b, d}),
-        view<T, 2>(out.lambda.data() + b * d, {e - b, d}), ov,
-        ls::adjoint_states<T>{view<const T, 2>(in.dfin.data(), {segs, d}), view<T, 2>(dinit.data(), {segs, d})}, opt);
+    const auto av = lp::a_view<St, lt::space>(in.a.data() + b * as, e - b, d);
+    ls::linear_recurrence(
+        be, comm, St{}, av, view<const T, 2>(in.b.data() + b * d, {e - b, d}),
+        view<T, 2>(out.h.data() + b * d, {e - b, d}), ov,
+        ls::states<T, lt::space>{view<const T, 2>(in.init.data(), {segs, d}), view<T, 2>(fin.data(), {segs, d})}, opt);
+    ls::linear_recurrence_adjoint(be, comm, St{}, av, view<const T, 2>(in.g.data() + b * d, {e - b, d}),
+                                  view<T, 2>(out.lambda.data() + b * d, {e - b, d}), ov,
+                                  ls::adjoint_states<T, lt::space>{view<const T, 2>(in.dfin.data(), {segs, d}),
+                                                                   view<T, 2>(dinit.data(), {segs, d})},
+                                  opt);
+    loom::fence(be);
     // rank r owns the final state of documents ending in its slice, the gradient of those starting
     // in it (empty documents: the rank holding their position, or the last rank)
     static std::mutex mu;
@@ -142,7 +146,7 @@ TEST_CASE("isolation over ranks: segmented scans, a non-finite element in one do
           "[scan][comm][isolation]") {
   const index_t n = 20000;
   const auto off = lp::documents(n);
-  const loom::segments<> ov(view<const index_t, 1>(off.data(), {static_cast<index_t>(off.size())}));
+  const auto ov = lt::docs_in_space(off);
   const auto clean = lt::uniform<float>(n, -1, 1, 61);
   auto row_doc = [&](index_t r) { return lp::doc_of(off, r); };
   const ls::plus<float> m;
@@ -154,15 +158,16 @@ TEST_CASE("isolation over ranks: segmented scans, a non-finite element in one do
         std::vector<float> out(x.size());
         ls::options opt;
         opt.dir = reverse ? ls::direction::reverse : ls::direction::forward;
-        loom::comm::run_local(p, [&](loom::comm::local& comm) {
+        lt::run_ranks(p, [&](auto& comm, const auto& be) {
           const index_t b = cut[static_cast<std::size_t>(comm.rank())],
                         e = cut[static_cast<std::size_t>(comm.rank()) + 1];
           const view<const float, 1> in(x.data() + b, {e - b});
           const view<float, 1> o(out.data() + b, {e - b});
           if (exclusive)
-            ls::exclusive_scan(loom::serial{}, comm, m, in, o, 0.5f, ov, opt);
+            ls::exclusive_scan(be, comm, m, in, o, 0.5f, ov, opt);
           else
-            ls::inclusive_scan(loom::serial{}, comm, m, in, o, ov, opt);
+            ls::inclusive_scan(be, comm, m, in, o, ov, opt);
+          loom::fence(be);
         });
         return out;
       };
