@@ -1,11 +1,14 @@
 #pragma once
 
 // The communicator conformance suite: one body per operation, written against the communicator
-// concept, run on comm::local for P = 1..8, on comm::mpi under mpiexec, and through comm::any.
-// Ranks never call Catch2 macros (they are not thread-safe); each rank fills a report that the
-// test's main thread checks.
+// concept, run on comm::local for P = 1..8, on comm::mpi under mpiexec, through comm::any, on the
+// device stand-in's comm::standin, and compiled for comm::device_local and comm::nccl (whose
+// buffers are device memory: the stream-ordered cases move them through `mirror`). Ranks never
+// call Catch2 macros (they are not thread-safe); each rank fills a report that the test's main
+// thread checks.
 
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/core/error.hpp>
 
 #include <algorithm>
@@ -41,6 +44,57 @@ std::span<T> mspan(std::vector<T>& v) {
   return {v.data(), v.size()};
 }
 
+//! How the suite reaches memory of a space: the primary template serves spaces whose pointers are
+//! host pointers (host memory, the stand-in's); a device space specialises it (allocate, free,
+//! upload, download; tests/comm/device_memory.hpp for cuda_memory).
+template <class Space>
+struct device_memory {
+  static constexpr bool separate = false;
+};
+
+//! n elements of T where communicator C moves them, with a host copy: the host writes and checks
+//! operator[]; push() before a call, pull() after settle(). On host memory both are one array.
+template <class C, class T>
+class mirror {
+  using space = typename comm::memory_of<C>::type;
+  using memory = device_memory<space>;
+
+ public:
+  explicit mirror(std::size_t n, T v = T{}) : h_(n, v) {
+    if constexpr (memory::separate) d_ = static_cast<T*>(memory::allocate(n * sizeof(T) + 1));
+  }
+  mirror(const mirror&) = delete;
+  mirror& operator=(const mirror&) = delete;
+  ~mirror() {
+    if constexpr (memory::separate) memory::free(d_);
+  }
+  T& operator[](std::size_t i) { return h_[i]; }
+  const T& operator[](std::size_t i) const { return h_[i]; }
+  [[nodiscard]] std::size_t size() const { return h_.size(); }
+  [[nodiscard]] const std::vector<T>& host() const { return h_; }
+  //! Elements [at, at + n) (all by default) as the communicator takes them.
+  std::span<const T> in(std::size_t at = 0, std::size_t n = npos) const { return {ptr() + at, len(at, n)}; }
+  std::span<T> out(std::size_t at = 0, std::size_t n = npos) { return {ptr() + at, len(at, n)}; }
+  void push() {
+    if constexpr (memory::separate) memory::upload(d_, h_.data(), h_.size() * sizeof(T));
+  }
+  void pull() {
+    if constexpr (memory::separate) memory::download(h_.data(), d_, h_.size() * sizeof(T));
+  }
+
+ private:
+  static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  std::size_t len(std::size_t at, std::size_t n) const { return n == npos ? h_.size() - at : n; }
+  T* ptr() const {
+    if constexpr (memory::separate)
+      return d_;
+    else
+      return const_cast<T*>(h_.data());
+  }
+  std::vector<T> h_;
+  T* d_ = nullptr;
+};
+
 //! A stream-ordered communicator (comm::standin, comm::nccl) returns before its operations ran:
 //! the host waits for them before it reads a result. Host communicators complete on return.
 template <class C>
@@ -52,9 +106,12 @@ template <class C>
 void conf_rank_size(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   LOOM_RANK_CHECK(r, me >= 0 && me < p, "rank ", me, " size ", p);
-  std::vector<int> all(static_cast<std::size_t>(p), -1);
-  c.all_gather(std::span<const int>(&me, 1), mspan(all));
+  mirror<C, int> mine(1, me), all(static_cast<std::size_t>(p), -1);
+  mine.push();
+  all.push();
+  c.all_gather(mine.in(), all.out());
   settle(c);
+  all.pull();
   for (int q = 0; q < p; ++q) LOOM_RANK_CHECK(r, all[static_cast<std::size_t>(q)] == q, "q=", q);
 }
 
@@ -62,14 +119,19 @@ void conf_rank_size(C& c, rank_report& r) {
 template <class C>
 void conf_sendrecv_ring(C& c, rank_report& r, std::size_t n = 1021) {
   const int p = c.size(), me = c.rank(), right = (me + 1) % p, left = (me + p - 1) % p;
-  std::vector<double> send(n), recv(n, -1);
+  mirror<C, double> send(n), recv(n, -1);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, right, i);
-  c.sendrecv(cspan(send), right, mspan(recv), left, 7);
+  send.push();
+  recv.push();
+  c.sendrecv(send.in(), right, recv.out(), left, 7);
   settle(c);
+  recv.pull();
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, recv[i] == pattern(left, me, i), "i=", i);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, left, i);
-  c.sendrecv(cspan(send), left, mspan(recv), right, 8);
+  send.push();
+  c.sendrecv(send.in(), left, recv.out(), right, 8);
   settle(c);
+  recv.pull();
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, recv[i] == pattern(right, me, i), "i=", i);
 }
 
@@ -159,19 +221,24 @@ void conf_all_gather(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   const auto up = static_cast<std::size_t>(p);
   const std::size_t n = 7;
-  std::vector<double> send(n), recv(up * n, -1);
+  mirror<C, double> send(n), recv(up * n, -1);
   for (std::size_t i = 0; i < n; ++i) send[i] = pattern(me, 0, i);
-  c.all_gather(cspan(send), mspan(recv));
+  send.push();
+  recv.push();
+  c.all_gather(send.in(), recv.out());
   settle(c);
+  recv.pull();
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < n; ++i)
       LOOM_RANK_CHECK(r, recv[q * n + i] == pattern(static_cast<int>(q), 0, i), "q=", q, " i=", i);
   // In place: this rank's block of recv is its send.
-  std::vector<bfloat16> all(up * 3);
+  mirror<C, bfloat16> all(up * 3);
   for (std::size_t i = 0; i < 3; ++i)
     all[static_cast<std::size_t>(me) * 3 + i] = bfloat16(static_cast<float>(me * 3 + i));
-  c.all_gather(std::span<const bfloat16>(all.data() + me * 3, 3), mspan(all));
+  all.push();
+  c.all_gather(all.in(static_cast<std::size_t>(me) * 3, 3), all.out());
   settle(c);
+  all.pull();
   for (std::size_t j = 0; j < up * 3; ++j)
     LOOM_RANK_CHECK(r, static_cast<float>(all[j]) == static_cast<float>(j), "j=", j);
   // A struct travels as bytes.
@@ -180,10 +247,11 @@ void conf_all_gather(C& c, rank_report& r) {
     float b;
     std::int16_t c;
   };
-  const item mine{me, 0.5f * static_cast<float>(me), static_cast<std::int16_t>(-me)};
-  std::vector<item> items(up);
-  c.all_gather(std::span<const item>(&mine, 1), mspan(items));
+  mirror<C, item> mine(1, item{me, 0.5f * static_cast<float>(me), static_cast<std::int16_t>(-me)}), items(up);
+  mine.push();
+  c.all_gather(mine.in(), items.out());
   settle(c);
+  items.pull();
   for (int q = 0; q < p; ++q) {
     const auto& it = items[static_cast<std::size_t>(q)];
     LOOM_RANK_CHECK(r, it.a == q && it.b == 0.5f * static_cast<float>(q) && it.c == -q, "item ", q);
@@ -195,18 +263,22 @@ void conf_all_to_all(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   const auto up = static_cast<std::size_t>(p);
   const std::size_t b = 3;
-  std::vector<float> send(up * b), recv(up * b, -1.f);
+  mirror<C, float> send(up * b), recv(up * b, -1.f);
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < b; ++i) send[q * b + i] = static_cast<float>(pattern(me, static_cast<int>(q), i));
-  c.all_to_all(cspan(send), mspan(recv));
+  send.push();
+  recv.push();
+  c.all_to_all(send.in(), recv.out());
   settle(c);
+  recv.pull();
   for (std::size_t q = 0; q < up; ++q)
     for (std::size_t i = 0; i < b; ++i)
       LOOM_RANK_CHECK(r, recv[q * b + i] == static_cast<float>(pattern(static_cast<int>(q), me, i)), "q=", q);
   // In place.
-  c.all_to_all(cspan(send), mspan(send));
+  c.all_to_all(send.in(), send.out());
   settle(c);
-  LOOM_RANK_CHECK(r, send == recv, "in-place all_to_all");
+  send.pull();
+  LOOM_RANK_CHECK(r, send.host() == recv.host(), "in-place all_to_all");
 }
 
 template <class C>
@@ -226,12 +298,15 @@ void conf_all_to_allv(C& c, rank_report& r) {
     rd[uq] = rt;
     rt += rc[uq];
   }
-  std::vector<std::int64_t> send(st), recv(rt, -1);
+  mirror<C, std::int64_t> send(st), recv(rt, -1);
   for (int q = 0; q < p; ++q)
     for (std::size_t i = 0; i < sc[static_cast<std::size_t>(q)]; ++i)
       send[sd[static_cast<std::size_t>(q)] + i] = static_cast<std::int64_t>(pattern(me, q, i));
-  c.all_to_allv(cspan(send), cspan(sc), cspan(sd), mspan(recv), cspan(rc), cspan(rd));
+  send.push();
+  recv.push();
+  c.all_to_allv(send.in(), cspan(sc), cspan(sd), recv.out(), cspan(rc), cspan(rd));
   settle(c);
+  recv.pull();
   for (int q = 0; q < p; ++q)
     for (std::size_t i = 0; i < rc[static_cast<std::size_t>(q)]; ++i)
       LOOM_RANK_CHECK(r, recv[rd[static_cast<std::size_t>(q)] + i] == static_cast<std::int64_t>(pattern(q, me, i)),
@@ -242,8 +317,8 @@ template <class C>
 void conf_all_reduce(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   const std::size_t n = 131;
-  std::vector<double> x(n), y(n, -1);
-  std::vector<std::int32_t> xi(n), yi(n);
+  mirror<C, double> x(n), y(n, -1);
+  mirror<C, std::int32_t> xi(n), yi(n);
   for (std::size_t i = 0; i < n; ++i) {
     x[i] = pattern(me, 0, i) - 100;
     xi[i] = static_cast<std::int32_t>(x[i]);
@@ -260,26 +335,37 @@ void conf_all_reduce(C& c, rank_report& r) {
       max_expect[i] = std::max(max_expect[i], v);
     }
   }
-  c.all_reduce(cspan(x), mspan(y), comm::reduce_op::sum);
+  x.push();
+  y.push();
+  xi.push();
+  yi.push();
+  c.all_reduce(x.in(), y.out(), comm::reduce_op::sum);
   settle(c);
+  y.pull();
   for (std::size_t i = 0; i < n; ++i) LOOM_RANK_CHECK(r, y[i] == sum_expect[i], "sum i=", i);
-  c.all_reduce(cspan(xi), mspan(yi), comm::reduce_op::min);
+  c.all_reduce(xi.in(), yi.out(), comm::reduce_op::min);
   settle(c);
+  yi.pull();
   for (std::size_t i = 0; i < n; ++i)
     LOOM_RANK_CHECK(r, yi[i] == static_cast<std::int32_t>(min_expect[i]), "min i=", i);
-  c.all_reduce(cspan(xi), mspan(xi), comm::reduce_op::max);  // in place
+  c.all_reduce(xi.in(), xi.out(), comm::reduce_op::max);  // in place
   settle(c);
+  xi.pull();
   for (std::size_t i = 0; i < n; ++i)
     LOOM_RANK_CHECK(r, xi[i] == static_cast<std::int32_t>(max_expect[i]), "max i=", i);
-  std::vector<float> f(5, me % 2 ? -1.f : 1.f);
-  c.all_reduce(cspan(f), mspan(f), comm::reduce_op::prod);
+  mirror<C, float> f(5, me % 2 ? -1.f : 1.f);
+  f.push();
+  c.all_reduce(f.in(), f.out(), comm::reduce_op::prod);
   settle(c);
+  f.pull();
   const float prod_expect = (p / 2) % 2 ? -1.f : 1.f;
-  for (float v : f) LOOM_RANK_CHECK(r, v == prod_expect, "prod");
-  std::vector<half> h(9, half(0.5f));
-  c.all_reduce(cspan(h), mspan(h), comm::reduce_op::sum);
+  for (float v : f.host()) LOOM_RANK_CHECK(r, v == prod_expect, "prod");
+  mirror<C, half> h(9, half(0.5f));
+  h.push();
+  c.all_reduce(h.in(), h.out(), comm::reduce_op::sum);
   settle(c);
-  for (half v : h) LOOM_RANK_CHECK(r, static_cast<float>(v) == 0.5f * static_cast<float>(p), "half sum");
+  h.pull();
+  for (half v : h.host()) LOOM_RANK_CHECK(r, static_cast<float>(v) == 0.5f * static_cast<float>(p), "half sum");
 }
 
 template <class C>
@@ -287,10 +373,13 @@ void conf_reduce_scatter(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   const auto up = static_cast<std::size_t>(p);
   const std::size_t n = 5;
-  std::vector<double> send(up * n), recv(n, -1);
+  mirror<C, double> send(up * n), recv(n, -1);
   for (std::size_t j = 0; j < up * n; ++j) send[j] = pattern(me, 0, j);
-  c.reduce_scatter(cspan(send), mspan(recv), comm::reduce_op::sum);
+  send.push();
+  recv.push();
+  c.reduce_scatter(send.in(), recv.out(), comm::reduce_op::sum);
   settle(c);
+  recv.pull();
   for (std::size_t i = 0; i < n; ++i) {
     double e = 0;
     for (int q = 0; q < p; ++q) e += pattern(q, 0, static_cast<std::size_t>(me) * n + i);
@@ -302,10 +391,12 @@ template <class C>
 void conf_broadcast(C& c, rank_report& r) {
   const int p = c.size(), me = c.rank();
   for (int root = 0; root < p; ++root) {
-    std::vector<std::uint8_t> v(13);
+    mirror<C, std::uint8_t> v(13);
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::uint8_t>(me == root ? pattern(root, 1, i) : 255);
-    c.broadcast(mspan(v), root);
+    v.push();
+    c.broadcast(v.out(), root);
     settle(c);
+    v.pull();
     for (std::size_t i = 0; i < v.size(); ++i)
       LOOM_RANK_CHECK(r, v[i] == static_cast<std::uint8_t>(pattern(root, 1, i)), "root ", root, " i=", i);
   }
@@ -338,10 +429,13 @@ void conf_split(C& c, rank_report& r) {
   LOOM_RANK_CHECK(r, sub.size() == static_cast<int>(members.size()), "size ", sub.size());
   const auto pos = std::find(members.begin(), members.end(), me) - members.begin();
   LOOM_RANK_CHECK(r, sub.rank() == static_cast<int>(pos), "rank ", sub.rank());
-  std::int64_t v = me, total = 0;
-  sub.all_reduce(std::span<const std::int64_t>(&v, 1), std::span<std::int64_t>(&total, 1), comm::reduce_op::sum);
+  mirror<C, std::int64_t> v(1, me), total(1, 0);
+  v.push();
+  total.push();
+  sub.all_reduce(v.in(), total.out(), comm::reduce_op::sum);
   settle(sub);
-  LOOM_RANK_CHECK(r, total == std::accumulate(members.begin(), members.end(), std::int64_t{0}), "sum ", total);
+  total.pull();
+  LOOM_RANK_CHECK(r, total[0] == std::accumulate(members.begin(), members.end(), std::int64_t{0}), "sum ", total[0]);
   conf_sendrecv_ring(sub, r, 31);
   // Nested: split the split into singletons.
   C single = sub.split(sub.rank(), 0);
