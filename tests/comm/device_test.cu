@@ -1,7 +1,7 @@
 // The device communicators on GPUs: comm::device_local (P ranks sharing one GPU) and comm::nccl
 // (one GPU per rank, ranks as threads of this process). For each: the stream-ordered conformance
-// suite, and the distributed primitives on device memory (ring pass-KV and all-gather-KV forward
-// and backward, pass-Q and the bidirectional ring forward, Ulysses forward and backward, the
+// suite, and the distributed primitives on device memory (ring pass-KV, all-gather-KV and the
+// bidirectional ring forward and backward, pass-Q forward, Ulysses forward and backward, the
 // hybrid, a cross-rank scan, the sequence-parallel Newton solver) against the same computation on
 // one device. Needs a GPU (comm::nccl: two); CI
 // compiles this unit only.
@@ -235,7 +235,7 @@ void primitives(Run run, int p) {
       [&](const loom::cuda& b, auto& c) { return lr::make_plan<loom::fp32>(b, c, lr::all_gather_kv{}, zig, hs, opt); },
       fwd, bwd, "ring all-gather-KV");
   check_attention(
-      run, p, zr, want, false,
+      run, p, zr, want, true,
       [&](const loom::cuda& b, auto& c) {
         return lr::make_plan<loom::fp32>(b, c, lr::bidirectional_kv{}, zig, hs, opt);
       },

@@ -28,8 +28,8 @@
 //!                          cache). Forward: (P - 1) n Hq Dqk b + (P - 1) n Hq (Dv + 1) A.
 //!   ring::all_gather_kv    K/V gathered once (Llama-3 style; any mask), padded to the largest
 //!                          shard: (P - 1) max_n Hkv (Dqk + Dv) b; the backward reduce-scatters dK/dV.
-//!   ring::bidirectional_kv K/V both ways round the ring at once (bidirectional.hpp); its backward
-//!                          is pass-KV's.
+//!   ring::bidirectional_kv K/V both ways round the ring at once (bidirectional.hpp), in the
+//!                          forward and, with their dK/dV accumulators, in the backward.
 //!
 //! The plan: make_plan checks the shape and options, derives every rank's token coordinates and
 //! the transfer sizes from the shard plan, lays out the workspace, and runs the cross-rank
@@ -287,7 +287,7 @@ void backward(const B& b, C& comm, V, const shard::plan& sharding, Q q, K k, Vv 
 
 }  // namespace loom::attention::ring
 
-// The variants' runners (pass-KV's first: the bidirectional runner's backward is pass-KV's).
+// The variants' runners.
 #include <loom/attention/detail/ring_variants.hpp>
 // (kept in this order)
 #include <loom/attention/bidirectional.hpp>
