@@ -12,6 +12,7 @@
 #include <atomic>
 #include <chrono>
 #include <comm/conformance.hpp>
+#include <comm/standin_device.hpp>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -728,4 +729,95 @@ TEST_CASE("comm::standin conforms (collectives, sendrecv, split) for P = 1..5", 
       },
       opt);
   check_reports(reports, p);
+}
+
+// comm::device_local's protocol (the one a single GPU runs) on the CPU stand-in: the stream-ordered
+// conformance cases with random delays on every stream, 10 seeds per P.
+TEST_CASE("device_local protocol on the stand-in conforms (collectives, sendrecv, split) for P = 1..5",
+          "[comm][standin][device_local]") {
+  const int p = GENERATE(range(1, 6));
+  for (std::uint64_t seed = 0; seed < 10; ++seed) {
+    INFO("P = " << p << ", seed " << seed);
+    std::vector<rank_report> reports(static_cast<std::size_t>(p));
+    loom::test::run_standin_device(p,
+                                   [&](auto& c, loom::standin) {
+                                     loom::test::stream_conformance_suite(c,
+                                                                          reports[static_cast<std::size_t>(c.rank())]);
+                                   },
+                                   {.seed = seed, .max_delay = std::chrono::microseconds(seed % 2 ? 100 : 10)});
+    check_reports(reports, p);
+  }
+}
+
+// Its point-to-point semantics: a send returns once its receive was issued, so two ranks that both
+// send first wait for each other until the timeout; a request orders compute after the receive.
+TEST_CASE("device_local protocol on the stand-in: ungrouped sends time out, a request orders compute",
+          "[comm][standin][device_local][timeout]") {
+  const auto t0 = std::chrono::steady_clock::now();
+  loom::comm::device_local_options opt;
+  opt.local.timeout = ms(200);
+  std::vector<std::string> seen(2);
+  CHECK_THROWS(loom::test::run_standin_device(
+      2,
+      [&](auto& c, loom::standin) {
+        std::vector<int> out(4, c.rank()), in(4, -1);
+        try {
+          auto s = c.isend(std::span<const int>(out), 1 - c.rank(), 0);
+          auto r = c.irecv(std::span<int>(in), 1 - c.rank(), 0);
+          c.wait(s);
+          c.wait(r);
+        } catch (const loom::error& e) {
+          seen[static_cast<std::size_t>(c.rank())] = e.what();
+          throw;
+        }
+      },
+      {}, opt));
+  for (const auto& w : seen) {
+    INFO(w);
+    CHECK((w.find("timed out") != std::string::npos || w.find("aborted") != std::string::npos));
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  for (std::uint64_t seed = 0; seed < 20; ++seed) {
+    std::array<double, 2> sum{-1, -1};
+    loom::test::run_standin_device(2,
+                                   [&](auto& c, loom::standin b) {
+                                     const int me = c.rank();
+                                     std::vector<double> data(1000, me == 0 ? 1.0 : 0.0), into(1000, 0.0);
+                                     double total = 0;
+                                     if (me == 0) {
+                                       auto s = c.isend(std::span<const double>(data), 1, 0);
+                                       c.wait(s);
+                                     } else {
+                                       auto r = c.irecv(std::span<double>(into), 0, 0);
+                                       c.wait(r, b);  // the kernel below runs after the receive
+                                       loom::for_each_index(b, 1, [&, p = into.data()](loom::index_t) {
+                                         for (int i = 0; i < 1000; ++i) total += p[i];
+                                       });
+                                       loom::fence(b);
+                                     }
+                                     sum[static_cast<std::size_t>(me)] = total;
+                                   },
+                                   {.seed = seed, .max_delay = std::chrono::microseconds(300)});
+    INFO("seed " << seed);
+    CHECK(sum[1] == 1000.0);
+  }
+}
+
+TEST_CASE("device_local protocol: an all_to_allv whose send and recv overlap is rejected on the calling rank",
+          "[comm][standin][device_local][errors]") {
+  std::string what;
+  loom::test::run_standin_device(1,
+                                 [&](auto& c, loom::standin) {
+                                   std::vector<float> x(4);
+                                   const std::array<std::size_t, 1> n{4}, z{0};
+                                   try {
+                                     c.all_to_allv(std::span<const float>(x), std::span<const std::size_t>(n),
+                                                   std::span<const std::size_t>(z), std::span<float>(x),
+                                                   std::span<const std::size_t>(n), std::span<const std::size_t>(z));
+                                   } catch (const loom::error& e) {
+                                     what = e.what();
+                                   }
+                                 },
+                                 {});
+  CHECK_THAT(what, Catch::Contains("comm::device_local all_to_allv: send and recv must not overlap"));
 }

@@ -151,6 +151,30 @@ void check_against(const sp_result& got, const reference& ref, const std::string
   }
 }
 
+// A ParaGRU problem of n steps, state size d, documents crossing ranks: the cell's parameters, x,
+// h0 and the output gradient g (seeds from `seed`).
+struct gru_problem {
+  index_t n, d, m;
+  std::vector<double> th, x;
+  std::vector<index_t> offs;
+  index_t segs;
+  std::vector<double> h0, g;
+  lr::para_gru<double> cell() const { return {th.data(), d}; }
+};
+gru_problem gru_problem_of(index_t n, index_t d, std::uint64_t seed) {
+  auto offs = crossing_offsets(n, seed + 2);
+  const auto segs = static_cast<index_t>(offs.size()) - 1;
+  return {n,
+          d,
+          3 * d,
+          lt::uniform<double>(6 * d, -1, 1, seed),
+          lt::uniform<double>(n * 3 * d, -1, 1, seed + 1),
+          std::move(offs),
+          segs,
+          lt::uniform<double>(segs * d, -0.5, 0.5, seed + 3),
+          lt::uniform<double>(n * d, -1, 1, seed + 4)};
+}
+
 template <class Cell>
 void check_cell(const Cell& c, index_t n, double x_scale, lr::options opt, const std::string& what,
                 bool expect_fallback = false) {
@@ -208,14 +232,9 @@ TEST_CASE("rnn over ranks on the stand-in: 50 seeds of random stream delays, the
   // The result depends on the schedule's order only, never on timing: for each P, every seed gives
   // the bits of the first one, which matches the fp64 references (the Newton iteration, its
   // fallbacks and the backward, P = 1..5).
-  const auto th = lt::uniform<double>(6 * 3, -1, 1, 21);
-  const lr::para_gru<double> c{th.data(), 3};
-  const index_t n = 211, d = 3, m = 9;
-  const auto x = lt::uniform<double>(n * m, -1, 1, 22);
-  const auto offs = crossing_offsets(n, 23);
-  const auto segs = static_cast<index_t>(offs.size()) - 1;
-  const auto h0 = lt::uniform<double>(segs * d, -0.5, 0.5, 24);
-  const auto g = lt::uniform<double>(n * d, -1, 1, 25);
+  const auto pb = gru_problem_of(211, 3, 21);
+  const auto c = pb.cell();
+  const auto& [n, d, m, th, x, offs, segs, h0, g] = pb;
   lr::options opt;
   opt.abs_tol = 1e-11;
   opt.rel_tol = 0;
@@ -332,14 +351,9 @@ TEST_CASE("rnn over ranks: a rejection on one rank reaches every rank", "[rnn][c
 }
 
 TEST_CASE("rnn over ranks: one agreement per plan, no allocation per call, reuse bitwise equal", "[rnn][comm][plan]") {
-  const auto th = lt::uniform<double>(6 * 4, -1, 1, 9);
-  const lr::para_gru<double> c{th.data(), 4};
-  const index_t n = 600, d = 4, m = 12;
-  const auto x = lt::uniform<double>(n * m, -1, 1, 10);
-  const auto offs = crossing_offsets(n, 11);
-  const auto segs = static_cast<index_t>(offs.size()) - 1;
-  const auto h0 = lt::uniform<double>(segs * d, -0.5, 0.5, 12);
-  const auto g = lt::uniform<double>(n * d, -1, 1, 13);
+  const auto pb = gru_problem_of(600, 4, 9);
+  const auto c = pb.cell();
+  const auto& [n, d, m, th, x, offs, segs, h0, g] = pb;
   const std::vector<std::int32_t> offs32(offs.begin(), offs.end());
   const auto docs = lt::docs_in_space(offs32);
   const int p = 3, calls = 3;

@@ -25,6 +25,7 @@
 #include <loom/backend/cuda.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/detail/cuda_events.hpp>
 #include <loom/comm/detail/poll.hpp>
 #include <loom/comm/detail/timeout.hpp>
 #include <loom/core/error.hpp>
@@ -115,7 +116,7 @@ struct nccl_options {
 //! One rank's handle on an NCCL communicator and its communication stream. Copies share the
 //! communicator, its events and its state.
 class nccl {
-  using event_ptr = std::shared_ptr<std::remove_pointer_t<cudaEvent_t>>;
+  using event_ptr = detail::cuda_event;
 
  public:
   using memory_space = cuda_memory;
@@ -427,11 +428,7 @@ class nccl {
     if (!st_->aborted) ncclCommAbort(comm_);
     st_->aborted = true;
   }
-  static event_ptr make_event() {
-    cudaEvent_t e = nullptr;
-    detail::nccl_cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    return event_ptr(e, [](cudaEvent_t x) { cudaEventDestroy(x); });
-  }
+  static event_ptr make_event() { return detail::make_cuda_event("comm::nccl"); }
   //! The communicator's asynchronous state as a poll result.
   static detail::poll_state async_state(ncclComm_t c, std::string& message) {
     ncclResult_t st = ncclSuccess;
@@ -450,12 +447,8 @@ class nccl {
     detail::poll_until_done(
         call, opt_.timeout,
         [&](std::string& m) {
-          const cudaError_t q = cudaEventQuery(e);
-          if (q == cudaSuccess) return detail::poll_state::done;
-          if (q != cudaErrorNotReady) {
-            m = std::string("CUDA reports ") + cudaGetErrorString(q);
-            return detail::poll_state::failed;
-          }
+          const detail::poll_state q = detail::cuda_event_state(e, m);
+          if (q != detail::poll_state::pending) return q;
           const detail::poll_state a = async_state(comm_, m);
           return a == detail::poll_state::failed ? a : detail::poll_state::pending;
         },
