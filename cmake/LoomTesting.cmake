@@ -32,6 +32,11 @@ function(loom_add_backend_test name)
     if(_b STREQUAL "standin" AND NOT T_DISTRIBUTED AND NOT LOOM_TEST_STANDIN_SINGLE_RANK)
       continue()
     endif()
+    # And the host variant of the distributed ones unless switched on (the ASan build, where their
+    # stand-in variant runs the same primitives, host-side plans and device paths included).
+    if(_b STREQUAL "serial" AND T_DISTRIBUTED AND NOT LOOM_TEST_DISTRIBUTED_HOST)
+      continue()
+    endif()
     if(_b STREQUAL "serial" OR _b STREQUAL "standin")
       set(_target loom::loom)
     elseif(TARGET loom::${_b})

@@ -12,8 +12,10 @@
 
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 namespace loom::test {
 
@@ -62,26 +64,34 @@ class standin_device {
 using standin_device_local = loom::comm::basic_device_local<standin_device>;
 
 //! Runs fn(comm, b) on p rank threads: b a stand-in compute stream of the rank, comm the
-//! device_local protocol on a communication stream of its own, both with random delays.
+//! device_local protocol on a communication stream of its own, both with random delays. Every
+//! rank's streams live until every rank has returned and every stream has drained: a rank's
+//! stream waits on events of its peers' streams (as a GPU's streams wait on each other's events).
 template <class F>
 void run_standin_device(int p, F&& fn, loom::standin_delays delays, loom::comm::device_local_options opt = {}) {
+  std::vector<std::unique_ptr<loom::standin_stream>> compute, transfer;
+  for (int r = 0; r < p; ++r) {
+    const auto u = static_cast<std::uint64_t>(r);
+    compute.push_back(std::make_unique<loom::standin_stream>(
+        loom::standin_delays{.seed = delays.seed * 1000003 + 2 * u, .max_delay = delays.max_delay}));
+    transfer.push_back(std::make_unique<loom::standin_stream>(
+        loom::standin_delays{.seed = delays.seed * 1000003 + 2 * u + 1, .max_delay = delays.max_delay}));
+  }
+  struct drain_all {
+    std::vector<std::unique_ptr<loom::standin_stream>>&a, &b;
+    ~drain_all() {
+      for (auto* v : {&a, &b})
+        for (auto& s : *v) s->drain();
+    }
+  } guard{compute, transfer};
   loom::comm::run_local(
       p,
       [&](loom::comm::local& c) {
-        const auto r = static_cast<std::uint64_t>(c.rank());
-        loom::standin_stream compute({.seed = delays.seed * 1000003 + 2 * r, .max_delay = delays.max_delay});
-        loom::standin_stream transfer({.seed = delays.seed * 1000003 + 2 * r + 1, .max_delay = delays.max_delay});
-        struct drain_first {
-          loom::standin_stream &a, &b;
-          ~drain_first() {
-            a.drain();
-            b.drain();
-          }
-        } guard{compute, transfer};
-        standin_device_local comm(c, &transfer, opt);
-        fn(comm, loom::standin{&compute});
+        const auto r = static_cast<std::size_t>(c.rank());
+        standin_device_local comm(c, transfer[r].get(), opt);
+        fn(comm, loom::standin{compute[r].get()});
         comm.synchronize();
-        compute.synchronize();
+        compute[r]->synchronize();
       },
       opt.local);
 }
