@@ -684,7 +684,28 @@ TEST_CASE("comm::standin: ungrouped sends of both ranks time out, sendrecv compl
   CHECK(got == std::vector<int>{3, 0});
 }
 
-// A request's event orders a compute stream after the transfer without blocking the host.
+// A request's event orders a compute stream after the transfer without blocking the host: rank 0
+// sends 1000 ones, rank 1 waits for the receive on its compute stream (wait(request, b)) and sums
+// them there. Returns what the rank summed (0 on the sender).
+template <class C>
+double received_sum(C& c, const loom::standin& b) {
+  const int me = c.rank();
+  std::vector<double> data(1000, me == 0 ? 1.0 : 0.0), into(1000, 0.0);
+  double total = 0;
+  if (me == 0) {
+    auto s = c.isend(std::span<const double>(data), 1, 0);
+    c.wait(s);
+  } else {
+    auto r = c.irecv(std::span<double>(into), 0, 0);
+    c.wait(r, b);  // the kernel below runs after the receive
+    loom::for_each_index(b, 1, [&, p = into.data()](loom::index_t) {
+      for (int i = 0; i < 1000; ++i) total += p[i];
+    });
+    loom::fence(b);
+  }
+  return total;
+}
+
 TEST_CASE("comm::standin: wait(request, b) orders the compute stream after the receive", "[comm][standin]") {
   std::array<double, 2> sum{-1, -1};
   loom::comm::standin_options opt;
@@ -693,23 +714,7 @@ TEST_CASE("comm::standin: wait(request, b) orders the compute stream after the r
     opt.seed = seed;
     loom::comm::run_standin(
         2,
-        [&](loom::comm::standin& c, loom::standin b) {
-          const int me = c.rank();
-          std::vector<double> data(1000, me == 0 ? 1.0 : 0.0), into(1000, 0.0);
-          double total = 0;
-          if (me == 0) {
-            auto s = c.isend(std::span<const double>(data), 1, 0);
-            c.wait(s);
-          } else {
-            auto r = c.irecv(std::span<double>(into), 0, 0);
-            c.wait(r, b);  // the kernel below runs after the receive
-            loom::for_each_index(b, 1, [&, p = into.data()](loom::index_t) {
-              for (int i = 0; i < 1000; ++i) total += p[i];
-            });
-            loom::fence(b);
-          }
-          sum[static_cast<std::size_t>(me)] = total;
-        },
+        [&](loom::comm::standin& c, loom::standin b) { sum[static_cast<std::size_t>(c.rank())] = received_sum(c, b); },
         opt);
     INFO("seed " << seed);
     CHECK(sum[1] == 1000.0);
@@ -782,25 +787,9 @@ TEST_CASE("device_local protocol on the stand-in: ungrouped sends time out, a re
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
   for (std::uint64_t seed = 0; seed < 20; ++seed) {
     std::array<double, 2> sum{-1, -1};
-    loom::test::run_standin_device(2,
-                                   [&](auto& c, loom::standin b) {
-                                     const int me = c.rank();
-                                     std::vector<double> data(1000, me == 0 ? 1.0 : 0.0), into(1000, 0.0);
-                                     double total = 0;
-                                     if (me == 0) {
-                                       auto s = c.isend(std::span<const double>(data), 1, 0);
-                                       c.wait(s);
-                                     } else {
-                                       auto r = c.irecv(std::span<double>(into), 0, 0);
-                                       c.wait(r, b);  // the kernel below runs after the receive
-                                       loom::for_each_index(b, 1, [&, p = into.data()](loom::index_t) {
-                                         for (int i = 0; i < 1000; ++i) total += p[i];
-                                       });
-                                       loom::fence(b);
-                                     }
-                                     sum[static_cast<std::size_t>(me)] = total;
-                                   },
-                                   {.seed = seed, .max_delay = std::chrono::microseconds(300)});
+    loom::test::run_standin_device(
+        2, [&](auto& c, loom::standin b) { sum[static_cast<std::size_t>(c.rank())] = received_sum(c, b); },
+        {.seed = seed, .max_delay = std::chrono::microseconds(300)});
     INFO("seed " << seed);
     CHECK(sum[1] == 1000.0);
   }

@@ -20,9 +20,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <span>
-#include <string_view>
 #include <vector>
 
 namespace loom::attention::detail {
