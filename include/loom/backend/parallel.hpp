@@ -48,6 +48,14 @@ struct tile_shape {
 };
 
 namespace detail {
+//! Fills p[0..n) with v (one item per element): for_each_index(b, n, fill_kernel<T>{p, v}).
+template <class T>
+struct fill_kernel {
+  T* p;
+  T v;
+  LOOM_HD void operator()(index_t i) const { p[i] = v; }
+};
+
 template <class F>
 struct tile_body {
   index_t rows, cols, tile_rows, tile_cols, grid_cols;

@@ -42,6 +42,7 @@
 #include <loom/backend/temporary.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
+#include <loom/comm/stream_order.hpp>
 #include <loom/core/segments.hpp>
 #include <loom/core/workspace.hpp>
 #include <loom/linear_attention/chunked.hpp>
@@ -50,6 +51,7 @@
 #include <cstddef>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 namespace loom::linear_attention::lasp2 {
 
@@ -103,6 +105,16 @@ class plan {
 
 namespace detail {
 
+//! The operands' space must be the backend's, and one the communicator can move.
+template <class B, class C, class Space>
+constexpr void check_spaces() {
+  static_assert(std::is_same_v<Space, typename backend_traits<B>::memory_space>,
+                "lasp2: the operands must live in the backend's memory space");
+  static_assert(comm::moves<C, Space>,
+                "lasp2: the communicator cannot move buffers of the backend's memory space (a host communicator "
+                "needs host-accessible memory; device memory needs a stream-ordered communicator)");
+}
+
 struct access {
   template <class P>
   static const linear_attention::detail::lasp2_core<P>& core(const plan<P>& p) noexcept {
@@ -114,7 +126,10 @@ struct access {
   template <class P, class B, class C, class Check>
   static plan<P> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
                       const shape& slice, const options& opt, std::string_view call, Check&& check) {
-    static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::make_plan: host backends only");
+    using Space = typename backend_traits<B>::memory_space;
+    static_assert(comm::moves<C, Space>,
+                  "lasp2: the communicator cannot move buffers of the backend's memory space (a host communicator "
+                  "needs host-accessible memory; device memory needs a stream-ordered communicator)");
     static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
     plan<P> p;
     auto& c = p.c_;
@@ -135,12 +150,21 @@ struct access {
       c.sz = slice.dk * slice.dv;
       c.docs = docs.count();
       c.posted_exchange = opt.exchange == exchange::posted;
+      c.stream_ordered = linear_attention::detail::stream_ordered_comm<C, B>;
       c.request_bytes = sizeof(typename C::request);
       c.cu.resize(static_cast<std::size_t>(c.docs) + 1);
       for (index_t d = 0; d <= c.docs; ++d) c.cu[static_cast<std::size_t>(d)] = docs[d];
       c.s = linear_attention::detail::make_slice(c.cu, token_begin, slice.tokens, c.rank, c.ranks);
+      linear_attention::options chunked = opt.chunked;
+      if constexpr (!Space::host_accessible) {
+        LOOM_EXPECTS(!chunked.fused || !*chunked.fused, errc::invalid_argument, call,
+                     ": options.chunked.fused: the fused LASP-2 schedule runs on host memory only; leave it unset "
+                     "or false on a backend whose memory is not host-accessible");
+        chunked.fused = false;
+      }
       c.pl = linear_attention::make_plan<P>(b, segments<host_memory>(std::span<const index_t>(c.s.local_cu)),
-                                            {slice.tokens, slice.heads, slice.dk, slice.dv}, opt.chunked);
+                                            {slice.tokens, slice.heads, slice.dk, slice.dv}, chunked);
+      c.make_moves();
       c.fwd = c.make_layout(false);
       c.bwd = c.make_layout(true);
       check(c);
@@ -188,12 +212,11 @@ plan<P> make_plan(const B& b, C& comm, const segments<host_memory>& docs, index_
 //!         (the message names the argument); comm errors of the communicator.
 //! Communication: one all_gather (or the same volume posted) of H (1 + dk dv) + 1 Accum values
 //! per rank.
-template <backend B, comm::communicator C, precision_policy P, class Gating>
-void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, host_memory>& x,
-             tensor_view<typename P::storage_type, 3, host_memory> o,
-             tensor_view<typename P::accum_type, 4, host_memory> final_state,
-             tensor_view<typename P::accum_type, 3, host_memory> incoming_state, std::span<std::byte> workspace) {
-  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::forward: host backends only");
+template <backend B, comm::communicator C, precision_policy P, class Gating, memory_space Space>
+void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+             tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> final_state,
+             tensor_view<typename P::accum_type, 3, Space> incoming_state, std::span<std::byte> workspace) {
+  detail::check_spaces<B, C, Space>();
   linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
                                                   incoming_state, workspace);
 }
@@ -205,13 +228,13 @@ void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const
 //! written for the documents whose first token this rank holds. Allocates nothing; no agreement.
 //! @throws as forward.
 //! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank.
-template <backend B, comm::communicator C, precision_policy P, class Gating>
-void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, host_memory>& x,
-              tensor_view<const typename P::storage_type, 3, host_memory> d_o,
-              tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
-              tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
-              const gradients<P, host_memory>& g, std::span<std::byte> workspace) {
-  static_assert(backend_traits<B>::memory_space::host_accessible, "lasp2::backward: host backends only");
+template <backend B, comm::communicator C, precision_policy P, class Gating, memory_space Space>
+void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+              tensor_view<const typename P::storage_type, 3, Space> d_o,
+              tensor_view<const typename P::accum_type, 4, Space> d_final_state,
+              tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,
+              std::span<std::byte> workspace) {
+  detail::check_spaces<B, C, Space>();
   linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
                                                    incoming_state, g, workspace);
 }
@@ -220,15 +243,16 @@ void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, cons
 //! view checks inside its agreement), a loom::temporary_buffer workspace, the plan form (complete on return).
 //! @throws as make_plan and the plan form, on every rank.
 //! Communication: the agreement and the exchange.
-template <backend B, comm::communicator C, class Gating, precision_policy P>
+template <backend B, comm::communicator C, class Gating, precision_policy P, memory_space Space>
 void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
-             const operands<P, host_memory>& x, tensor_view<typename P::storage_type, 3, host_memory> o,
-             tensor_view<typename P::accum_type, 4, host_memory> final_state = {},
-             tensor_view<typename P::accum_type, 3, host_memory> incoming_state = {}, const options& opt = {}) {
+             const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
+             tensor_view<typename P::accum_type, 4, Space> final_state = {},
+             tensor_view<typename P::accum_type, 3, Space> incoming_state = {}, const options& opt = {}) {
+  detail::check_spaces<B, C, Space>();
   const auto pl =
       detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
                               opt, "lasp2::forward", [&](const auto& core) {
-                                linear_attention::detail::check_forward_call(comm, core, gating, x, o, final_state,
+                                linear_attention::detail::check_forward_call(comm, b, core, gating, x, o, final_state,
                                                                              incoming_state, "lasp2::forward");
                               });
   loom::detail::with_temporary_workspace(b, pl.forward_workspace_bytes(), [&](std::span<std::byte> ws) {
@@ -237,16 +261,17 @@ void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t tok
 }
 
 //! Convenience form of backward (as forward's).
-template <backend B, comm::communicator C, class Gating, precision_policy P>
+template <backend B, comm::communicator C, class Gating, precision_policy P, memory_space Space>
 void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
-              const operands<P, host_memory>& x, tensor_view<const typename P::storage_type, 3, host_memory> d_o,
-              tensor_view<const typename P::accum_type, 4, host_memory> d_final_state,
-              tensor_view<const typename P::accum_type, 3, host_memory> incoming_state,
-              const gradients<P, host_memory>& g, const options& opt = {}) {
+              const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
+              tensor_view<const typename P::accum_type, 4, Space> d_final_state,
+              tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,
+              const options& opt = {}) {
+  detail::check_spaces<B, C, Space>();
   const auto pl =
       detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
                               opt, "lasp2::backward", [&](const auto& core) {
-                                linear_attention::detail::check_backward_call(comm, core, gating, x, d_o, d_final_state,
+                                linear_attention::detail::check_backward_call(comm, b, core, gating, x, d_o, d_final_state,
                                                                               incoming_state, g, "lasp2::backward");
                               });
   loom::detail::with_temporary_workspace(b, pl.backward_workspace_bytes(), [&](std::span<std::byte> ws) {

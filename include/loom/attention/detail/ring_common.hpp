@@ -174,13 +174,7 @@ struct ring_state {
   }
 };
 
-//! Fills p[0..n) with v (one item per element).
-template <class T>
-struct fill_kernel {
-  T* p;
-  T v;
-  LOOM_HD void operator()(index_t i) const { p[i] = v; }
-};
+using loom::detail::fill_kernel;
 
 //! Element i of a contiguous [n, h, d] block from / into a strided view (d = 1: a [n, h] view).
 template <class V, class T, bool two_d>

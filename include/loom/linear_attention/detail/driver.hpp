@@ -183,14 +183,17 @@ struct incoming_scratch {
 //! scale exp(B_t) q_t^T X added (incoming_kernel; only when the storage type is the accumulation
 //! type, else m = 0). No chunk state is computed twice except in the scanned chunks of a publishing
 //! rank. With several documents, document 0 runs after the exchange from X.
-//! Otherwise (chunk-parallel plan): phases 1 and 2, then X folded into the chunk states of document
+//! Otherwise (chunk-parallel plan, every memory space): phases 1 and 2, publish(fin) copies the end
+//! state out of the local final states (on the backend's stream), post(), the output of documents
+//! 1.., finish(), then X folded into the chunk states of document
 //! 0, S0 + exp(B) X (its final state does not include X).
-template <class B, class P, class Gating, class Space, class Post, class Finish>
+template <class B, class P, class Gating, class Space, class Post, class Finish, class Publish>
 bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                           tensor_view<typename P::storage_type, 3, Space> o,
                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
                           typename P::accum_type* end_state, incoming_roles roles,
-                          const incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish) {
+                          const incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish,
+                          Publish&& publish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false, "lasp2::forward");
@@ -199,8 +202,10 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
   const index_t groups = pl.head_groups(), doc_items = pl.docs() * pl.heads(), H = pl.heads(), sz = pl.dk() * pl.dv();
   A* fin_p = present(fin) ? fin.data() : nullptr;
   const A* init = x.initial_state.data();
-  if (pl.fused() && pl.docs() > 0) {
-    static_assert(Space::host_accessible, "run_forward_incoming: the fused schedule runs on host memory");
+  LOOM_EXPECTS(Space::host_accessible || !pl.fused(), errc::invalid_argument,
+               "run_forward_incoming: the fused schedule runs on host memory only");
+  if constexpr (Space::host_accessible) {
+    if (pl.fused() && pl.docs() > 0) {
     LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
     const index_t docs = pl.docs(), n = plan_access::table(pl).doc_chunk[1];
     LOOM_EXPECTS(sc.mid.size() == static_cast<std::size_t>(H * sz) && sc.lg.size() == static_cast<std::size_t>(n * H),
@@ -268,15 +273,14 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
     else
       std::copy(start.begin(), start.end(), fin_p);
     return true;
+    }
   }
   launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes());
   launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes());
-  fence(b);
-  if (roles.publish && pl.docs() > 0) std::copy_n(fin_p + (pl.docs() - 1) * H * sz, H * sz, end_state);
+  if (roles.publish && pl.docs() > 0) publish(static_cast<const A*>(fin_p));
   post();
   const index_t split = pl.docs() > 0 ? plan_access::table(pl).doc_chunk[1] : 0;
   launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes());
-  fence(b);
   const A* incoming = finish();
   launch(b, output_kernel<S, A, Space>{p, o, 0, split, incoming, w.cum}, split * groups, pl.lanes());
   return false;
