@@ -2,8 +2,8 @@
 // (one GPU per rank, ranks as threads of this process). For each: the stream-ordered conformance
 // suite, and the distributed primitives on device memory (ring pass-KV, all-gather-KV and the
 // bidirectional ring forward and backward, pass-Q forward, Ulysses forward and backward, the
-// hybrid, a cross-rank scan, the sequence-parallel Newton solver) against the same computation on
-// one device. Needs a GPU (comm::nccl: two); CI
+// hybrid, a cross-rank scan, the sequence-parallel Newton solver, LASP-2) against the same
+// computation on one device. Needs a GPU (comm::nccl: two); CI
 // compiles this unit only.
 
 #include <loom/attention/bidirectional.hpp>
@@ -13,6 +13,8 @@
 #include <loom/backend/cuda.hpp>
 #include <loom/comm/device_local.hpp>
 #include <loom/comm/nccl.hpp>
+#include <loom/linear_attention/chunked.hpp>
+#include <loom/linear_attention/lasp2.hpp>
 #include <loom/rnn/distributed.hpp>
 #include <loom/scan/distributed.hpp>
 
@@ -320,9 +322,57 @@ void primitives(Run run, int p) {
     const auto hh = h.to_host();
     std::copy(hh.begin(), hh.end(), hp.begin() + lo * d);
   });
-  INFO("sequence-parallel Newton, P = " << p);
-  lt::require_close(std::vector<double>(hp.begin(), hp.end()), std::vector<double>(h1.begin(), h1.end()), {1e-4, 1e-5},
-                    "h");
+  {
+    INFO("sequence-parallel Newton, P = " << p);
+    lt::require_close(std::vector<double>(hp.begin(), hp.end()), std::vector<double>(h1.begin(), h1.end()),
+                      {1e-4, 1e-5}, "h");
+  }
+
+  // LASP-2 (scalar gates, fp32, chunk 16) against chunked linear attention on one device: the
+  // outputs and every document's final state.
+  namespace lin = loom::linear_attention;
+  const index_t t = docs.back(), nh = 2, w = 8, nd = static_cast<index_t>(docs.size()) - 1, st = nd * nh * w * w;
+  const auto lq = lt::uniform<float>(t * nh * w, -1, 1, 9), lk = lt::uniform<float>(t * nh * w, -1, 1, 10),
+             lv = lt::uniform<float>(t * nh * w, -1, 1, 11), lg = lt::uniform<float>(t * nh, -0.2, 0, 12);
+  const lin::options lo_opt{.chunk = 16};
+  std::vector<float> o1, f1, op(lv.size()), fp(static_cast<std::size_t>(st), 0.f);
+  {
+    lt::device_array<float> q(lq), k(lk), v(lv), g(lg), o(lv.size()), f(static_cast<std::size_t>(st));
+    const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {t, nh, w}),
+                                                        dview<const float, 3>(k.data(), {t, nh, w}),
+                                                        dview<const float, 3>(v.data(), {t, nh, w})};
+    lin::forward(loom::cuda{}, std::span<const index_t>(docs),
+                 lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {t, nh})}, ops,
+                 dview<float, 3>(o.data(), {t, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), lo_opt);
+    o1 = o.to_host();
+    f1 = f.to_host();
+  }
+  std::mutex mu;
+  run(p, [&](auto& comm, loom::cuda b) {
+    const int r = comm.rank();
+    const index_t lo = t * r / p, hi = t * (r + 1) / p, len = hi - lo;
+    auto part = [&](const std::vector<float>& a, index_t width) {
+      return std::vector<float>(a.begin() + lo * width, a.begin() + hi * width);
+    };
+    lt::device_array<float> q(part(lq, nh * w)), k(part(lk, nh * w)), v(part(lv, nh * w)), g(part(lg, nh)),
+        o(static_cast<std::size_t>(len * nh * w)), f(std::vector<float>(static_cast<std::size_t>(st), 0.f));
+    const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {len, nh, w}),
+                                                        dview<const float, 3>(k.data(), {len, nh, w}),
+                                                        dview<const float, 3>(v.data(), {len, nh, w})};
+    lin::lasp2::forward(b, comm, std::span<const index_t>(docs), lo,
+                        lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {len, nh})}, ops,
+                        dview<float, 3>(o.data(), {len, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), {},
+                        {.chunked = lo_opt});
+    const auto oh = o.to_host(), fh = f.to_host();
+    const std::lock_guard lk_(mu);
+    std::copy(oh.begin(), oh.end(), op.begin() + lo * nh * w);
+    for (std::size_t i = 0; i < fh.size(); ++i) fp[i] += fh[i];
+  });
+  INFO("LASP-2, P = " << p);
+  lt::require_close(std::vector<double>(op.begin(), op.end()), std::vector<double>(o1.begin(), o1.end()), {1e-4, 1e-5},
+                    "o");
+  lt::require_close(std::vector<double>(fp.begin(), fp.end()), std::vector<double>(f1.begin(), f1.end()), {1e-4, 1e-5},
+                    "final states");
 }
 
 const auto on_device_local = [](int p, auto&& fn) {

@@ -1,12 +1,9 @@
-// LASP-2 over comm::local (P = 2..4, documents crossing slices, both exchanges, one and two threads
-// per rank so both ways of entering the incoming state run): a NaN or an infinity in one document
-// (q, k, v, its initial state; d_o or its final-state gradient) leaves every other document's
-// outputs, final states and gradients with the same bits as the same run with that document clean,
-// forward and backward. Full decay (log-gates of -3e38 and -inf) matches the fp64 oracle.
-
-#include <loom/backend/openmp.hpp>
-#include <loom/comm/local.hpp>
-#include <loom/linear_attention/lasp2.hpp>
+// LASP-2 over P = 2..4 ranks (documents crossing slices, both exchanges, and on host memory both
+// ways of entering the incoming state): a NaN or an infinity in one document (q, k, v, its initial
+// state; d_o or its final-state gradient) leaves every other document's outputs, final states and
+// gradients with the same bits as the same run with that document clean, forward and backward.
+// Full decay (log-gates of -3e38 and -inf) matches the fp64 oracle. One body, run on host memory
+// (serial, comm::local) and on the device stand-in (comm::standin): support/distributed.hpp.
 
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -14,17 +11,14 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <limits>
-#include <mutex>
 #include <string>
 #include <vector>
 
 #include "../scan/poison.hpp"
-#include "oracle.hpp"
+#include "lasp2_ranks.hpp"
 
-namespace la = loom::linear_attention;
 namespace lp = loom::test::poison;
 using loom::index_t;
 using loom::test::la::gating;
@@ -34,91 +28,7 @@ using loom::test::la::scaled_tol;
 
 namespace {
 
-template <class T, std::size_t R>
-loom::tensor_view<T, R> mk(T* data, const index_t (&e)[R]) {
-  std::array<index_t, R> a;
-  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
-  return loom::make_view(data, a);
-}
-
-template <class T>
-std::vector<T> cast(const double* x, std::size_t n) {
-  std::vector<T> r(n);
-  for (std::size_t i = 0; i < n; ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-
-struct result {
-  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
-};
-
-struct config {
-  int ranks = 2;
-  std::vector<index_t> splits;
-  la::lasp2::exchange ex = la::lasp2::exchange::all_gather;
-  int threads = 1;
-  index_t chunk = 16;
-};
-
-//! LASP-2 forward then backward on every rank; per-token outputs land in their rows, the global
-//! per-document ones are summed over the ranks (each row is written by one rank, zeros elsewhere).
-template <class P>
-result run(const problem& p, const std::vector<double>& d_o, const std::vector<double>& dfin, const config& c) {
-  using S = typename P::storage_type;
-  using A = typename P::accum_type;
-  const index_t H = p.H, dk = p.dk, dv = p.dv, docs = p.docs(), sz = dk * dv;
-  result out{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
-             std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
-             std::vector<double>(p.init.size())};
-  std::mutex mu;
-  const auto init = cast<A>(p.init.data(), p.init.size()), hlg = cast<A>(p.head_lg.data(), p.head_lg.size());
-  const auto df = cast<A>(dfin.data(), dfin.size());
-  loom::comm::run_local(c.ranks, [&](loom::comm::local& comm) {
-    const auto r = static_cast<std::size_t>(comm.rank());
-    const index_t from = c.splits[r], n = c.splits[r + 1] - from;
-    const auto q = cast<S>(p.q.data() + from * H * dk, static_cast<std::size_t>(n * H * dk));
-    const auto k = cast<S>(p.k.data() + from * H * dk, static_cast<std::size_t>(n * H * dk));
-    const auto v = cast<S>(p.v.data() + from * H * dv, static_cast<std::size_t>(n * H * dv));
-    const auto lg = cast<A>(p.lg.data() + from * H, static_cast<std::size_t>(n * H));
-    const auto dob = cast<S>(d_o.data() + from * H * dv, static_cast<std::size_t>(n * H * dv));
-    const la::operands<P> x{mk(q.data(), {n, H, dk}), mk(k.data(), {n, H, dk}), mk(v.data(), {n, H, dv}),
-                            mk(init.data(), {docs, H, dk, dv})};
-    std::vector<S> o(static_cast<std::size_t>(n * H * dv)), dq(q.size()), dkk(k.size()), dvv(v.size());
-    std::vector<A> fin(init.size(), A(0)), xin(static_cast<std::size_t>(H * sz)), dlg(lg.size()),
-        dinit(init.size(), A(0));
-    const la::lasp2::options opt{.chunked = {.chunk = c.chunk, .scale = p.scale}, .exchange = c.ex};
-    // One plan and one workspace for both passes.
-    const auto pl = la::lasp2::make_plan<P>(loom::openmp{.threads = c.threads}, comm, std::span<const index_t>(p.cu),
-                                            from, {n, H, dk, dv}, opt);
-    loom::workspace_buffer ws(pl.workspace_bytes());
-    const loom::openmp b{.threads = c.threads};
-    la::gradients<P> gr{mk(dq.data(), {n, H, dk}), mk(dkk.data(), {n, H, dk}), mk(dvv.data(), {n, H, dv})};
-    gr.d_initial_state = mk(dinit.data(), {docs, H, dk, dv});
-    if (p.mode == gating::scalar) gr.d_log_gate = mk(dlg.data(), {n, H});
-    auto both = [&](const auto& g) {
-      la::lasp2::forward(b, comm, pl, g, x, mk(o.data(), {n, H, dv}), mk(fin.data(), {docs, H, dk, dv}),
-                         mk(xin.data(), {H, dk, dv}), ws.span());
-      la::lasp2::backward(b, comm, pl, g, x, mk(static_cast<const S*>(dob.data()), {n, H, dv}),
-                          mk(df.data(), {docs, H, dk, dv}), mk(static_cast<const A*>(xin.data()), {H, dk, dv}), gr,
-                          ws.span());
-    };
-    if (p.mode == gating::none)
-      both(la::no_decay{});
-    else if (p.mode == gating::fixed)
-      both(la::fixed_decay<A>{mk(hlg.data(), {H})});
-    else
-      both(la::scalar_gate<A>{mk(lg.data(), {n, H})});
-    const std::lock_guard lk(mu);
-    auto put = [](std::vector<double>& dst, const auto& src, index_t at) {
-      for (std::size_t i = 0; i < src.size(); ++i) dst[static_cast<std::size_t>(at) + i] = static_cast<double>(src[i]);
-    };
-    put(out.o, o, from * H * dv), put(out.dq, dq, from * H * dk), put(out.dk, dkk, from * H * dk);
-    put(out.dv, dvv, from * H * dv), put(out.dlg, dlg, from * H);
-    for (std::size_t i = 0; i < fin.size(); ++i)
-      out.fin[i] += static_cast<double>(fin[i]), out.dinit[i] += static_cast<double>(dinit[i]);
-  });
-  return out;
-}
+using result = loom::test::la::outputs;
 
 //! Cut points of T tokens over P ranks, every slice non-empty and the documents crossing them.
 std::vector<index_t> splits(index_t T, int ranks, std::uint64_t stream) {
@@ -150,13 +60,12 @@ void isolation(const std::string& what) {
   int n = 0;
   for (gating mode : {gating::none, gating::fixed, gating::scalar})
     for (int ranks : {2, 3, 4})
-      for (int threads : {1, 2}) {
+      for (const auto& sc : loom::test::la::schedules()) {
         const problem clean = rounded<P>(loom::test::la::make_problem(T, H, dk, dv, mode, cu, true, 15));
         const auto d_o = rounded_to<S>(loom::test::uniform<double>(T * H * dv, -1, 1, 16));
         const auto dfin = rounded_to<A>(loom::test::uniform<double>(docs * H * sz, -1, 1, 17));
-        const config c{ranks, splits(T, ranks, 18 + static_cast<std::uint64_t>(ranks)),
-                       threads == 1 ? la::lasp2::exchange::posted : la::lasp2::exchange::all_gather, threads, 16};
-        const auto want = run<P>(clean, d_o, dfin, c);
+        const auto cut = splits(T, ranks, 18 + static_cast<std::uint64_t>(ranks));
+        const auto want = loom::test::la::run_lasp2<P>(clean, cut, d_o, dfin, sc, 16);
         for (input in : {input::q, input::k, input::v, input::init, input::d_o, input::d_final})
           for (index_t s : {1, 3, 4, 5, 7}) {
             const lp::value val = lp::all_values[++n % 3];
@@ -174,8 +83,9 @@ void isolation(const std::string& what) {
             if (in == input::d_o) dd_o[row * dv + static_cast<std::size_t>(n % dv)] = x;
             if (in == input::init) p.init[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
             if (in == input::d_final) ddfin[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
-            const auto got = run<P>(p, dd_o, ddfin, c);
-            INFO(what << ", gating " << static_cast<int>(mode) << ", P = " << ranks << ", threads " << threads << ": "
+            const auto got = loom::test::la::run_lasp2<P>(p, cut, dd_o, ddfin, sc, 16);
+            INFO(what << ", gating " << static_cast<int>(mode) << ", P = " << ranks << ", exchange "
+                      << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : "") << ": "
                       << lp::name(val) << " in input " << static_cast<int>(in) << " of document " << s << " (token "
                       << t << ", head " << h << ")");
             lp::require_others_equal(got.o, want.o, H * dv, tok_doc, s, "o");
@@ -221,16 +131,14 @@ void full_decay(const std::string& what) {
       const auto dfin = rounded_to<A>(loom::test::uniform<double>(p.docs() * H * dk * dv, -1, 1, 27));
       const auto want = loom::test::la::oracle(p, &d_o, &dfin);
       for (int ranks : {2, 3, 4})
-        for (int threads : {1, 2}) {
+        for (const auto& sc : loom::test::la::schedules()) {
           // cuts at 30 and 60 put a full-decay token on each side of a slice boundary
-          const config c{ranks,
-                         ranks == 2   ? std::vector<index_t>{0, 60, T}
-                         : ranks == 3 ? std::vector<index_t>{0, 30, 60, T}
-                                      : std::vector<index_t>{0, 30, 31, 90, T},
-                         la::lasp2::exchange::all_gather, threads, 7};
-          const auto got = run<P>(p, d_o, dfin, c);
+          const std::vector<index_t> cut = ranks == 2   ? std::vector<index_t>{0, 60, T}
+                                           : ranks == 3 ? std::vector<index_t>{0, 30, 60, T}
+                                                        : std::vector<index_t>{0, 30, 31, 90, T};
+          const auto got = loom::test::la::run_lasp2<P>(p, cut, d_o, dfin, sc, 7);
           INFO(what << ", log-gate " << huge << ", gating " << static_cast<int>(mode) << ", P = " << ranks
-                    << ", threads " << threads);
+                    << ", exchange " << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : ""));
           CHECK(all_finite(got));
           namespace lt = loom::test;
           lt::require_close(got.o, want.o, scaled_tol<P>(want.o), "o");
@@ -247,13 +155,13 @@ void full_decay(const std::string& what) {
 }  // namespace
 
 TEST_CASE("lasp2 isolation: a non-finite value in one document changes no other, across ranks",
-          "[linear_attention][lasp2][isolation]") {
+          "[linear_attention][lasp2][comm][isolation]") {
   isolation<loom::fp64>("fp64");
   isolation<loom::fp32>("fp32");
 }
 
 TEST_CASE("lasp2: huge and infinite negative log-gates are full decay, across ranks",
-          "[linear_attention][lasp2][isolation]") {
+          "[linear_attention][lasp2][comm][isolation]") {
   full_decay<loom::fp64>("fp64");
   full_decay<loom::fp32>("fp32");
 }

@@ -1,0 +1,250 @@
+// LASP-2 on P = 1..5 and 7 ranks against single-device chunked attention on the whole sequence
+// (fp64, serial, itself checked against the oracle): documents crossing ranks, empty and
+// single-token documents, every gating, both exchanges and (host memory) both forward schedules;
+// bitwise exact on small integers; one agreement per plan, the exchange's traffic counted byte for
+// byte and nothing allocated per plan-taking call; on the stand-in, 50 seeds of stream delays give
+// the same bits. One body, run on host memory (serial, comm::local) and on the device stand-in
+// (comm::standin): support/distributed.hpp.
+
+#include <loom/backend/serial.hpp>
+#include <loom/linear_attention/chunked.hpp>
+
+#include <support/allocations.hpp>
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include "lasp2_ranks.hpp"
+
+using loom::index_t;
+namespace lt = loom::test;
+namespace lasp2 = loom::linear_attention::lasp2;
+namespace lin = loom::linear_attention;
+using lt::la::gating;
+using lt::la::outputs;
+using lt::la::problem;
+
+namespace {
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R> host_view(T* data, const index_t (&e)[R]) {
+  std::array<index_t, R> a;
+  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
+  return loom::make_view(data, a);
+}
+
+template <class F>
+auto with_host_gating(const problem& p, F&& f) {
+  if (p.mode == gating::none) return f(lin::no_decay{});
+  if (p.mode == gating::fixed) return f(lin::fixed_decay<double>{host_view(p.head_lg.data(), {p.H})});
+  return f(lin::scalar_gate<double>{host_view(p.lg.data(), {p.T, p.H})});
+}
+
+//! The single-device reference: chunked, serial, fp64 (itself checked against the oracle).
+outputs single(const problem& p, const std::vector<double>& d_o, const std::vector<double>& dfin, index_t chunk) {
+  const index_t T = p.T, H = p.H, dk = p.dk, dv = p.dv, docs = p.docs();
+  outputs r{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
+            std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
+            std::vector<double>(p.init.size())};
+  lin::operands<loom::fp64> x{host_view(p.q.data(), {T, H, dk}), host_view(p.k.data(), {T, H, dk}),
+                              host_view(p.v.data(), {T, H, dv}), host_view(p.init.data(), {docs, H, dk, dv})};
+  const lin::options opt{.chunk = chunk, .scale = p.scale};
+  const loom::segments<> docs_v(std::span<const index_t>(p.cu));
+  with_host_gating(p, [&](const auto& g) {
+    lin::forward(loom::serial{}, docs_v, g, x, host_view(r.o.data(), {T, H, dv}),
+                 host_view(r.fin.data(), {docs, H, dk, dv}), opt);
+  });
+  lin::gradients<loom::fp64> gr{host_view(r.dq.data(), {T, H, dk}), host_view(r.dk.data(), {T, H, dk}),
+                                host_view(r.dv.data(), {T, H, dv})};
+  if (p.mode == gating::scalar) gr.d_log_gate = host_view(r.dlg.data(), {T, H});
+  gr.d_initial_state = host_view(r.dinit.data(), {docs, H, dk, dv});
+  with_host_gating(p, [&](const auto& g) {
+    lin::backward(loom::serial{}, docs_v, g, x, host_view(d_o.data(), {T, H, dv}),
+                  host_view(dfin.data(), {docs, H, dk, dv}), gr, opt);
+  });
+  return r;
+}
+
+//! P slices of T tokens cut at random points (empty slices included).
+std::vector<index_t> random_splits(index_t T, int P, std::uint64_t stream) {
+  auto g = lt::rng(stream);
+  std::vector<index_t> s{0, T};
+  std::uniform_int_distribution<index_t> d(0, T);
+  for (int i = 0; i < P - 1; ++i) s.push_back(d(g));
+  std::sort(s.begin(), s.end());
+  return s;
+}
+
+void compare(const outputs& got, const outputs& want, lt::tolerance tol, const std::string& what) {
+  lt::require_close(got.o, want.o, tol, what + " o");
+  lt::require_close(got.fin, want.fin, tol, what + " final state");
+  lt::require_close(got.dq, want.dq, tol, what + " dq");
+  lt::require_close(got.dk, want.dk, tol, what + " dk");
+  lt::require_close(got.dv, want.dv, tol, what + " dv");
+  lt::require_close(got.dlg, want.dlg, tol, what + " d log gate");
+  lt::require_close(got.dinit, want.dinit, tol, what + " d initial state");
+}
+
+// Documents crossing ranks, a single-token and an empty document, and long ones.
+const std::vector<index_t> mixed_docs{0, 40, 41, 41, 100, 157};
+
+}  // namespace
+
+TEST_CASE("lasp2 over ranks equals single-device chunked attention", "[linear_attention][lasp2][comm]") {
+  const int P = GENERATE(1, 2, 3, 4, 5, 7);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const index_t T = 157;
+  const auto p = lt::la::make_problem(T, 2, 4, 3, mode, mixed_docs, true, 40);
+  const auto d_o = lt::uniform<double>(T * 2 * 3, -1, 1, 41);
+  const auto dfin = lt::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 42);
+  const auto want = single(p, d_o, dfin, 64);
+  for (const auto& sc : lt::la::schedules())
+    for (const auto& splits : {random_splits(T, P, static_cast<std::uint64_t>(P)), random_splits(T, P, 99)}) {
+      const auto got = lt::la::run_lasp2<loom::fp64>(p, splits, d_o, dfin, sc);
+      compare(got, want, {1e-11, 1e-11},
+              "P=" + std::to_string(P) + " exchange " + std::to_string(static_cast<int>(sc.ex)) +
+                  (sc.fused ? " chunk-parallel" : ""));
+    }
+}
+
+TEST_CASE("lasp2 over ranks is bitwise exact on small integers without decay", "[linear_attention][lasp2][comm]") {
+  const int P = GENERATE(2, 3, 5, 7);
+  const index_t T = 120;
+  auto p = lt::la::make_problem(T, 1, 3, 2, gating::none, {0, 10, 90, 120}, true, 50);
+  p.scale = 1;
+  auto ints = [](index_t n, std::uint64_t s) {
+    const auto f = lt::small_integers<float>(n, -2, 2, s);
+    return std::vector<double>(f.begin(), f.end());
+  };
+  p.q = ints(T * 3, 1), p.k = ints(T * 3, 2), p.v = ints(T * 2, 3), p.init = ints(3 * 6, 4);
+  const auto d_o = ints(T * 2, 5);
+  const auto dfin = ints(3 * 6, 6);
+  const auto want = single(p, d_o, dfin, 7);
+  const auto got = lt::la::run_lasp2<loom::fp64>(p, random_splits(T, P, 7), d_o, dfin, {}, 7);
+  CHECK(got.o == want.o);
+  CHECK(got.fin == want.fin);
+  CHECK(got.dq == want.dq);
+  CHECK(got.dk == want.dk);
+  CHECK(got.dv == want.dv);
+  CHECK(got.dinit == want.dinit);
+}
+
+TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pass, nothing allocated per call",
+          "[linear_attention][lasp2][comm][plan]") {
+  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
+  const int P = 3, calls = 2;
+  const index_t T = 61, H = 2, dk = 3, dv = 2, docs = 3;
+  const std::vector<index_t> cu{0, 25, 25, T}, splits{0, 20, 41, T};
+  const auto p = lt::la::make_problem(T, H, dk, dv, gating::scalar, cu, true, 90);
+  const std::vector<float> q(p.q.begin(), p.q.end()), k(p.k.begin(), p.k.end()), v(p.v.begin(), p.v.end()),
+      lg(p.lg.begin(), p.lg.end()), init(p.init.begin(), p.init.end()), dfin(init.size(), 0.5f);
+  // Per rank: collectives, all_gather bytes in, messages and bytes out after make_plan and after
+  // the calls; heap and temporary allocations during the calls.
+  std::vector<std::array<long long, 9>> seen(P);
+  lt::run_ranks(P, [&](auto& inner, const auto& b) {
+    auto comm = lt::counted(inner);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const index_t from = splits[r], n = splits[r + 1] - from;
+    const auto pl = lasp2::make_plan(b, comm, std::span<const index_t>(cu), from, {n, H, dk, dv},
+                                     {.chunked = {.chunk = 8}, .exchange = ex});
+    auto& mine = seen[r];
+    const auto& t = comm.counts();
+    mine[0] = t.collectives.load(), mine[1] = t.gathered_in.load(), mine[2] = t.messages.load();
+    mine[3] = t.bytes_out.load();
+    loom::workspace_buffer ws(pl.workspace_bytes());
+    const lin::operands<loom::fp32, lt::space> x{
+        lt::la::in_space(q.data() + from * H * dk, {n, H, dk}), lt::la::in_space(k.data() + from * H * dk, {n, H, dk}),
+        lt::la::in_space(v.data() + from * H * dv, {n, H, dv}), lt::la::in_space(init.data(), {docs, H, dk, dv})};
+    std::vector<float> o(static_cast<std::size_t>(n * H * dv)), fin(init.size()), xin(static_cast<std::size_t>(H * dk * dv)),
+        dq(static_cast<std::size_t>(n * H * dk)), dkk(dq.size()), dvv(o.size()), dlg(static_cast<std::size_t>(n * H)),
+        dinit(init.size());
+    const lin::gradients<loom::fp32, lt::space> gr{
+        lt::la::in_space(dq.data(), {n, H, dk}), lt::la::in_space(dkk.data(), {n, H, dk}),
+        lt::la::in_space(dvv.data(), {n, H, dv}), lt::la::in_space(dlg.data(), {n, H}),
+        lt::la::in_space(dinit.data(), {docs, H, dk, dv})};
+    const lin::scalar_gate<float, lt::space> gate{lt::la::in_space(lg.data() + from * H, {n, H})};
+    const auto counted = lt::count_allocations([&] {
+      for (int c = 0; c < calls; ++c) {
+        lasp2::forward(b, comm, pl, gate, x, lt::la::in_space(o.data(), {n, H, dv}),
+                       lt::la::in_space(fin.data(), {docs, H, dk, dv}), lt::la::in_space(xin.data(), {H, dk, dv}),
+                       ws.span());
+        lasp2::backward(b, comm, pl, gate, x, lt::la::in_space(static_cast<const float*>(o.data()), {n, H, dv}),
+                        lt::la::in_space(dfin.data(), {docs, H, dk, dv}),
+                        lt::la::in_space(static_cast<const float*>(xin.data()), {H, dk, dv}), gr, ws.span());
+      }
+    });
+    loom::fence(b);
+    mine[4] = t.collectives.load(), mine[5] = t.gathered_in.load(), mine[6] = t.messages.load();
+    mine[7] = t.bytes_out.load();
+    mine[8] = counted.heap + counted.temporaries;
+  });
+  // One message per pass: H (1 + dk dv) + 1 floats, to each of the P - 1 peers.
+  const long long msg = (H * (1 + dk * dv) + 1) * static_cast<long long>(sizeof(float)), passes = 2 * calls;
+  // Over a stream-ordered communicator both exchanges are one all_gather.
+  const bool gathered = ex == lasp2::exchange::all_gather || !lt::space::host_accessible;
+  for (int r = 0; r < P; ++r) {
+    INFO("rank " << r);
+    const auto& m = seen[static_cast<std::size_t>(r)];
+    CHECK(m[0] == 1);  // the agreement, in make_plan
+    CHECK(m[4] - m[0] == (gathered ? passes : 0));
+    CHECK(m[5] - m[1] == (gathered ? passes * (P - 1) * msg : 0));
+    CHECK(m[6] - m[2] == (gathered ? 0 : passes * (P - 1)));
+    CHECK(m[7] - m[3] == (gathered ? 0 : passes * (P - 1) * msg));
+    CHECK(m[8] == 0);
+  }
+}
+
+TEST_CASE("lasp2 over ranks: a forward schedule the memory cannot run is rejected on every rank",
+          "[linear_attention][lasp2][comm][errors]") {
+  const index_t T = 20, H = 1, d = 2;
+  const std::vector<index_t> cu{0, 7, T};
+  const auto errors = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& b) {
+    (void)lasp2::make_plan(b, comm, std::span<const index_t>(cu), comm.rank() * 10, {10, H, d, d},
+                           {.chunked = {.fused = true}});
+  });
+  for (const auto& e : errors) {
+    if (lt::space::host_accessible)
+      CHECK(e.empty());  // the fused schedule runs on host memory
+    else
+      CHECK_THAT(e, Catch::Matchers::Contains("lasp2::make_plan: options.chunked.fused: the fused LASP-2 schedule "
+                                              "runs on host memory only"));
+  }
+}
+
+#if defined(LOOM_TEST_BACKEND_STANDIN)
+TEST_CASE("lasp2 over ranks on the stand-in: 50 seeds of random stream delays, the same bits every time",
+          "[linear_attention][lasp2][comm][standin][delays]") {
+  // The result depends on the schedule's order only, never on timing: for each P, every seed gives
+  // the bits of the first one, which matches the single-device reference (P = 1..5).
+  const index_t T = 157;
+  const auto p = lt::la::make_problem(T, 2, 4, 3, gating::scalar, mixed_docs, true, 43);
+  const auto d_o = lt::uniform<double>(T * 2 * 3, -1, 1, 44);
+  const auto dfin = lt::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 45);
+  const auto want = single(p, d_o, dfin, 64);
+  std::array<outputs, 6> first{};
+  auto o = lt::standin_ranks();
+  o.max_delay = std::chrono::microseconds(200);
+  for (std::uint64_t seed = 0; seed < 50; ++seed) {
+    const int P = 1 + static_cast<int>(seed % 5);
+    o.seed = seed;
+    lt::standin_override() = o;
+    const auto got =
+        lt::la::run_lasp2<loom::fp64>(p, random_splits(T, P, 60 + static_cast<std::uint64_t>(P)), d_o, dfin, {});
+    lt::standin_override().reset();
+    INFO("seed " << seed << ", P = " << P);
+    auto& ref = first[static_cast<std::size_t>(P)];
+    if (seed < 5) {
+      compare(got, want, {1e-11, 1e-11}, "the first seed of each P");
+      ref = got;
+    }
+    REQUIRE(lt::la::same_bits(got, ref));
+  }
+}
+#endif

@@ -1,0 +1,138 @@
+#pragma once
+
+// LASP-2 on P ranks for the distributed bodies (lasp2_distributed_test.hpp,
+// lasp2_isolation_test.hpp), on the backend under test (support/distributed.hpp: serial over
+// comm::local, or the device stand-in over comm::standin): one plan per rank, one forward and one
+// backward with it, every rank's outputs gathered in fp64.
+
+#include <loom/comm/counting.hpp>
+#include <loom/linear_attention/lasp2.hpp>
+
+#include <support/distributed.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "oracle.hpp"
+
+namespace loom::test::la {
+
+namespace lasp2 = loom::linear_attention::lasp2;
+namespace lin = loom::linear_attention;
+
+//! How a run is scheduled: the exchange, and the slice plan's forward schedule (unset: make_plan's
+//! choice, fused on one thread of host memory; false: the chunk-parallel schedule).
+struct schedule {
+  lasp2::exchange ex = lasp2::exchange::all_gather;
+  std::optional<bool> fused{};
+};
+
+//! The schedules of the backend under test: both exchanges (one all_gather issued at once over a
+//! stream-ordered communicator), and on host memory both forward schedules.
+inline std::vector<schedule> schedules() {
+  std::vector<schedule> s{{lasp2::exchange::all_gather, {}}, {lasp2::exchange::posted, {}}};
+  if (space::host_accessible) s.push_back({lasp2::exchange::posted, false});
+  return s;
+}
+
+//! Per-token outputs in their rows; per-document ones summed over the ranks (each written by one
+//! rank, zeros elsewhere).
+struct outputs {
+  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
+};
+
+//! A row-major view of host storage typed in the memory space of the backend under test.
+template <class T, std::size_t R>
+tensor_view<T, R, space> in_space(T* data, const index_t (&e)[R]) {
+  std::array<index_t, R> a;
+  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
+  return tensor_view<T, R, space>(data, a);
+}
+
+template <class T>
+std::vector<T> cast_to(const double* x, std::size_t n) {
+  std::vector<T> r(n);
+  for (std::size_t i = 0; i < n; ++i) r[i] = static_cast<T>(x[i]);
+  return r;
+}
+
+//! The bits of two runs (the delay test compares seeds with them).
+inline bool same_bits(const outputs& a, const outputs& b) {
+  auto eq = [](const std::vector<double>& u, const std::vector<double>& v) {
+    return u.size() == v.size() && (u.empty() || std::memcmp(u.data(), v.data(), u.size() * sizeof(double)) == 0);
+  };
+  return eq(a.o, b.o) && eq(a.fin, b.fin) && eq(a.dq, b.dq) && eq(a.dk, b.dk) && eq(a.dv, b.dv) && eq(a.dlg, b.dlg) &&
+         eq(a.dinit, b.dinit);
+}
+
+//! LASP-2 forward then backward in precision P on the slices `splits` (tokens [splits[r],
+//! splits[r + 1]) on rank r), chunk `chunk`, one plan and one workspace per rank for both passes.
+template <class P>
+outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
+                  const std::vector<double>& dfin, schedule sc, index_t chunk = 16) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t H = p.H, dk = p.dk, dv = p.dv, docs = p.docs(), sz = dk * dv;
+  outputs out{std::vector<double>(p.v.size()),   std::vector<double>(p.init.size()), std::vector<double>(p.q.size()),
+              std::vector<double>(p.k.size()),   std::vector<double>(p.v.size()),    std::vector<double>(p.lg.size()),
+              std::vector<double>(p.init.size())};
+  std::mutex mu;
+  const auto init = cast_to<A>(p.init.data(), p.init.size()), hlg = cast_to<A>(p.head_lg.data(), p.head_lg.size());
+  const auto df = cast_to<A>(dfin.data(), dfin.size());
+  run_ranks(static_cast<int>(splits.size()) - 1, [&](auto& comm, const auto& b) {
+    const auto r = static_cast<std::size_t>(comm.rank());
+    const index_t from = splits[r], n = splits[r + 1] - from;
+    const auto q = cast_to<S>(p.q.data() + from * H * dk, static_cast<std::size_t>(n * H * dk));
+    const auto k = cast_to<S>(p.k.data() + from * H * dk, static_cast<std::size_t>(n * H * dk));
+    const auto v = cast_to<S>(p.v.data() + from * H * dv, static_cast<std::size_t>(n * H * dv));
+    const auto lg = cast_to<A>(p.lg.data() + from * H, static_cast<std::size_t>(n * H));
+    const auto dob = cast_to<S>(d_o.data() + from * H * dv, static_cast<std::size_t>(n * H * dv));
+    std::vector<S> o(static_cast<std::size_t>(n * H * dv)), dq(q.size()), dkk(k.size()), dvv(v.size());
+    std::vector<A> fin(init.size(), A(0)), xin(static_cast<std::size_t>(H * sz)), dlg(lg.size()),
+        dinit(init.size(), A(0));
+    lin::operands<P, space> x{in_space(q.data(), {n, H, dk}), in_space(k.data(), {n, H, dk}), in_space(v.data(), {n, H, dv})};
+    if (!init.empty()) x.initial_state = in_space(init.data(), {docs, H, dk, dv});
+    lin::gradients<P, space> gr{in_space(dq.data(), {n, H, dk}), in_space(dkk.data(), {n, H, dk}),
+                                in_space(dvv.data(), {n, H, dv})};
+    gr.d_initial_state = in_space(dinit.data(), {docs, H, dk, dv});
+    if (p.mode == gating::scalar) gr.d_log_gate = in_space(dlg.data(), {n, H});
+    const lasp2::options opt{.chunked = {.chunk = chunk, .scale = p.scale, .fused = sc.fused}, .exchange = sc.ex};
+    const auto pl = lasp2::make_plan<P>(b, comm, std::span<const index_t>(p.cu), from, {n, H, dk, dv}, opt);
+    loom::workspace_buffer ws(pl.workspace_bytes());
+    auto both = [&](const auto& g) {
+      lasp2::forward(b, comm, pl, g, x, in_space(o.data(), {n, H, dv}), in_space(fin.data(), {docs, H, dk, dv}),
+                     in_space(xin.data(), {H, dk, dv}), ws.span());
+      lasp2::backward(b, comm, pl, g, x, in_space(static_cast<const S*>(dob.data()), {n, H, dv}),
+                      in_space(df.data(), {docs, H, dk, dv}), in_space(static_cast<const A*>(xin.data()), {H, dk, dv}), gr,
+                      ws.span());
+    };
+    try {
+      if (p.mode == gating::none)
+        both(lin::no_decay{});
+      else if (p.mode == gating::fixed)
+        both(lin::fixed_decay<A, space>{in_space(hlg.data(), {H})});
+      else
+        both(lin::scalar_gate<A, space>{in_space(lg.data(), {n, H})});
+      loom::fence(b);
+    } catch (...) {
+      drain(b);  // the rank's work may still read its buffers
+      throw;
+    }
+    const std::lock_guard lk(mu);
+    auto put = [](std::vector<double>& dst, const auto& src, index_t at) {
+      for (std::size_t i = 0; i < src.size(); ++i) dst[static_cast<std::size_t>(at) + i] = static_cast<double>(src[i]);
+    };
+    put(out.o, o, from * H * dv), put(out.dq, dq, from * H * dk), put(out.dk, dkk, from * H * dk);
+    put(out.dv, dvv, from * H * dv), put(out.dlg, dlg, from * H);
+    for (std::size_t i = 0; i < fin.size(); ++i)
+      out.fin[i] += static_cast<double>(fin[i]), out.dinit[i] += static_cast<double>(dinit[i]);
+  });
+  return out;
+}
+
+}  // namespace loom::test::la
