@@ -339,8 +339,8 @@ void primitives(Run run, int p) {
   {
     lt::device_array<float> q(lq), k(lk), v(lv), g(lg), o(lv.size()), f(static_cast<std::size_t>(st));
     const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {t, nh, w}),
-                                                        dview<const float, 3>(k.data(), {t, nh, w}),
-                                                        dview<const float, 3>(v.data(), {t, nh, w})};
+                                                           dview<const float, 3>(k.data(), {t, nh, w}),
+                                                           dview<const float, 3>(v.data(), {t, nh, w})};
     lin::forward(loom::cuda{}, std::span<const index_t>(docs),
                  lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {t, nh})}, ops,
                  dview<float, 3>(o.data(), {t, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), lo_opt);
@@ -357,8 +357,8 @@ void primitives(Run run, int p) {
     lt::device_array<float> q(part(lq, nh * w)), k(part(lk, nh * w)), v(part(lv, nh * w)), g(part(lg, nh)),
         o(static_cast<std::size_t>(len * nh * w)), f(std::vector<float>(static_cast<std::size_t>(st), 0.f));
     const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {len, nh, w}),
-                                                        dview<const float, 3>(k.data(), {len, nh, w}),
-                                                        dview<const float, 3>(v.data(), {len, nh, w})};
+                                                           dview<const float, 3>(k.data(), {len, nh, w}),
+                                                           dview<const float, 3>(v.data(), {len, nh, w})};
     lin::lasp2::forward(b, comm, std::span<const index_t>(docs), lo,
                         lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {len, nh})}, ops,
                         dview<float, 3>(o.data(), {len, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), {},

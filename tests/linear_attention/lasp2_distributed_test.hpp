@@ -162,9 +162,9 @@ TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pa
     const lin::operands<loom::fp32, lt::space> x{
         lt::la::in_space(q.data() + from * H * dk, {n, H, dk}), lt::la::in_space(k.data() + from * H * dk, {n, H, dk}),
         lt::la::in_space(v.data() + from * H * dv, {n, H, dv}), lt::la::in_space(init.data(), {docs, H, dk, dv})};
-    std::vector<float> o(static_cast<std::size_t>(n * H * dv)), fin(init.size()), xin(static_cast<std::size_t>(H * dk * dv)),
-        dq(static_cast<std::size_t>(n * H * dk)), dkk(dq.size()), dvv(o.size()), dlg(static_cast<std::size_t>(n * H)),
-        dinit(init.size());
+    std::vector<float> o(static_cast<std::size_t>(n * H * dv)), fin(init.size()),
+        xin(static_cast<std::size_t>(H * dk * dv)), dq(static_cast<std::size_t>(n * H * dk)), dkk(dq.size()),
+        dvv(o.size()), dlg(static_cast<std::size_t>(n * H)), dinit(init.size());
     const lin::gradients<loom::fp32, lt::space> gr{
         lt::la::in_space(dq.data(), {n, H, dk}), lt::la::in_space(dkk.data(), {n, H, dk}),
         lt::la::in_space(dvv.data(), {n, H, dv}), lt::la::in_space(dlg.data(), {n, H}),
@@ -219,6 +219,24 @@ TEST_CASE("lasp2 over ranks: a forward schedule the memory cannot run is rejecte
 }
 
 #if defined(LOOM_TEST_BACKEND_STANDIN)
+TEST_CASE("lasp2 over ranks on the stand-in gives the bits of the host path",
+          "[linear_attention][lasp2][comm][standin]") {
+  // The device schedule (chunk-parallel forward, the exchange issued on the communication stream)
+  // runs the host chunk-parallel schedule's kernels in the same order: serial over comm::local.
+  const int P = GENERATE(1, 2, 3, 4, 5);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  const index_t T = 157;
+  const auto p = lt::la::make_problem(T, 2, 4, 3, mode, mixed_docs, true, 46);
+  const auto d_o = lt::uniform<double>(T * 2 * 3, -1, 1, 47);
+  const auto dfin = lt::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 48);
+  const auto splits = random_splits(T, P, 70 + static_cast<std::uint64_t>(P));
+  const auto dev = lt::la::run_lasp2<loom::fp64>(p, splits, d_o, dfin, {});
+  const auto host = lt::la::run_lasp2<loom::fp64, loom::host_memory>(
+      p, splits, d_o, dfin, {lasp2::exchange::all_gather, false}, 16, lt::la::host_ranks{});
+  INFO("P = " << P << ", gating " << static_cast<int>(mode));
+  CHECK(lt::la::same_bits(dev, host));
+}
+
 TEST_CASE("lasp2 over ranks on the stand-in: 50 seeds of random stream delays, the same bits every time",
           "[linear_attention][lasp2][comm][standin][delays]") {
   // The result depends on the schedule's order only, never on timing: for each P, every seed gives

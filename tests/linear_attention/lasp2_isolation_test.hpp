@@ -85,9 +85,9 @@ void isolation(const std::string& what) {
             if (in == input::d_final) ddfin[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
             const auto got = loom::test::la::run_lasp2<P>(p, cut, dd_o, ddfin, sc, 16);
             INFO(what << ", gating " << static_cast<int>(mode) << ", P = " << ranks << ", exchange "
-                      << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : "") << ": "
-                      << lp::name(val) << " in input " << static_cast<int>(in) << " of document " << s << " (token "
-                      << t << ", head " << h << ")");
+                      << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : "") << ": " << lp::name(val)
+                      << " in input " << static_cast<int>(in) << " of document " << s << " (token " << t << ", head "
+                      << h << ")");
             lp::require_others_equal(got.o, want.o, H * dv, tok_doc, s, "o");
             lp::require_others_equal(got.fin, want.fin, H * sz, doc, s, "final_state");
             lp::require_others_equal(got.dq, want.dq, H * dk, tok_doc, s, "dq");

@@ -5,7 +5,9 @@
 // comm::local, or the device stand-in over comm::standin): one plan per rank, one forward and one
 // backward with it, every rank's outputs gathered in fp64.
 
+#include <loom/backend/serial.hpp>
 #include <loom/comm/counting.hpp>
+#include <loom/comm/local.hpp>
 #include <loom/linear_attention/lasp2.hpp>
 
 #include <support/distributed.hpp>
@@ -46,13 +48,35 @@ struct outputs {
   std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
 };
 
-//! A row-major view of host storage typed in the memory space of the backend under test.
-template <class T, std::size_t R>
-tensor_view<T, R, space> in_space(T* data, const index_t (&e)[R]) {
+//! A row-major view of host storage typed in memory space Space.
+template <class Space, class T, std::size_t R>
+tensor_view<T, R, Space> view_in(T* data, const index_t (&e)[R]) {
   std::array<index_t, R> a;
   for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
-  return tensor_view<T, R, space>(data, a);
+  return tensor_view<T, R, Space>(data, a);
 }
+
+//! The same, typed in the memory space of the backend under test.
+template <class T, std::size_t R>
+tensor_view<T, R, space> in_space(T* data, const index_t (&e)[R]) {
+  return view_in<space>(data, e);
+}
+
+//! Runs fn(comm, b) on p ranks of the backend under test (support/distributed.hpp).
+struct ranks_under_test {
+  template <class F>
+  void operator()(int p, F&& fn) const {
+    run_ranks(p, fn);
+  }
+};
+
+//! Runs fn(comm, loom::serial) on p ranks over comm::local: the host path.
+struct host_ranks {
+  template <class F>
+  void operator()(int p, F&& fn) const {
+    loom::comm::run_local(p, [&](loom::comm::local& c) { fn(c, loom::serial{}); });
+  }
+};
 
 template <class T>
 std::vector<T> cast_to(const double* x, std::size_t n) {
@@ -70,11 +94,12 @@ inline bool same_bits(const outputs& a, const outputs& b) {
          eq(a.dinit, b.dinit);
 }
 
-//! LASP-2 forward then backward in precision P on the slices `splits` (tokens [splits[r],
+//! LASP-2 forward then backward in precision P on the slices (on the backend under test, or with
+//! Space = host_memory and host_ranks on the host path) `splits` (tokens [splits[r],
 //! splits[r + 1]) on rank r), chunk `chunk`, one plan and one workspace per rank for both passes.
-template <class P>
+template <class P, class Space = space, class Ranks = ranks_under_test>
 outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
-                  const std::vector<double>& dfin, schedule sc, index_t chunk = 16) {
+                  const std::vector<double>& dfin, schedule sc, index_t chunk = 16, Ranks ranks = {}) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   const index_t H = p.H, dk = p.dk, dv = p.dv, docs = p.docs(), sz = dk * dv;
@@ -84,7 +109,7 @@ outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const st
   std::mutex mu;
   const auto init = cast_to<A>(p.init.data(), p.init.size()), hlg = cast_to<A>(p.head_lg.data(), p.head_lg.size());
   const auto df = cast_to<A>(dfin.data(), dfin.size());
-  run_ranks(static_cast<int>(splits.size()) - 1, [&](auto& comm, const auto& b) {
+  ranks(static_cast<int>(splits.size()) - 1, [&](auto& comm, const auto& b) {
     const auto r = static_cast<std::size_t>(comm.rank());
     const index_t from = splits[r], n = splits[r + 1] - from;
     const auto q = cast_to<S>(p.q.data() + from * H * dk, static_cast<std::size_t>(n * H * dk));
@@ -95,29 +120,30 @@ outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const st
     std::vector<S> o(static_cast<std::size_t>(n * H * dv)), dq(q.size()), dkk(k.size()), dvv(v.size());
     std::vector<A> fin(init.size(), A(0)), xin(static_cast<std::size_t>(H * sz)), dlg(lg.size()),
         dinit(init.size(), A(0));
-    lin::operands<P, space> x{in_space(q.data(), {n, H, dk}), in_space(k.data(), {n, H, dk}), in_space(v.data(), {n, H, dv})};
-    if (!init.empty()) x.initial_state = in_space(init.data(), {docs, H, dk, dv});
-    lin::gradients<P, space> gr{in_space(dq.data(), {n, H, dk}), in_space(dkk.data(), {n, H, dk}),
-                                in_space(dvv.data(), {n, H, dv})};
-    gr.d_initial_state = in_space(dinit.data(), {docs, H, dk, dv});
-    if (p.mode == gating::scalar) gr.d_log_gate = in_space(dlg.data(), {n, H});
+    lin::operands<P, Space> x{view_in<Space>(q.data(), {n, H, dk}), view_in<Space>(k.data(), {n, H, dk}),
+                              view_in<Space>(v.data(), {n, H, dv})};
+    if (!init.empty()) x.initial_state = view_in<Space>(init.data(), {docs, H, dk, dv});
+    lin::gradients<P, Space> gr{view_in<Space>(dq.data(), {n, H, dk}), view_in<Space>(dkk.data(), {n, H, dk}),
+                                view_in<Space>(dvv.data(), {n, H, dv})};
+    gr.d_initial_state = view_in<Space>(dinit.data(), {docs, H, dk, dv});
+    if (p.mode == gating::scalar) gr.d_log_gate = view_in<Space>(dlg.data(), {n, H});
     const lasp2::options opt{.chunked = {.chunk = chunk, .scale = p.scale, .fused = sc.fused}, .exchange = sc.ex};
     const auto pl = lasp2::make_plan<P>(b, comm, std::span<const index_t>(p.cu), from, {n, H, dk, dv}, opt);
     loom::workspace_buffer ws(pl.workspace_bytes());
     auto both = [&](const auto& g) {
-      lasp2::forward(b, comm, pl, g, x, in_space(o.data(), {n, H, dv}), in_space(fin.data(), {docs, H, dk, dv}),
-                     in_space(xin.data(), {H, dk, dv}), ws.span());
-      lasp2::backward(b, comm, pl, g, x, in_space(static_cast<const S*>(dob.data()), {n, H, dv}),
-                      in_space(df.data(), {docs, H, dk, dv}), in_space(static_cast<const A*>(xin.data()), {H, dk, dv}), gr,
-                      ws.span());
+      lasp2::forward(b, comm, pl, g, x, view_in<Space>(o.data(), {n, H, dv}),
+                     view_in<Space>(fin.data(), {docs, H, dk, dv}), view_in<Space>(xin.data(), {H, dk, dv}), ws.span());
+      lasp2::backward(b, comm, pl, g, x, view_in<Space>(static_cast<const S*>(dob.data()), {n, H, dv}),
+                      view_in<Space>(df.data(), {docs, H, dk, dv}),
+                      view_in<Space>(static_cast<const A*>(xin.data()), {H, dk, dv}), gr, ws.span());
     };
     try {
       if (p.mode == gating::none)
         both(lin::no_decay{});
       else if (p.mode == gating::fixed)
-        both(lin::fixed_decay<A, space>{in_space(hlg.data(), {H})});
+        both(lin::fixed_decay<A, Space>{view_in<Space>(hlg.data(), {H})});
       else
-        both(lin::scalar_gate<A, space>{in_space(lg.data(), {n, H})});
+        both(lin::scalar_gate<A, Space>{view_in<Space>(lg.data(), {n, H})});
       loom::fence(b);
     } catch (...) {
       drain(b);  // the rank's work may still read its buffers

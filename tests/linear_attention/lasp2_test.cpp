@@ -547,8 +547,8 @@ TEST_CASE("linear_attention::lasp2 rejects views and workspaces that do not fit 
     require_error(
         [&] {
           lasp2::backward(b, comm, pl, la::no_decay{}, good, dov,
-                          loom::tensor_view<const float, 4>(st.data(), {2, H, d, d}, {1, 2, 2 * H, 2 * H * d}), xc,
-                          gr, wsp);
+                          loom::tensor_view<const float, 4>(st.data(), {2, H, d, d}, {1, 2, 2 * H, 2 * H * d}), xc, gr,
+                          wsp);
         },
         errc::shape_mismatch, "d_final_state: expected a contiguous view");
     // The same plan on another rank count.

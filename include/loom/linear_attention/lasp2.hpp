@@ -36,8 +36,16 @@
 //! convenience forms run those view checks inside make_plan's agreement, so there every rank
 //! throws the same error.
 //! Precision: the plan's (make_plan<P>, default loom::fp32: float accumulation; see plan.hpp);
-//! the convenience forms deduce it from the operands. Host memory spaces only; host backends.
-//! Deterministic: the fold runs in rank order on every rank.
+//! the convenience forms deduce it from the operands.
+//! Memory: the operands, states and workspace live in the backend's memory space, one the
+//! communicator moves (host memory over comm::local / comm::mpi; device memory over a
+//! stream-ordered communicator: comm::nccl, comm::device_local, comm::standin). Off host memory
+//! the forward runs the chunk-parallel schedule and the exchange is one all_gather issued on the
+//! communication stream when the message is ready (both exchanges alike); the plan-taking calls
+//! return with their work queued on the backend's stream (no host synchronisation), the
+//! convenience forms fence. The documents are host offsets (the plan's tables are host-side).
+//! Deterministic: the fold runs in rank order on every rank; on device memory the bits are those of
+//! the host chunk-parallel schedule's (options.chunked.fused = false): the same kernels, in order.
 
 #include <loom/backend/temporary.hpp>
 #include <loom/comm/agreement.hpp>
@@ -214,7 +222,8 @@ plan<P> make_plan(const B& b, C& comm, const segments<host_memory>& docs, index_
 //! per rank.
 template <backend B, comm::communicator C, precision_policy P, class Gating, memory_space Space>
 void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
-             tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> final_state,
+             tensor_view<typename P::storage_type, 3, Space> o,
+             tensor_view<typename P::accum_type, 4, Space> final_state,
              tensor_view<typename P::accum_type, 3, Space> incoming_state, std::span<std::byte> workspace) {
   detail::check_spaces<B, C, Space>();
   linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
@@ -271,8 +280,8 @@ void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t to
   const auto pl =
       detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
                               opt, "lasp2::backward", [&](const auto& core) {
-                                linear_attention::detail::check_backward_call(comm, b, core, gating, x, d_o, d_final_state,
-                                                                              incoming_state, g, "lasp2::backward");
+                                linear_attention::detail::check_backward_call(
+                                    comm, b, core, gating, x, d_o, d_final_state, incoming_state, g, "lasp2::backward");
                               });
   loom::detail::with_temporary_workspace(b, pl.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
     backward(b, comm, pl, gating, x, d_o, d_final_state, incoming_state, g, ws);

@@ -206,73 +206,73 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
                "run_forward_incoming: the fused schedule runs on host memory only");
   if constexpr (Space::host_accessible) {
     if (pl.fused() && pl.docs() > 0) {
-    LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
-    const index_t docs = pl.docs(), n = plan_access::table(pl).doc_chunk[1];
-    LOOM_EXPECTS(sc.mid.size() == static_cast<std::size_t>(H * sz) && sc.lg.size() == static_cast<std::size_t>(n * H),
-                 errc::invalid_argument, "run_forward_incoming: scratch sized for another plan");
-    const std::span<A> mid = sc.mid, start = sc.start, lg = sc.lg, cum = sc.cum;
-    std::fill(mid.begin(), mid.end(), A(0));
-    auto state_of = [&](index_t h) -> const A* { return init ? init + h * sz : nullptr; };  // document 0's
-    if (docs > 1) {
-      // Documents 1.. do not depend on X; document 0 does not when nothing enters it.
-      const index_t d0 = roles.needs_x ? 1 : 0;
-      launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, d0, docs}, (docs - d0) * groups, pl.lanes());
+      LOOM_EXPECTS(fin_p != nullptr, errc::invalid_argument, "final_state: the LASP-2 schedule needs it");
+      const index_t docs = pl.docs(), n = plan_access::table(pl).doc_chunk[1];
+      LOOM_EXPECTS(sc.mid.size() == static_cast<std::size_t>(H * sz) && sc.lg.size() == static_cast<std::size_t>(n * H),
+                   errc::invalid_argument, "run_forward_incoming: scratch sized for another plan");
+      const std::span<A> mid = sc.mid, start = sc.start, lg = sc.lg, cum = sc.cum;
+      std::fill(mid.begin(), mid.end(), A(0));
+      auto state_of = [&](index_t h) -> const A* { return init ? init + h * sz : nullptr; };  // document 0's
+      if (docs > 1) {
+        // Documents 1.. do not depend on X; document 0 does not when nothing enters it.
+        const index_t d0 = roles.needs_x ? 1 : 0;
+        launch(b, fused_kernel<S, A, Space>{p, o, init, fin_p, d0, docs}, (docs - d0) * groups, pl.lanes());
+        fence(b);
+        if (roles.publish) std::copy_n(fin_p + (docs - 1) * H * sz, H * sz, end_state);
+        post();
+        const A* xin = finish();
+        if (!roles.needs_x) return true;
+        for (index_t h = 0; h < H; ++h)
+          for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (xin ? xin[h * sz + e] : A(0));
+        launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1}, groups, pl.lanes());
+        return true;
+      }
+      const index_t m = incoming_lead(n, roles, std::is_same_v<S, A>);
+      // Per chunk of document 0 and head: its log-decay (the sum the kernels form), and its start's
+      // log-decay from the document's start.
+      for (index_t c = 0; c < n; ++c)
+        for (index_t h = 0; h < H; ++h) {
+          A acc = A(0);
+          for (index_t t = plan_access::table(pl).chunks[static_cast<std::size_t>(c)].begin;
+               t < plan_access::table(pl).chunks[static_cast<std::size_t>(c)].end; ++t)
+            acc += p.gate(t, h);
+          lg[c * H + h] = acc;
+          cum[c * H + h] = c == 0 ? A(0) : cum[(c - 1) * H + h] + lg[(c - 1) * H + h];
+        }
+      auto decay_from = [&](index_t c, index_t h) {  // exp(log-decay of chunks [c, n))
+        A acc = A(0);
+        for (index_t k = c; k < n; ++k) acc += lg[k * H + h];
+        return exp_acc(acc);
+      };
+      if (m > 0) launch(b, fused_kernel<S, A, Space>{p, o, init, mid.data(), 0, 1, 0, m}, groups, pl.lanes());
       fence(b);
-      if (roles.publish) std::copy_n(fin_p + (docs - 1) * H * sz, H * sz, end_state);
+      auto s_m = [&](index_t h) -> const A* { return m > 0 ? mid.data() + h * sz : state_of(h); };
+      if (roles.publish) {
+        const std::span<A> tail = sc.tail;
+        std::fill(tail.begin(), tail.end(), A(0));
+        if (m < n)
+          launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes());
+        fence(b);
+        for (index_t h = 0; h < H; ++h) {
+          const A a = decay_from(m, h), *sm = s_m(h);
+          for (index_t e = 0; e < sz; ++e) end_state[h * sz + e] = (sm ? a * sm[e] : A(0)) + tail[h * sz + e];
+        }
+      }
       post();
       const A* xin = finish();
-      if (!roles.needs_x) return true;
-      for (index_t h = 0; h < H; ++h)
-        for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (xin ? xin[h * sz + e] : A(0));
-      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1}, groups, pl.lanes());
-      return true;
-    }
-    const index_t m = incoming_lead(n, roles, std::is_same_v<S, A>);
-    // Per chunk of document 0 and head: its log-decay (the sum the kernels form), and its start's
-    // log-decay from the document's start.
-    for (index_t c = 0; c < n; ++c)
       for (index_t h = 0; h < H; ++h) {
-        A acc = A(0);
-        for (index_t t = plan_access::table(pl).chunks[static_cast<std::size_t>(c)].begin;
-             t < plan_access::table(pl).chunks[static_cast<std::size_t>(c)].end; ++t)
-          acc += p.gate(t, h);
-        lg[c * H + h] = acc;
-        cum[c * H + h] = c == 0 ? A(0) : cum[(c - 1) * H + h] + lg[(c - 1) * H + h];
+        const A* sm = s_m(h);
+        const A a = m < n ? exp_acc(cum[m * H + h]) : decay_from(0, h);  // exp(B_m)
+        for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (sm ? sm[e] : A(0)) + (xin ? a * xin[h * sz + e] : A(0));
       }
-    auto decay_from = [&](index_t c, index_t h) {  // exp(log-decay of chunks [c, n))
-      A acc = A(0);
-      for (index_t k = c; k < n; ++k) acc += lg[k * H + h];
-      return exp_acc(acc);
-    };
-    if (m > 0) launch(b, fused_kernel<S, A, Space>{p, o, init, mid.data(), 0, 1, 0, m}, groups, pl.lanes());
-    fence(b);
-    auto s_m = [&](index_t h) -> const A* { return m > 0 ? mid.data() + h * sz : state_of(h); };
-    if (roles.publish) {
-      const std::span<A> tail = sc.tail;
-      std::fill(tail.begin(), tail.end(), A(0));
+      if (xin && m > 0)
+        launch(b, incoming_kernel<S, A, Space>{p, o, xin, p.gate.log_gate ? cum.data() : nullptr, 0, m}, m * groups,
+               pl.lanes());
       if (m < n)
-        launch(b, state_scan_kernel<S, A, Space>{p, nullptr, tail.data(), nullptr, false, m, n}, groups, pl.lanes());
-      fence(b);
-      for (index_t h = 0; h < H; ++h) {
-        const A a = decay_from(m, h), *sm = s_m(h);
-        for (index_t e = 0; e < sz; ++e) end_state[h * sz + e] = (sm ? a * sm[e] : A(0)) + tail[h * sz + e];
-      }
-    }
-    post();
-    const A* xin = finish();
-    for (index_t h = 0; h < H; ++h) {
-      const A* sm = s_m(h);
-      const A a = m < n ? exp_acc(cum[m * H + h]) : decay_from(0, h);  // exp(B_m)
-      for (index_t e = 0; e < sz; ++e) start[h * sz + e] = (sm ? sm[e] : A(0)) + (xin ? a * xin[h * sz + e] : A(0));
-    }
-    if (xin && m > 0)
-      launch(b, incoming_kernel<S, A, Space>{p, o, xin, p.gate.log_gate ? cum.data() : nullptr, 0, m}, m * groups,
-             pl.lanes());
-    if (m < n)
-      launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1, m, n}, groups, pl.lanes());
-    else
-      std::copy(start.begin(), start.end(), fin_p);
-    return true;
+        launch(b, fused_kernel<S, A, Space>{p, o, start.data(), fin_p, 0, 1, m, n}, groups, pl.lanes());
+      else
+        std::copy(start.begin(), start.end(), fin_p);
+      return true;
     }
   }
   launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes());

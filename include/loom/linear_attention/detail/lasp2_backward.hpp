@@ -46,8 +46,7 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   auto buf = carve_lasp2(b, wk, ws, true, call);
   const gate_ref<A> gate = check_gating<A, Space>(gating, wk.tokens, wk.heads);
   const auto& s = wk.s;
-  const index_t H = wk.heads, sz = wk.sz, segs = s.segments(), dk = wk.dk, dv = wk.dv, tokens = wk.tokens,
-                one = H * sz;
+  const index_t H = wk.heads, sz = wk.sz, segs = s.segments(), dk = wk.dk, dv = wk.dv, tokens = wk.tokens, one = H * sz;
   const A* init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   const A* df = present(dfin) ? dfin.data() : nullptr;
   A* init_loc = buf[blk::init_loc];
@@ -69,7 +68,8 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   state_exchange<C, B, A> ex(b, H, sz, wk.ranks, wk.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
   ex.clear();
   const bool pass = tokens == 0 || (s.continues_left && segs == 1);
-  if (tokens > 0 && s.continues_left) move_states(b, buf.table, wk.first, static_cast<const A*>(dinit_loc), ex.m(), one);
+  if (tokens > 0 && s.continues_left)
+    move_states(b, buf.table, wk.first, static_cast<const A*>(dinit_loc), ex.m(), one);
   ex.set(gate, tokens, pass, A(0), !pass);  // reset: a document starts here, what enters from the right stops at it
   ex.post(comm);
   ex.finish(comm);
@@ -79,10 +79,9 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
     constexpr bool gated = is_scalar_gate<Gating>;
     const index_t last = (segs - 1) * one;
     for_each_index(b, H,
-                   incoming_adjoint_kernel<S, A, Space, gated>{x.k, x.v, g.dk, g.dv, g.d_log_gate, gate, y,
-                                                               fin_loc + last, dinit_loc + last, tokens,
-                                                               s.local_cu[static_cast<std::size_t>(segs) - 1], H, dk,
-                                                               dv, !(segs == 1 && s.continues_left)});
+                   incoming_adjoint_kernel<S, A, Space, gated>{
+                       x.k, x.v, g.dk, g.dv, g.d_log_gate, gate, y, fin_loc + last, dinit_loc + last, tokens,
+                       s.local_cu[static_cast<std::size_t>(segs) - 1], H, dk, dv, !(segs == 1 && s.continues_left)});
   }
   if (!present(g.d_initial_state)) return;
   move_states(b, buf.table, wk.bwd_dinit, static_cast<const A*>(dinit_loc), g.d_initial_state.data(), one);

@@ -160,7 +160,9 @@ struct incoming_adjoint_kernel {
 //! comm::device_local): the exchange is then one all_gather issued as soon as the message is
 //! ready, and the compute waits for it on its stream.
 template <class C, class B>
-inline constexpr bool stream_ordered_comm = requires(C& c, const B& b) { c.after(b); };
+inline constexpr bool stream_ordered_comm = requires(C& c, const B& b) {
+  c.after(b);
+};
 
 //! Per head (a, M), and one reset flag, in one message of H (1 + dk dv) + 1 values. A rank's
 //! element is the map X -> a X + M of its slice; reset = 1 when a document starts inside the
@@ -315,7 +317,8 @@ struct lasp2_core {
     const index_t segs = s.segments();
     auto doc = [&](index_t g) { return s.seg_doc[static_cast<std::size_t>(g)]; };
     auto closes = [&](index_t g) {
-      return doc(g) >= 0 && s.begin + s.local_cu[static_cast<std::size_t>(g) + 1] == cu[static_cast<std::size_t>(doc(g)) + 1];
+      return doc(g) >= 0 &&
+             s.begin + s.local_cu[static_cast<std::size_t>(g) + 1] == cu[static_cast<std::size_t>(doc(g)) + 1];
     };
     auto empty = [&](index_t d) { return cu[static_cast<std::size_t>(d)] == cu[static_cast<std::size_t>(d) + 1]; };
     fwd_init = list([&](auto add) {
