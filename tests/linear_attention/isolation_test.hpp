@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../scan/poison.hpp"
+#include "isolation_checks.hpp"
 #include "oracle.hpp"
 
 namespace la = loom::linear_attention;
@@ -30,9 +31,13 @@ using loom::index_t;
 using loom::test::buffer;
 using loom::test::make_backend;
 using loom::test::la::gating;
+using loom::test::la::input;
+using loom::test::la::poison_input;
 using loom::test::la::problem;
+using loom::test::la::require_isolated;
+using loom::test::la::result;
 using loom::test::la::rounded;
-using loom::test::la::scaled_tol;
+using loom::test::la::rounded_to;
 using space = loom::test::space;
 
 namespace {
@@ -57,10 +62,6 @@ std::vector<double> widen(const std::vector<T>& x) {
   for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
   return r;
 }
-
-struct result {
-  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
-};
 
 //! Forward and backward through the plan form, the schedule set by hand.
 template <class P>
@@ -106,19 +107,6 @@ result run(const problem& p, index_t chunk, bool fused, const std::vector<double
   return r;
 }
 
-enum class input { q, k, v, init, d_o, d_final };
-const char* name(input i) {
-  const char* n[] = {"q", "k", "v", "initial_state", "d_o", "d_final_state"};
-  return n[static_cast<int>(i)];
-}
-
-template <class P>
-std::vector<double> rounded_to(const std::vector<double>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(static_cast<P>(x[i]));
-  return r;
-}
-
 template <class P>
 void isolation_sweep(const std::string& what) {
   using S = typename P::storage_type;
@@ -126,8 +114,6 @@ void isolation_sweep(const std::string& what) {
   const index_t T = 150, H = 2, dk = 5, dv = 6;
   const auto cu = lp::documents(T);
   const index_t docs = lp::docs(cu), sz = dk * dv;
-  auto tok_doc = [&](index_t t) { return lp::doc_of(cu, t); };
-  auto doc = [](index_t s) { return s; };
   for (gating mode : {gating::none, gating::fixed, gating::scalar}) {
     const problem clean = rounded<P>(loom::test::la::make_problem(T, H, dk, dv, mode, cu, true, 5));
     const auto d_o = rounded_to<S>(loom::test::uniform<double>(T * H * dv, -1, 1, 6));
@@ -140,49 +126,16 @@ void isolation_sweep(const std::string& what) {
           for (index_t s : {1, 3, 4, 7})
             for (lp::value val : lp::all_values) {
               ++n;
-              const bool per_doc = in == input::init || in == input::d_final;
-              const bool empty = cu[static_cast<std::size_t>(s)] == cu[static_cast<std::size_t>(s) + 1];
-              if (empty && !per_doc) continue;
-              problem p = clean;
-              auto dd_o = d_o, ddfin = dfin;
-              const index_t t = empty ? -1 : lp::row_in(cu, s, n % 3), h = n % H;
-              const double x = static_cast<double>(lp::make<A>(val));
-              const auto row = static_cast<std::size_t>(t * H + h);
-              if (in == input::q) p.q[row * dk + static_cast<std::size_t>(n % dk)] = x;
-              if (in == input::k) p.k[row * dk + static_cast<std::size_t>(n % dk)] = x;
-              if (in == input::v) p.v[row * dv + static_cast<std::size_t>(n % dv)] = x;
-              if (in == input::d_o) dd_o[row * dv + static_cast<std::size_t>(n % dv)] = x;
-              if (in == input::init) p.init[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
-              if (in == input::d_final) ddfin[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
-              const auto got = run<P>(p, chunk, fused, dd_o, ddfin);
+              const auto dirty = poison_input<A>(clean, d_o, dfin, in, s, n, val);
+              if (!dirty) continue;
+              const auto got = run<P>(dirty->p, chunk, fused, dirty->d_o, dirty->dfin);
               INFO(what << ", gating " << static_cast<int>(mode) << ", chunk " << chunk << (fused ? ", fused" : "")
-                        << ": " << lp::name(val) << " in " << name(in) << " of document " << s << " (token " << t
-                        << ", head " << h << ")");
-              lp::require_others_equal(got.o, want.o, H * dv, tok_doc, s, "o");
-              lp::require_others_equal(got.fin, want.fin, H * sz, doc, s, "final_state");
-              lp::require_others_equal(got.dq, want.dq, H * dk, tok_doc, s, "dq");
-              lp::require_others_equal(got.dk, want.dk, H * dk, tok_doc, s, "dk");
-              lp::require_others_equal(got.dv, want.dv, H * dv, tok_doc, s, "dv");
-              lp::require_others_equal(got.dlg, want.dlg, H, tok_doc, s, "d_log_gate");
-              lp::require_others_equal(got.dinit, want.dinit, H * sz, doc, s, "d_initial_state");
-              // The poisoned document shows it (a NaN as a NaN).
-              const bool any = val != lp::value::nan;
-              const index_t b0 = cu[static_cast<std::size_t>(s)], b1 = cu[static_cast<std::size_t>(s) + 1];
-              if (in == input::q || in == input::k || in == input::v || in == input::init)
-                CHECK((lp::rows_hold(got.o, H * dv, b0, b1, any) || lp::rows_hold(got.fin, H * sz, s, s + 1, any)));
-              else
-                CHECK((lp::rows_hold(got.dq, H * dk, b0, b1, any) || lp::rows_hold(got.dk, H * dk, b0, b1, any) ||
-                       lp::rows_hold(got.dinit, H * sz, s, s + 1, any)));
+                        << ": " << lp::name(val) << " in " << name(in) << " of document " << s << " (token "
+                        << dirty->token << ", head " << dirty->head << ")");
+              require_isolated(got, want, cu, s, H, dk, dv, in, val);
             }
       }
   }
-}
-
-bool all_finite(const result& r) {
-  for (const auto* v : {&r.o, &r.fin, &r.dq, &r.dk, &r.dv, &r.dlg, &r.dinit})
-    for (double x : *v)
-      if (!std::isfinite(x)) return false;
-  return true;
 }
 
 //! Full decay (log-gates far below exp's range, or -inf) against the fp64 oracle, forward and
@@ -214,15 +167,7 @@ void full_decay(const std::string& what) {
           const auto got = run<P>(p, chunk, fused, d_o, dfin);
           INFO(what << ", log-gate " << huge << ", gating " << static_cast<int>(mode) << ", chunk " << chunk
                     << (fused ? ", fused" : ", chunk-parallel"));
-          CHECK(all_finite(got));
-          namespace lt = loom::test;
-          lt::require_close(got.o, want.o, scaled_tol<P>(want.o), "o");
-          lt::require_close(got.fin, want.fin, scaled_tol<P>(want.fin), "final state");
-          lt::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), "dq");
-          lt::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), "dk");
-          lt::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), "dv");
-          lt::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), "d initial state");
-          if (mode == gating::scalar) lt::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), "d log gate");
+          loom::test::la::require_oracle_close<P>(got, want, mode);
         }
     }
 }

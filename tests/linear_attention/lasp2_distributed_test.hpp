@@ -35,9 +35,7 @@ namespace {
 
 template <class T, std::size_t R>
 loom::tensor_view<T, R> host_view(T* data, const index_t (&e)[R]) {
-  std::array<index_t, R> a;
-  for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
-  return loom::make_view(data, a);
+  return lt::la::view_in<loom::host_memory>(data, e);
 }
 
 template <class F>

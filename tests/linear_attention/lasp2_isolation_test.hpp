@@ -17,18 +17,18 @@
 #include <vector>
 
 #include "../scan/poison.hpp"
+#include "isolation_checks.hpp"
 #include "lasp2_ranks.hpp"
 
 namespace lp = loom::test::poison;
 using loom::index_t;
 using loom::test::la::gating;
+using loom::test::la::input;
 using loom::test::la::problem;
 using loom::test::la::rounded;
-using loom::test::la::scaled_tol;
+using loom::test::la::rounded_to;
 
 namespace {
-
-using result = loom::test::la::outputs;
 
 //! Cut points of T tokens over P ranks, every slice non-empty and the documents crossing them.
 std::vector<index_t> splits(index_t T, int ranks, std::uint64_t stream) {
@@ -39,15 +39,6 @@ std::vector<index_t> splits(index_t T, int ranks, std::uint64_t stream) {
   return s;
 }
 
-template <class T>
-std::vector<double> rounded_to(const std::vector<double>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(static_cast<T>(x[i]));
-  return r;
-}
-
-enum class input { q, k, v, init, d_o, d_final };
-
 template <class P>
 void isolation(const std::string& what) {
   using S = typename P::storage_type;
@@ -55,8 +46,6 @@ void isolation(const std::string& what) {
   const index_t T = 150, H = 2, dk = 4, dv = 3;
   const auto cu = lp::documents(T);
   const index_t docs = lp::docs(cu), sz = dk * dv;
-  auto tok_doc = [&](index_t t) { return lp::doc_of(cu, t); };
-  auto doc = [](index_t s) { return s; };
   int n = 0;
   for (gating mode : {gating::none, gating::fixed, gating::scalar})
     for (int ranks : {2, 3, 4})
@@ -69,48 +58,16 @@ void isolation(const std::string& what) {
         for (input in : {input::q, input::k, input::v, input::init, input::d_o, input::d_final})
           for (index_t s : {1, 3, 4, 5, 7}) {
             const lp::value val = lp::all_values[++n % 3];
-            const bool per_doc = in == input::init || in == input::d_final;
-            const bool empty = cu[static_cast<std::size_t>(s)] == cu[static_cast<std::size_t>(s) + 1];
-            if (empty && !per_doc) continue;
-            problem p = clean;
-            auto dd_o = d_o, ddfin = dfin;
-            const index_t t = empty ? -1 : lp::row_in(cu, s, n % 3), h = n % H;
-            const double x = static_cast<double>(lp::make<A>(val));
-            const auto row = static_cast<std::size_t>(t * H + h);
-            if (in == input::q) p.q[row * dk + static_cast<std::size_t>(n % dk)] = x;
-            if (in == input::k) p.k[row * dk + static_cast<std::size_t>(n % dk)] = x;
-            if (in == input::v) p.v[row * dv + static_cast<std::size_t>(n % dv)] = x;
-            if (in == input::d_o) dd_o[row * dv + static_cast<std::size_t>(n % dv)] = x;
-            if (in == input::init) p.init[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
-            if (in == input::d_final) ddfin[static_cast<std::size_t>((s * H + h) * sz + n % sz)] = x;
-            const auto got = loom::test::la::run_lasp2<P>(p, cut, dd_o, ddfin, sc, 16);
+            const auto dirty = loom::test::la::poison_input<A>(clean, d_o, dfin, in, s, n, val);
+            if (!dirty) continue;
+            const auto got = loom::test::la::run_lasp2<P>(dirty->p, cut, dirty->d_o, dirty->dfin, sc, 16);
             INFO(what << ", gating " << static_cast<int>(mode) << ", P = " << ranks << ", exchange "
                       << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : "") << ": " << lp::name(val)
-                      << " in input " << static_cast<int>(in) << " of document " << s << " (token " << t << ", head "
-                      << h << ")");
-            lp::require_others_equal(got.o, want.o, H * dv, tok_doc, s, "o");
-            lp::require_others_equal(got.fin, want.fin, H * sz, doc, s, "final_state");
-            lp::require_others_equal(got.dq, want.dq, H * dk, tok_doc, s, "dq");
-            lp::require_others_equal(got.dk, want.dk, H * dk, tok_doc, s, "dk");
-            lp::require_others_equal(got.dv, want.dv, H * dv, tok_doc, s, "dv");
-            lp::require_others_equal(got.dlg, want.dlg, H, tok_doc, s, "d_log_gate");
-            lp::require_others_equal(got.dinit, want.dinit, H * sz, doc, s, "d_initial_state");
-            const bool any = val != lp::value::nan;
-            const index_t b0 = cu[static_cast<std::size_t>(s)], b1 = cu[static_cast<std::size_t>(s) + 1];
-            if (in == input::q || in == input::k || in == input::v || in == input::init)
-              CHECK((lp::rows_hold(got.o, H * dv, b0, b1, any) || lp::rows_hold(got.fin, H * sz, s, s + 1, any)));
-            else
-              CHECK((lp::rows_hold(got.dq, H * dk, b0, b1, any) || lp::rows_hold(got.dk, H * dk, b0, b1, any) ||
-                     lp::rows_hold(got.dinit, H * sz, s, s + 1, any)));
+                      << " in " << name(in) << " of document " << s << " (token " << dirty->token << ", head "
+                      << dirty->head << ")");
+            loom::test::la::require_isolated(got, want, cu, s, H, dk, dv, in, val);
           }
       }
-}
-
-bool all_finite(const result& r) {
-  for (const auto* v : {&r.o, &r.fin, &r.dq, &r.dk, &r.dv, &r.dlg, &r.dinit})
-    for (double x : *v)
-      if (!std::isfinite(x)) return false;
-  return true;
 }
 
 template <class P>
@@ -139,15 +96,7 @@ void full_decay(const std::string& what) {
           const auto got = loom::test::la::run_lasp2<P>(p, cut, d_o, dfin, sc, 7);
           INFO(what << ", log-gate " << huge << ", gating " << static_cast<int>(mode) << ", P = " << ranks
                     << ", exchange " << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : ""));
-          CHECK(all_finite(got));
-          namespace lt = loom::test;
-          lt::require_close(got.o, want.o, scaled_tol<P>(want.o), "o");
-          lt::require_close(got.fin, want.fin, scaled_tol<P>(want.fin), "final state");
-          lt::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), "dq");
-          lt::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), "dk");
-          lt::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), "dv");
-          lt::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), "d initial state");
-          if (mode == gating::scalar) lt::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), "d log gate");
+          loom::test::la::require_oracle_close<P>(got, want, mode);
         }
     }
 }

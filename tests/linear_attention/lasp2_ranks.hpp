@@ -42,11 +42,9 @@ inline std::vector<schedule> schedules() {
   return s;
 }
 
-//! Per-token outputs in their rows; per-document ones summed over the ranks (each written by one
-//! rank, zeros elsewhere).
-struct outputs {
-  std::vector<double> o, fin, dq, dk, dv, dlg, dinit;
-};
+//! A run's outputs (oracle.hpp's result): per-token ones in their rows; per-document ones summed
+//! over the ranks (each written by one rank, zeros elsewhere).
+using outputs = result;
 
 //! A row-major view of host storage typed in memory space Space.
 template <class Space, class T, std::size_t R>
