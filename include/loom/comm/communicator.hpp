@@ -19,6 +19,7 @@
 //! - broadcast(data[n], root); barrier(); split(color >= 0, key) -> the communicator of the ranks
 //!   with the same color, ordered by (key, old rank).
 
+#include <loom/config.hpp>
 #include <loom/core/float16.hpp>
 
 #include <concepts>
@@ -83,9 +84,9 @@ constexpr std::string_view to_string(reduce_op op) noexcept {
   return names[static_cast<int>(op)];
 }
 
-//! Applies op to two values of a reducible type (16-bit floats through float).
+//! Applies op to two values of a reducible type (16-bit floats through float); host and device.
 template <reducible T>
-constexpr T apply(reduce_op op, T a, T b) noexcept {
+LOOM_HD constexpr T apply(reduce_op op, T a, T b) noexcept {
   if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
     return T(apply(op, static_cast<float>(a), static_cast<float>(b)));
   } else {

@@ -55,38 +55,14 @@ struct device_slot {
   Event event{};
 };
 
-//! dst[i] = src[i] (first) or op(dst[i], src[i]), in R (16-bit floats through float).
+//! dst[i] = src[i] (first) or comm::apply(op, dst[i], src[i]).
 template <class R>
 struct rank_reduce {
   R* dst;
   const R* src;
   reduce_op op;
   bool first;
-  LOOM_HD void operator()(index_t i) const {
-    if (first) {
-      dst[i] = src[i];
-      return;
-    }
-    if constexpr (std::is_same_v<R, half> || std::is_same_v<R, bfloat16>) {
-      dst[i] = R(combine(static_cast<float>(dst[i]), static_cast<float>(src[i])));
-    } else {
-      dst[i] = combine(dst[i], src[i]);
-    }
-  }
-  template <class V>
-  LOOM_HD V combine(V a, V b) const {
-    switch (op) {
-      case reduce_op::sum:
-        return static_cast<V>(a + b);
-      case reduce_op::prod:
-        return static_cast<V>(a * b);
-      case reduce_op::min:
-        return b < a ? b : a;
-      case reduce_op::max:
-        return a < b ? b : a;
-    }
-    return a;
-  }
+  LOOM_HD void operator()(index_t i) const { dst[i] = first ? src[i] : apply(op, dst[i], src[i]); }
 };
 
 }  // namespace detail
