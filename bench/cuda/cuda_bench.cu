@@ -3,17 +3,27 @@
 //   scan      loom::scan::inclusive_scan(plus<float>) of 64M fp32, against cub::DeviceScan::InclusiveSum
 //             (not bitwise deterministic for floats) and a device-to-device copy of the same bytes;
 //   spmm      loom::sparse::spmm on the tiled bitmap format (magnitude-pruned random weights) against
-//             cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008.
-// Prints a markdown table. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
+//             cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008;
+//   overlap   ring pass-KV forward (fp32, full attention, contiguous shards, 8 heads, dim 64) on
+//             P = 2, 3, 4 ranks sharing this GPU over comm::device_local: the wall time of the ring
+//             (T_ring), of the same compute without communication (each rank P local attention
+//             calls of its block, T_comp) and of the same transfers without compute (P - 1 ring
+//             shifts of a K/V block, T_xfer), all ranks at once, slowest rank, median of 7;
+//             hidden = 1 - (T_ring - T_comp) / T_xfer, the share of the transfer time that did not
+//             lengthen the call (target >= 0.9 where a step's compute outlasts its transfer).
+// Prints markdown tables. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
 //
-//   loom.bench.cuda [--quick | --scan]   (--quick: small sizes; --scan: the scan rows only)
+//   loom.bench.cuda [--quick | --scan | --overlap]   (--quick: small sizes; --scan, --overlap: those rows only)
 
+#include <loom/attention/ring.hpp>
 #include <loom/backend/cuda.hpp>
+#include <loom/comm/device_local.hpp>
 #include <loom/scan/scan.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <cub/device/device_scan.cuh>
@@ -172,9 +182,103 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
 
 }  // namespace
 
+//! The median over `reps` rounds of the slowest rank's wall time of one call, P ranks over
+//! comm::device_local. body(comm, b, timed) sets the rank up (plans, buffers: not timed) and calls
+//! timed(work): two warm-up rounds, then `reps` rounds, each started together (a barrier) and
+//! ended by the rank's streams drained.
+template <class F>
+double ranks_median_ms(int p, int reps, F&& body) {
+  std::vector<std::vector<double>> t(static_cast<std::size_t>(reps), std::vector<double>(static_cast<std::size_t>(p)));
+  loom::comm::run_device_local(p, [&](loom::comm::device_local& comm, loom::cuda b) {
+    body(comm, b, [&](auto&& work) {
+      for (int i = -2; i < reps; ++i) {
+        LOOM_CUDA_TRY(cudaStreamSynchronize(b.stream));
+        comm.barrier();
+        const auto t0 = std::chrono::steady_clock::now();
+        work();
+        LOOM_CUDA_TRY(cudaStreamSynchronize(b.stream));
+        comm.synchronize();
+        if (i >= 0)
+          t[static_cast<std::size_t>(i)][static_cast<std::size_t>(comm.rank())] =
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      }
+    });
+  });
+  std::vector<double> slowest;
+  for (const auto& r : t) slowest.push_back(*std::max_element(r.begin(), r.end()));
+  std::sort(slowest.begin(), slowest.end());
+  return slowest[slowest.size() / 2];
+}
+
+//! One rank's q, k, v, o [rows, 8, 64] (zero-filled: the timing does not depend on the values)
+//! and lse [rows, 8], in device memory ordered on b.
+struct ring_buffers {
+  loom::temporary_buffer<loom::cuda, float> q, k, v, o, lse;
+  ring_buffers(const loom::cuda& b, index_t rows)
+      : q(b, rows * 512), k(b, rows * 512), v(b, rows * 512), o(b, rows * 512), lse(b, rows * 8) {
+    for (const auto* x : {&q, &k, &v, &o})
+      LOOM_CUDA_TRY(cudaMemsetAsync(x->data(), 0, sizeof(float) * static_cast<std::size_t>(rows * 512), b.stream));
+  }
+};
+
+void overlap_rows(index_t per_rank) {
+  namespace la = loom::attention;
+  constexpr index_t heads = 8, dim = 64;
+  const index_t block = per_rank * heads * dim;
+  std::printf("\n### overlap: ring pass-KV forward over comm::device_local (one GPU), %lld tokens per rank\n\n",
+              static_cast<long long>(per_rank));
+  std::printf("| P | T_comp ms | T_xfer ms | T_ring ms | hidden |\n|---|---|---|---|---|\n");
+  la::options full;
+  full.causal = false;
+  for (int p : {2, 3, 4}) {
+    const std::vector<index_t> docs{0, per_rank * p};
+    const auto shard = loom::shard::make_plan(std::span<const index_t>(docs), p, loom::shard::contiguous{});
+    using cview = loom::tensor_view<const float, 3, loom::cuda_memory>;
+    using view = loom::tensor_view<float, 3, loom::cuda_memory>;
+    using lview = loom::tensor_view<float, 2, loom::cuda_memory>;
+    const double ring = ranks_median_ms(p, 7, [&](loom::comm::device_local& comm, const loom::cuda& b, auto&& timed) {
+      const auto rp = la::ring::make_plan(b, comm, shard, {heads, heads, dim, dim}, full);
+      const ring_buffers x(b, per_rank);
+      const loom::temporary_buffer<loom::cuda, std::byte> ws(b, static_cast<index_t>(rp.workspace_bytes()));
+      timed([&] {
+        la::ring::forward(b, comm, rp, cview(x.q.data(), {per_rank, heads, dim}),
+                          cview(x.k.data(), {per_rank, heads, dim}), cview(x.v.data(), {per_rank, heads, dim}),
+                          view(x.o.data(), {per_rank, heads, dim}), lview(x.lse.data(), {per_rank, heads}), ws.bytes());
+      });
+    });
+    const double comp = ranks_median_ms(p, 7, [&](loom::comm::device_local&, const loom::cuda& b, auto&& timed) {
+      const auto lp = la::make_plan<loom::fp32>(b, loom::segments<loom::cuda_memory>{},
+                                                la::shape{per_rank, heads, heads, dim, dim}, full);
+      const ring_buffers x(b, per_rank);
+      const loom::temporary_buffer<loom::cuda, std::byte> ws(b, static_cast<index_t>(lp.workspace_bytes()));
+      timed([&] {
+        for (int s = 0; s < p; ++s)
+          la::forward(b, lp, cview(x.q.data(), {per_rank, heads, dim}), cview(x.k.data(), {per_rank, heads, dim}),
+                      cview(x.v.data(), {per_rank, heads, dim}), view(x.o.data(), {per_rank, heads, dim}),
+                      lview(x.lse.data(), {per_rank, heads}), ws.bytes());
+      });
+    });
+    const double xfer = ranks_median_ms(p, 7, [&](loom::comm::device_local& comm, const loom::cuda& b, auto&& timed) {
+      const loom::temporary_buffer<loom::cuda, float> a(b, 2 * block), c(b, 2 * block);
+      const int r = comm.rank();
+      const auto n = static_cast<std::size_t>(2 * block);
+      timed([&] {
+        for (int s = 0; s + 1 < p; ++s) {
+          loom::comm::handoff(comm, b);
+          comm.sendrecv(std::span<const float>(s % 2 ? c.data() : a.data(), n), (r + 1) % p,
+                        std::span<float>(s % 2 ? a.data() : c.data(), n), (r + p - 1) % p, 11);
+          loom::comm::handback(comm, b);
+        }
+      });
+    });
+    std::printf("| %d | %.3f | %.3f | %.3f | %.3f |\n", p, comp, xfer, ring, 1.0 - (ring - comp) / xfer);
+  }
+}
+
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool scan_only = argc > 1 && std::strcmp(argv[1], "--scan") == 0;
+  const bool overlap_only = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
   cudaDeviceProp prop{};
   LOOM_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
   int driver = 0, runtime = 0;
@@ -182,7 +286,9 @@ int main(int argc, char** argv) {
   cudaRuntimeGetVersion(&runtime);
   std::printf("## loom.bench.cuda: %s, %d SMs, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount, driver,
               runtime);
-  scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+  if (!overlap_only) scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+  overlap_rows(quick ? 1024 : 8192);
+  if (overlap_only) return 0;
   if (scan_only) return 0;
   cublasHandle_t h;
   check_cublas(cublasCreate(&h), "cublasCreate");
