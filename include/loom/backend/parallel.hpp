@@ -86,4 +86,12 @@ void for_each_tile(const B& b, index_t rows, index_t cols, tile_shape tile, cons
                                      detail::tile_body<F>{rows, cols, tile.rows, tile.cols, grid_cols, f});
 }
 
+namespace detail {
+//! p[0..n) = v on b (stream-ordered like for_each_index; nothing for n == 0).
+template <backend B, class T>
+void fill(const B& b, T* p, index_t n, T v) {
+  if (n > 0) for_each_index(b, n, fill_kernel<T>{p, v});
+}
+}  // namespace detail
+
 }  // namespace loom

@@ -135,9 +135,7 @@ struct access {
   static plan<P> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
                       const shape& slice, const options& opt, std::string_view call, Check&& check) {
     using Space = typename backend_traits<B>::memory_space;
-    static_assert(comm::moves<C, Space>,
-                  "lasp2: the communicator cannot move buffers of the backend's memory space (a host communicator "
-                  "needs host-accessible memory; device memory needs a stream-ordered communicator)");
+    check_spaces<B, C, Space>();
     static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
     plan<P> p;
     auto& c = p.c_;
@@ -158,8 +156,7 @@ struct access {
       c.sz = slice.dk * slice.dv;
       c.docs = docs.count();
       c.posted_exchange = opt.exchange == exchange::posted;
-      c.stream_ordered = linear_attention::detail::stream_ordered_comm<C, B>;
-      c.request_bytes = sizeof(typename C::request);
+      c.request_bytes = linear_attention::detail::stream_ordered_comm<C, B> ? 0 : sizeof(typename C::request);
       c.cu.resize(static_cast<std::size_t>(c.docs) + 1);
       for (index_t d = 0; d <= c.docs; ++d) c.cu[static_cast<std::size_t>(d)] = docs[d];
       c.s = linear_attention::detail::make_slice(c.cu, token_begin, slice.tokens, c.rank, c.ranks);
@@ -257,7 +254,6 @@ void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t tok
              const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state = {},
              tensor_view<typename P::accum_type, 3, Space> incoming_state = {}, const options& opt = {}) {
-  detail::check_spaces<B, C, Space>();
   const auto pl =
       detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
                               opt, "lasp2::forward", [&](const auto& core) {
@@ -276,7 +272,6 @@ void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t to
               tensor_view<const typename P::accum_type, 4, Space> d_final_state,
               tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,
               const options& opt = {}) {
-  detail::check_spaces<B, C, Space>();
   const auto pl =
       detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
                               opt, "lasp2::backward", [&](const auto& core) {

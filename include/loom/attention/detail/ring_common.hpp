@@ -174,8 +174,6 @@ struct ring_state {
   }
 };
 
-using loom::detail::fill_kernel;
-
 //! Element i of a contiguous [n, h, d] block from / into a strided view (d = 1: a [n, h] view).
 template <class V, class T, bool two_d>
 struct copy_in_kernel {
@@ -223,7 +221,7 @@ struct block {
   [[nodiscard]] index_t size() const { return n * h * d; }
   template <backend B>
   void zero(const B& b) const {
-    if (size() > 0) for_each_index(b, size(), fill_kernel<T>{p, T(0)});
+    loom::detail::fill(b, p, size(), T(0));
   }
 };
 

@@ -276,7 +276,7 @@ void from_heads(const B& b, C& comm, const shard::plan& tokens, const head_split
   Acc* a = acc;
   for (const auto& d : dst)
     if (d.kv && sum_kv && n > 0) {
-      for_each_index(b, n * hs.hkv * d.dim, fill_kernel<Acc>{a, Acc(0)});
+      loom::detail::fill(b, a, n * hs.hkv * d.dim, Acc(0));
       a += n * hs.hkv * d.dim;
     }
   for (int j = 0; j < p; ++j) {

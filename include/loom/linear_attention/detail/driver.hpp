@@ -183,17 +183,16 @@ struct incoming_scratch {
 //! scale exp(B_t) q_t^T X added (incoming_kernel; only when the storage type is the accumulation
 //! type, else m = 0). No chunk state is computed twice except in the scanned chunks of a publishing
 //! rank. With several documents, document 0 runs after the exchange from X.
-//! Otherwise (chunk-parallel plan, every memory space): phases 1 and 2, publish(fin) copies the end
-//! state out of the local final states (on the backend's stream), post(), the output of documents
-//! 1.., finish(), then X folded into the chunk states of document
-//! 0, S0 + exp(B) X (its final state does not include X).
-template <class B, class P, class Gating, class Space, class Post, class Finish, class Publish>
+//! Otherwise (chunk-parallel plan, every memory space): phases 1 and 2, the end state copied out of
+//! the last document's final state (loom::copy_bytes, in the backend's order), post(), the output of
+//! documents 1.., finish(), then X folded into the chunk states of document 0, S0 + exp(B) X (its
+//! final state does not include X).
+template <class B, class P, class Gating, class Space, class Post, class Finish>
 bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                           tensor_view<typename P::storage_type, 3, Space> o,
                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
                           typename P::accum_type* end_state, incoming_roles roles,
-                          const incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish,
-                          Publish&& publish) {
+                          const incoming_scratch<typename P::accum_type>& sc, Post&& post, Finish&& finish) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, false, "lasp2::forward");
@@ -277,7 +276,8 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
   }
   launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * groups, pl.lanes());
   launch(b, state_pass_kernel<S, A, Space>{p, init, fin_p, w.cum}, doc_items, pl.lanes());
-  if (roles.publish && pl.docs() > 0) publish(static_cast<const A*>(fin_p));
+  if (roles.publish && pl.docs() > 0)
+    loom::copy_bytes(b, end_state, fin_p + (pl.docs() - 1) * H * sz, sizeof(A) * static_cast<std::size_t>(H * sz));
   post();
   const index_t split = pl.docs() > 0 ? plan_access::table(pl).doc_chunk[1] : 0;
   launch(b, output_kernel<S, A, Space>{p, o, split, pl.chunks()}, (pl.chunks() - split) * groups, pl.lanes());

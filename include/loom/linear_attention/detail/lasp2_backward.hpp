@@ -53,9 +53,9 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   A* dfin_loc = buf[blk::dfin_loc];
   A* dinit_loc = buf[blk::dinit_loc];
   A* fin_loc = buf[blk::fin_loc];
-  fill_values(b, dinit_loc, segs * one, A(0));
-  fill_values(b, fin_loc, segs * one, A(0));
-  if (s.continues_left) move_states(b, buf.table, wk.first, incoming.data(), init_loc, one);
+  loom::detail::fill(b, dinit_loc, segs * one, A(0));
+  loom::detail::fill(b, fin_loc, segs * one, A(0));
+  if (s.continues_left) loom::copy_bytes(b, init_loc, incoming.data(), sizeof(A) * static_cast<std::size_t>(one));
   move_states(b, buf.table, wk.bwd_init, init, init_loc, one);
   move_states(b, buf.table, wk.bwd_dfin, df, dfin_loc, one);
   operands<P, Space> xl{x.q, x.k, x.v, view_of<const A, 4, Space>(init_loc, {segs, H, dk, dv})};
@@ -68,8 +68,7 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   state_exchange<C, B, A> ex(b, H, sz, wk.ranks, wk.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
   ex.clear();
   const bool pass = tokens == 0 || (s.continues_left && segs == 1);
-  if (tokens > 0 && s.continues_left)
-    move_states(b, buf.table, wk.first, static_cast<const A*>(dinit_loc), ex.m(), one);
+  if (tokens > 0 && s.continues_left) loom::copy_bytes(b, ex.m(), dinit_loc, sizeof(A) * static_cast<std::size_t>(one));
   ex.set(gate, tokens, pass, A(0), !pass);  // reset: a document starts here, what enters from the right stops at it
   ex.post(comm);
   ex.finish(comm);

@@ -193,7 +193,7 @@ class state_exchange {
   state_exchange& operator=(const state_exchange&) = delete;
   ~state_exchange() { destroy(); }
   //! Zeroes the message: a [H], M [H, dk, dv], reset.
-  void clear() { for_each_index(b_, m_, loom::detail::fill_kernel<A>{send_, A(0)}); }
+  void clear() { loom::detail::fill(b_, send_, m_, A(0)); }
   //! M [H, dk, dv], in the backend's memory.
   A* m() const { return send_ + heads_; }
   //! Sets a[h] (exp of the log-gates of tokens [0, tokens) when `gates`, else `constant`) and the
@@ -286,8 +286,7 @@ struct lasp2_core {
   int rank = 0, ranks = 1;
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
   bool posted_exchange = false;
-  bool stream_ordered = false;    //!< made for a stream-ordered communicator (no request slots)
-  std::size_t request_bytes = 0;  //!< sizeof the requests of the communicator given to make_plan
+  std::size_t request_bytes = 0;  //!< sizeof the requests of make_plan's communicator (0: stream-ordered, none)
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
@@ -298,10 +297,9 @@ struct lasp2_core {
   //! slice (segment -> document) and of the empty ones this rank owns (document -> document).
   //! Backward: the initial state of each segment but a continued first one; the final-state
   //! gradient of each segment (-1 unless its document closes here); the initial-state gradients
-  //! (segment -> document) and those of the owned empty documents. `first` is (0 -> 0), `last`
-  //! (last segment -> 0).
+  //! (segment -> document) and those of the owned empty documents.
   std::vector<index_t> table;
-  move_list fwd_init, fwd_fin, fwd_empty, bwd_init, bwd_dfin, bwd_dinit, bwd_empty, first, last;
+  move_list fwd_init, fwd_fin, fwd_empty, bwd_init, bwd_dfin, bwd_dinit, bwd_empty;
 
   void make_moves() {
     table.clear();
@@ -346,8 +344,6 @@ struct lasp2_core {
       for (index_t d : s.owned_start)
         if (empty(d)) add(d, d);
     });
-    first = list([&](auto add) { add(0, 0); });
-    last = list([&](auto add) { add(segs - 1, 0); });
   }
 
   lasp2_layout make_layout(bool backward) const {
@@ -375,9 +371,8 @@ struct lasp2_core {
       w.at[static_cast<std::size_t>(i)] = l.add<A>(sizes[i]);
       w.size[static_cast<std::size_t>(i)] = static_cast<std::size_t>(sizes[i]);
     }
-    w.reqs = l.add<std::byte>(posted_exchange && !stream_ordered
-                                  ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1)
-                                  : 0);
+    w.reqs = l.add<std::byte>(
+        posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
     w.table = l.add<index_t>(static_cast<index_t>(table.size()));
     w.kernel_bytes = backward ? pl.backward_workspace_bytes() : pl.forward_workspace_bytes();
     w.kernels = l.add<std::byte>(static_cast<index_t>(w.kernel_bytes));
@@ -449,11 +444,6 @@ void move_states(const B& b, const index_t* table, move_list l, const A* src, A*
     for_each_index(b, l.count * block, move_states_kernel<A>{table + 2 * l.at, src, dst, block});
 }
 
-template <class B, class A>
-void fill_values(const B& b, A* p, index_t n, A v) {
-  if (n > 0) for_each_index(b, n, loom::detail::fill_kernel<A>{p, v});
-}
-
 //! Every check of one forward call on this rank (local: no communication).
 template <class P, class C, class B, class Gating, class Space>
 void check_forward_call(const C& comm, const B& b, const lasp2_core<P>& w, const Gating& gating,
@@ -486,7 +476,7 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
   A* init_loc = buf[blk::init_loc];
   A* fin_loc = buf[blk::fin_loc];
   A* xin = buf[blk::xin];
-  fill_values(b, fin_loc, segs * one, A(0));
+  loom::detail::fill(b, fin_loc, segs * one, A(0));
   move_states(b, buf.table, w.fwd_init, init, init_loc, one);
   operands<P, Space> xl{x.q, x.k, x.v, view_of<const A, 4, Space>(init_loc, {segs, H, w.dk, w.dv})};
   const auto fin_view = view_of<A, 4, Space>(fin_loc, {segs, H, w.dk, w.dv});
@@ -494,7 +484,7 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
   if (comm.size() == 1) {
     // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
     // when the plan says so, without a chunk-state buffer).
-    fill_values(b, xin, one, A(0));
+    loom::detail::fill(b, xin, one, A(0));
     run_forward(b, w.pl, gating, xl, o, fin_view, buf.kernels);
   } else {
     state_exchange<C, B, A> ex(b, H, sz, w.ranks, w.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
@@ -514,10 +504,9 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
           // X = fold over the ranks before this one, in rank order.
           ex.fold(0, comm.rank(), false, xin);
           return s.continues_left ? static_cast<const A*>(xin) : nullptr;
-        },
-        [&](const A* src) { move_states(b, buf.table, w.last, src, ex.m(), one); });
+        });
   }
-  if (present(incoming)) move_states(b, buf.table, w.first, static_cast<const A*>(xin), incoming.data(), one);
+  if (present(incoming)) loom::copy_bytes(b, incoming.data(), xin, sizeof(A) * static_cast<std::size_t>(one));
   if (s.continues_left && !with_x && one > 0) {
     A* decay = buf[blk::decay];
     for_each_index(b, H, head_decay_kernel<A>{gate, decay, 0, s.local_cu[1]});
