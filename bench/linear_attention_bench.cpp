@@ -65,7 +65,8 @@ void chunked(benchmark::State& state) {
   const int threads = static_cast<int>(state.range(1));
   data x(T);
   const loom::openmp b{.threads = threads};
-  const auto pl = la::make_plan(b, {}, {.tokens = T, .heads = H, .dk = D, .dv = D}, {.chunk = C});  // one document
+  const auto pl =
+      la::make_plan(b, loom::segments<>{}, {.tokens = T, .heads = H, .dk = D, .dv = D}, {.chunk = C});  // one document
   loom::workspace_buffer ws(pl.forward_workspace_bytes());
   const la::operands ops{loom::tensor_view<const float, 3>(x.q.data(), {T, H, D}),
                          loom::tensor_view<const float, 3>(x.k.data(), {T, H, D}),
@@ -140,8 +141,8 @@ void lasp2(benchmark::State& state) {
   loom::comm::run_local(P, [&](loom::comm::local& comm) {
     const auto [b0, n] = slice(comm.rank());
     const auto r = static_cast<std::size_t>(comm.rank());
-    plans[r].emplace(
-        la::lasp2::make_plan(b, comm, std::span<const index_t>(cu), b0, {n, H, D, D}, {.chunked = {.chunk = C}}));
+    plans[r].emplace(la::lasp2::make_plan(b, comm, loom::segments{std::span<const index_t>(cu)}, b0, {n, H, D, D},
+                                          {.chunked = {.chunk = C}}));
     ws[r].emplace(plans[r]->forward_workspace_bytes());
   });
   for (auto _ : state) {

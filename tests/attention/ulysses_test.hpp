@@ -20,11 +20,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "oracle.hpp"
@@ -922,13 +924,17 @@ TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs t
     std::vector<lp::strategy> picked(p);
     std::vector<std::string> explained(p);
     // int32 offsets (FlashAttention's cu_seqlens) for every other configuration, int64 otherwise.
+    // The offsets live in the backend's memory (on the stand-in: not host-readable; make_plan reads
+    // them with a copy and a fence).
     const std::vector<std::int32_t> cu32(g.cu.begin(), g.cu.end());
     const bool narrow = seed % 20 == 0;
-    const auto documents =
-        narrow ? loom::segments(std::span<const std::int32_t>(cu32)) : loom::segments(std::span<const index_t>(g.cu));
+    const std::array<index_t, 1> n_offsets{static_cast<index_t>(g.cu.size())};
     const auto res = run<double>(
         g, p, true,
         [&](auto& comm, const auto& be) {
+          using doc_space = typename loom::backend_traits<std::remove_cvref_t<decltype(be)>>::memory_space;
+          const auto documents = narrow ? loom::segments<doc_space>(loom::make_view<doc_space>(cu32.data(), n_offsets))
+                                        : loom::segments<doc_space>(loom::make_view<doc_space>(g.cu.data(), n_offsets));
           lsp::options o;
           o.attention = opts_of(g.s);
           o.machine = c.m;

@@ -53,13 +53,18 @@ std::vector<double> widen(const std::vector<T>& x) {
   return r;
 }
 
-// The problem's documents as int64 offsets, or as an int32 copy (FlashAttention's convention).
+// The problem's documents as int64 offsets, or as an int32 copy (FlashAttention's convention), in
+// the backend's memory (on the device stand-in: memory the host may not read, so make_plan reads
+// them with a copy and a fence).
 struct docs_of {
-  std::vector<std::int32_t> narrow;
-  loom::segments<> seg;
-  docs_of(const std::vector<index_t>& cu, bool wide) : narrow(cu.begin(), cu.end()) {
-    seg = wide ? loom::segments<>(std::span<const std::int64_t>(cu))
-               : loom::segments<>(std::span<const std::int32_t>(narrow));
+  buffer<std::int64_t> wide_offsets;
+  buffer<std::int32_t> narrow;
+  loom::segments<space> seg;
+  docs_of(const std::vector<index_t>& cu, bool wide)
+      : wide_offsets(cu), narrow(std::vector<std::int32_t>(cu.begin(), cu.end())) {
+    const index_t n = static_cast<index_t>(cu.size());
+    seg = wide ? loom::segments<space>(mk(static_cast<const std::int64_t*>(wide_offsets.data()), {n}))
+               : loom::segments<space>(mk(static_cast<const std::int32_t*>(narrow.data()), {n}));
   }
 };
 
@@ -380,6 +385,34 @@ TEST_CASE(
   REQUIRE(io0.all() == want);
   REQUIRE(io1.all() == want);
 #endif
+}
+
+TEST_CASE("linear_attention::make_plan reads offsets in the backend's memory and checks every value",
+          "[linear_attention][plan][errors]" LOOM_BACKEND_TAG) {
+  const auto b = make_backend();
+  const la::shape sh{40, 2, 8, 4};
+  using loom::errc;
+  for (const bool wide : {true, false}) {
+    const auto pl = la::make_plan(b, docs_of({0, 17, 17, 40}, wide).seg, sh, {.chunk = 8});
+    CHECK(pl.docs() == 3);
+    CHECK(std::vector<index_t>(pl.offsets().begin(), pl.offsets().end()) == std::vector<index_t>{0, 17, 17, 40});
+    CHECK(pl.chunks() == 3 + 3);  // 17 tokens in chunks of 8: 3, an empty document: 0, 23 tokens: 3
+    loom::test::require_loom_error(
+        [&] {
+          (void)la::make_plan(b, docs_of({0, 17, 9, 40}, wide).seg, sh);
+        },
+        errc::invalid_argument, {"linear_attention::make_plan: cu_seqlens must be non-decreasing", "[2] = 9"});
+    loom::test::require_loom_error(
+        [&] {
+          (void)la::make_plan(b, docs_of({0, 17, 39}, wide).seg, sh);
+        },
+        errc::invalid_argument, {"the last offset) must equal the token count 40"});
+    loom::test::require_loom_error(
+        [&] {
+          (void)la::make_plan(b, docs_of({3, 17, 40}, wide).seg, sh);
+        },
+        errc::invalid_argument, {"cu_seqlens[0] must be 0, got 3"});
+  }
 }
 
 TEST_CASE("linear_attention plan form rejects a too-small or misaligned workspace",

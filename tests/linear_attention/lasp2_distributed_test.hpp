@@ -150,7 +150,7 @@ TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pa
     auto comm = lt::counted(inner);
     const auto r = static_cast<std::size_t>(comm.rank());
     const index_t from = splits[r], n = splits[r + 1] - from;
-    const auto pl = lasp2::make_plan(b, comm, std::span<const index_t>(cu), from, {n, H, dk, dv},
+    const auto pl = lasp2::make_plan(b, comm, loom::segments{std::span<const index_t>(cu)}, from, {n, H, dk, dv},
                                      {.chunked = {.chunk = 8}, .exchange = ex});
     auto& mine = seen[r];
     const auto& t = comm.counts();
@@ -204,7 +204,7 @@ TEST_CASE("lasp2 over ranks: a forward schedule the memory cannot run is rejecte
   const index_t T = 20, H = 1, d = 2;
   const std::vector<index_t> cu{0, 7, T};
   const auto errors = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& b) {
-    (void)lasp2::make_plan(b, comm, std::span<const index_t>(cu), comm.rank() * 10, {10, H, d, d},
+    (void)lasp2::make_plan(b, comm, loom::segments{std::span<const index_t>(cu)}, comm.rank() * 10, {10, H, d, d},
                            {.chunked = {.fused = true}});
   });
   for (const auto& e : errors) {

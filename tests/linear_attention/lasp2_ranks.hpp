@@ -126,7 +126,11 @@ outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const st
     gr.d_initial_state = view_in<Space>(dinit.data(), {docs, H, dk, dv});
     if (p.mode == gating::scalar) gr.d_log_gate = view_in<Space>(dlg.data(), {n, H});
     const lasp2::options opt{.chunked = {.chunk = chunk, .scale = p.scale, .fused = sc.fused}, .exchange = sc.ex};
-    const auto pl = lasp2::make_plan<P>(b, comm, std::span<const index_t>(p.cu), from, {n, H, dk, dv}, opt);
+    // The global offsets in the backend's memory (on the stand-in: not host-readable; make_plan
+    // reads them with a copy and a fence).
+    const loom::segments<Space> docs_view(
+        view_in<Space>(static_cast<const index_t*>(p.cu.data()), {static_cast<index_t>(p.cu.size())}));
+    const auto pl = lasp2::make_plan<P>(b, comm, docs_view, from, {n, H, dk, dv}, opt);
     loom::workspace_buffer ws(pl.workspace_bytes());
     auto both = [&](const auto& g) {
       lasp2::forward(b, comm, pl, g, x, view_in<Space>(o.data(), {n, H, dv}),

@@ -202,7 +202,7 @@ TEST_CASE("linear_attention: every rejection names the argument", "[linear_atten
   require_error([&] { fwd({}); }, errc::invalid_argument, "at least one offset");
   {  // int32 offsets go through the same validation
     const std::vector<std::int32_t> bad32{0, 4, 3, 10};
-    require_error([&] { la::forward(b, std::span<const std::int32_t>(bad32), la::no_decay{}, x, ov); },
+    require_error([&] { la::forward(b, loom::segments{std::span<const std::int32_t>(bad32)}, la::no_decay{}, x, ov); },
                   errc::invalid_argument, "must be non-decreasing");
   }
   require_error(
@@ -394,7 +394,7 @@ TEST_CASE("linear_attention::lasp2: make_plan(b, comm, ...) agrees once, N calls
     loom::comm::counting<loom::comm::local> comm(inner);
     const loom::openmp b{.threads = 1};
     const index_t from = 20 * comm.rank(), n = 20;
-    const auto pl = lasp2::make_plan(b, comm, std::span<const std::int32_t>(cu32), from, {n, H, d, d});
+    const auto pl = lasp2::make_plan(b, comm, loom::segments{std::span<const std::int32_t>(cu32)}, from, {n, H, d, d});
     auto& mine = seen[static_cast<std::size_t>(comm.rank())];
     mine = {comm.counts().collectives.load(), 0, pl.rank(), pl.ranks(), pl.docs()};
     loom::workspace_buffer ws(pl.workspace_bytes());

@@ -49,6 +49,7 @@
 #include <loom/attention/local.hpp>
 #include <loom/attention/ring.hpp>
 #include <loom/attention/ulysses.hpp>
+#include <loom/backend/copy.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
 #include <loom/core/error.hpp>
@@ -478,6 +479,17 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
       break;
   }
   return plan<B, C, P>(std::move(st));
+}
+
+//! The same from documents in the backend's memory: read once here (a copy and a fence of b),
+//! checked like host offsets, then planned as above (the shard plans are host objects).
+template <precision_policy P = fp32, class B, comm::communicator C, memory_space Space>
+requires(!std::is_same_v<Space, host_memory>) plan<B, C, P> make_plan(const B& b, C& comm,
+                                                                      const loom::segments<Space>& documents,
+                                                                      const attention::head_shape& s,
+                                                                      const options& opt = {}) {
+  return loom::detail::with_host_segments(
+      b, documents, [&](const loom::segments<>& h) { return sequence_parallel::make_plan<P>(b, comm, h, s, opt); });
 }
 
 //! Runs the picked strategy's forward on its plan: allocates nothing. Views: this rank's rows

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <type_traits>
 #include <vector>
 
 namespace loom {
@@ -48,6 +50,23 @@ std::vector<index_t> host_offsets(const B& b, const segments<Space>& seg) {
     for (std::size_t i = 0; i < out.size(); ++i) out[i] = narrow[i];
   }
   return out;
+}
+
+//! Calls f with `seg` as host segments (loom::segments<host_memory>) and returns what f returns:
+//! seg itself on host memory; otherwise a host copy of its offsets (host_offsets: a copy and a
+//! fence of b, plan time only), so a plan made from device offsets checks every value like one
+//! made from host offsets. Implicit segments stay implicit (bound to the same token count).
+template <backend B, memory_space Space, class F>
+decltype(auto) with_host_segments(const B& b, const segments<Space>& seg, F&& f) {
+  static_assert(Space::host_accessible || std::is_same_v<Space, typename backend_traits<B>::memory_space>,
+                "the document offsets must be in host memory or in the backend's memory");
+  if constexpr (std::is_same_v<Space, host_memory>) {
+    return f(seg);
+  } else {
+    if (seg.implicit()) return f(seg[1] >= 0 ? segments<host_memory>::whole(seg[1]) : segments<host_memory>{});
+    const std::vector<index_t> host = host_offsets(b, seg);
+    return f(segments<host_memory>(std::span<const std::int64_t>(host)));
+  }
 }
 }  // namespace detail
 

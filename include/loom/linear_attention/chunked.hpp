@@ -12,7 +12,8 @@
 //!   linear_attention::forward(b, plan, no_decay{}, x, o, final_state, ws.span());   // no allocation
 //!   linear_attention::forward(b, docs, no_decay{}, x, o);                           // convenience
 //!
-//! docs: loom::segments over int32 or int64 host offsets (empty: one document). Precision: the
+//! docs: loom::segments over int32 or int64 offsets in host memory or the backend's memory (read
+//! once by make_plan; empty: one document). Precision: the
 //! operands' policy (la::operands x{q, k, v} deduces it from the element types; see types.hpp);
 //! the plan form requires a plan of that precision (plan.hpp).
 //! Completion: host backends complete on return; on device backends the plan forms are
@@ -25,6 +26,7 @@
 //! Deterministic: for a fixed backend and inputs the bits never change (no atomics; each output
 //! element is computed by one fixed loop order, independent of the thread count).
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/segments.hpp>
@@ -56,8 +58,8 @@ void forward(const B& b, const plan<P>& pl, const Gating& gating, const operands
 //! Convenience form: make_plan (precision of the operands, tokens of q), a loom::temporary_buffer
 //! workspace, the plan form, fence.
 //! @throws loom::error(invalid_argument) for bad offsets or options, and as forward above.
-template <backend B, class Gating, precision_policy P, memory_space Space>
-void forward(const B& b, const segments<host_memory>& docs, const Gating& gating, const operands<P, Space>& x,
+template <backend B, memory_space DocSpace = host_memory, class Gating, precision_policy P, memory_space Space>
+void forward(const B& b, const segments<DocSpace>& docs, const Gating& gating, const operands<P, Space>& x,
              tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state = {}, const options& opt = {}) {
   const auto pl = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
@@ -82,8 +84,8 @@ void backward(const B& b, const plan<P>& pl, const Gating& gating, const operand
 }
 
 //! Convenience form of backward: make_plan, a temporary workspace, the plan form, fence.
-template <backend B, class Gating, precision_policy P, memory_space Space>
-void backward(const B& b, const segments<host_memory>& docs, const Gating& gating, const operands<P, Space>& x,
+template <backend B, memory_space DocSpace = host_memory, class Gating, precision_policy P, memory_space Space>
+void backward(const B& b, const segments<DocSpace>& docs, const Gating& gating, const operands<P, Space>& x,
               tensor_view<const typename P::storage_type, 3, Space> d_o,
               tensor_view<const typename P::accum_type, 4, Space> d_final_state, const gradients<P, Space>& g,
               const options& opt = {}) {

@@ -47,6 +47,7 @@
 //! Deterministic: the fold runs in rank order on every rank; on device memory the bits are those of
 //! the host chunk-parallel schedule's (options.chunked.fused = false): the same kernels, in order.
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/comm/agreement.hpp>
 #include <loom/comm/communicator.hpp>
@@ -190,18 +191,21 @@ struct access {
 }  // namespace detail
 
 //! Plans LASP-2 for rank comm.rank() of comm.size() holding tokens [token_begin, token_begin +
-//! slice.tokens) of the packed sequence `docs` (GLOBAL offsets, int32 or int64, host memory;
-//! empty: one document), slice.heads heads, key / value widths slice.dk, slice.dv, on backend b,
-//! in precision P (default loom::fp32). Collective: every rank of comm calls it.
+//! slice.tokens) of the packed sequence `docs` (GLOBAL offsets, int32 or int64, in host memory or
+//! the backend's memory, read once here with a copy and a fence; empty: one document),
+//! slice.heads heads, key / value widths slice.dk, slice.dv, on backend b, in precision P
+//! (default loom::fp32). Collective: every rank of comm calls it.
 //! @throws loom::error on every rank (the same one) when a rank's arguments are invalid
 //!         (invalid_argument: offsets, a slice outside [0, T), rank 0 not starting at 0, the last
 //!         rank not ending at T, options as linear_attention::make_plan) or the ranks disagree
 //!         (documents, shapes, chunk, scale, exchange; slices that do not tile [0, T)).
 //! Communication: one agreement (an all_gather of comm::agreement_bytes per rank).
-template <precision_policy P = fp32, backend B, comm::communicator C>
-plan<P> make_plan(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const shape& slice,
+template <precision_policy P = fp32, backend B, comm::communicator C, memory_space DocSpace = host_memory>
+plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t token_begin, const shape& slice,
                   const options& opt = {}) {
-  return detail::access::make<P>(b, comm, docs, token_begin, slice, opt, "lasp2::make_plan", [](const auto&) {});
+  return loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
+    return detail::access::make<P>(b, comm, h, token_begin, slice, opt, "lasp2::make_plan", [](const auto&) {});
+  });
 }
 
 //! LASP-2 forward on this rank's slice with a caller's workspace (at least
@@ -249,35 +253,41 @@ void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, cons
 //! view checks inside its agreement), a loom::temporary_buffer workspace, the plan form (complete on return).
 //! @throws as make_plan and the plan form, on every rank.
 //! Communication: the agreement and the exchange.
-template <backend B, comm::communicator C, class Gating, precision_policy P, memory_space Space>
-void forward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
+template <backend B, comm::communicator C, memory_space DocSpace = host_memory, class Gating, precision_policy P,
+          memory_space Space>
+void forward(const B& b, C& comm, const segments<DocSpace>& docs, index_t token_begin, const Gating& gating,
              const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state = {},
              tensor_view<typename P::accum_type, 3, Space> incoming_state = {}, const options& opt = {}) {
-  const auto pl =
-      detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
-                              opt, "lasp2::forward", [&](const auto& core) {
-                                linear_attention::detail::check_forward_call(comm, b, core, gating, x, o, final_state,
-                                                                             incoming_state, "lasp2::forward");
-                              });
+  const auto pl = loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
+    return detail::access::make<P>(b, comm, h, token_begin,
+                                   {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt, "lasp2::forward",
+                                   [&](const auto& core) {
+                                     linear_attention::detail::check_forward_call(
+                                         comm, b, core, gating, x, o, final_state, incoming_state, "lasp2::forward");
+                                   });
+  });
   loom::detail::with_temporary_workspace(b, pl.forward_workspace_bytes(), [&](std::span<std::byte> ws) {
     forward(b, comm, pl, gating, x, o, final_state, incoming_state, ws);
   });
 }
 
 //! Convenience form of backward (as forward's).
-template <backend B, comm::communicator C, class Gating, precision_policy P, memory_space Space>
-void backward(const B& b, C& comm, const segments<host_memory>& docs, index_t token_begin, const Gating& gating,
+template <backend B, comm::communicator C, memory_space DocSpace = host_memory, class Gating, precision_policy P,
+          memory_space Space>
+void backward(const B& b, C& comm, const segments<DocSpace>& docs, index_t token_begin, const Gating& gating,
               const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
               tensor_view<const typename P::accum_type, 4, Space> d_final_state,
               tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,
               const options& opt = {}) {
-  const auto pl =
-      detail::access::make<P>(b, comm, docs, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)},
-                              opt, "lasp2::backward", [&](const auto& core) {
-                                linear_attention::detail::check_backward_call(
-                                    comm, b, core, gating, x, d_o, d_final_state, incoming_state, g, "lasp2::backward");
-                              });
+  const auto pl = loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
+    return detail::access::make<P>(
+        b, comm, h, token_begin, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt, "lasp2::backward",
+        [&](const auto& core) {
+          linear_attention::detail::check_backward_call(comm, b, core, gating, x, d_o, d_final_state, incoming_state, g,
+                                                        "lasp2::backward");
+        });
+  });
   loom::detail::with_temporary_workspace(b, pl.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
     backward(b, comm, pl, gating, x, d_o, d_final_state, incoming_state, g, ws);
   });

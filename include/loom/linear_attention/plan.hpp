@@ -17,6 +17,7 @@
 //! require operands of the plan's precision (a compile-time check); the convenience forms deduce
 //! it from the operands.
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/traits.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/precision.hpp>
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstddef>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 namespace loom::linear_attention {
@@ -110,8 +112,8 @@ struct plan_access {
   static const pass_layout& layout(const plan<P>& p, bool backward) noexcept {
     return backward ? p.bwd_ : p.fwd_;
   }
-  template <class P, class B, memory_space Space>
-  static plan<P> make(const B& b, const segments<Space>& docs_in, const shape& sh, const options& opt);
+  template <class P, class B>
+  static plan<P> make(const B& b, const segments<host_memory>& docs_in, const shape& sh, const options& opt);
 };
 
 template <class A>
@@ -136,9 +138,8 @@ pass_layout make_pass_layout(index_t chunks, index_t docs, index_t heads, index_
   return w;
 }
 
-template <class P, class B, memory_space Space>
-plan<P> plan_access::make(const B& b, const segments<Space>& docs_in, const shape& sh, const options& opt) {
-  static_assert(Space::host_accessible, "linear_attention::make_plan: the document offsets must be in host memory");
+template <class P, class B>
+plan<P> plan_access::make(const B& b, const segments<host_memory>& docs_in, const shape& sh, const options& opt) {
   constexpr std::string_view call = "linear_attention::make_plan";
   const index_t heads = sh.heads, dk = sh.dk, dv = sh.dv;
   LOOM_EXPECTS(sh.tokens >= 0, errc::invalid_argument, call, ": shape.tokens must be >= 0, got ", sh.tokens);
@@ -150,7 +151,7 @@ plan<P> plan_access::make(const B& b, const segments<Space>& docs_in, const shap
                ": options.head_group must be in [0, ", max_head_group, "] (0: chosen), got ", opt.head_group);
   const double scale = opt.scale ? *opt.scale : 1.0 / std::sqrt(static_cast<double>(dk));
   LOOM_EXPECTS(std::isfinite(scale), errc::invalid_argument, call, ": options.scale must be finite, got ", scale);
-  const segments<Space> docs = check_segments(docs_in, sh.tokens, call);
+  const segments<host_memory> docs = check_segments(docs_in, sh.tokens, call);
   plan<P> p;
   p.tokens_ = sh.tokens;
   p.docs_ = docs.count();
@@ -209,14 +210,16 @@ plan<P> plan_access::make(const B& b, const segments<Space>& docs_in, const shap
 }  // namespace detail
 
 //! Plans chunked linear attention in precision P (default loom::fp32; see the file comment) for
-//! the documents `docs` (host offsets, int32 or int64: loom::segments; empty: one document of
-//! every token) and the shape `sh` on backend b. Host work O(T / C + S); no communication.
-//! @throws loom::error(invalid_argument) for offsets check_segments rejects (naming cu_seqlens),
-//!         chunk <= 0, a non-positive width, a negative head or token count, a head group outside
-//!         [0, 8] or a non-finite scale.
-template <precision_policy P = fp32, backend B>
-plan<P> make_plan(const B& b, const segments<host_memory>& docs, const shape& sh, const options& opt = {}) {
-  return detail::plan_access::make<P>(b, docs, sh, opt);
+//! the documents `docs` (loom::segments: int32 or int64 offsets in host memory, or in the
+//! backend's memory, read once here with a copy and a fence; empty: one document of every token)
+//! and the shape `sh` on backend b. Host work O(T / C + S); no communication.
+//! @throws loom::error(invalid_argument) for offsets check_segments rejects (naming cu_seqlens;
+//!         offsets in device memory are checked like host ones), chunk <= 0, a non-positive width,
+//!         a negative head or token count, a head group outside [0, 8] or a non-finite scale.
+template <precision_policy P = fp32, backend B, memory_space Space = host_memory>
+plan<P> make_plan(const B& b, const segments<Space>& docs, const shape& sh, const options& opt = {}) {
+  return loom::detail::with_host_segments(
+      b, docs, [&](const segments<host_memory>& h) { return detail::plan_access::make<P>(b, h, sh, opt); });
 }
 
 }  // namespace loom::linear_attention
