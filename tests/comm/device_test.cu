@@ -341,7 +341,7 @@ void primitives(Run run, int p) {
     const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {t, nh, w}),
                                                            dview<const float, 3>(k.data(), {t, nh, w}),
                                                            dview<const float, 3>(v.data(), {t, nh, w})};
-    lin::forward(loom::cuda{}, std::span<const index_t>(docs),
+    lin::forward(loom::cuda{}, loom::segments{std::span<const index_t>(docs)},
                  lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {t, nh})}, ops,
                  dview<float, 3>(o.data(), {t, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), lo_opt);
     o1 = o.to_host();
@@ -359,7 +359,7 @@ void primitives(Run run, int p) {
     const lin::operands<loom::fp32, loom::cuda_memory> ops{dview<const float, 3>(q.data(), {len, nh, w}),
                                                            dview<const float, 3>(k.data(), {len, nh, w}),
                                                            dview<const float, 3>(v.data(), {len, nh, w})};
-    lin::lasp2::forward(b, comm, std::span<const index_t>(docs), lo,
+    lin::lasp2::forward(b, comm, loom::segments{std::span<const index_t>(docs)}, lo,
                         lin::scalar_gate<float, loom::cuda_memory>{dview<const float, 2>(g.data(), {len, nh})}, ops,
                         dview<float, 3>(o.data(), {len, nh, w}), dview<float, 4>(f.data(), {nd, nh, w, w}), {},
                         {.chunked = lo_opt});
