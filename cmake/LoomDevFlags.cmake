@@ -10,6 +10,9 @@ endif()
 if(LOOM_ENABLE_CUDA)
   target_compile_options(loom_dev_flags INTERFACE
     $<$<COMPILE_LANGUAGE:CUDA>:--extended-lambda --expt-relaxed-constexpr>)
+  if(LOOM_CUDA_RESOURCE_REPORT)
+    target_compile_options(loom_dev_flags INTERFACE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
+  endif()
 endif()
 if(LOOM_SANITIZE)
   target_compile_options(loom_dev_flags INTERFACE -fsanitize=${LOOM_SANITIZE} -fno-omit-frame-pointer
