@@ -3,6 +3,10 @@
 //   attention.loom           loom::attention::forward on a plan, openmp, N = 8192, causal and full
 //   attention.materialised   the fastest sgemm's QKᵀ into an N x N score matrix per head, row softmax, PV
 //   attention.loom_backward  loom::attention::backward at the same shape
+//   attention.decode         one query token per sequence over its K/V history (32 sequences x 32768
+//                            keys, 16 query heads over 4 kv heads): the split-KV forward of a plan
+//                            made with query and key segments. Counter GB/s: K and V bytes read per
+//                            second (compare with baseline.memcpy of the same run).
 //   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
 //                            P = 1 is the local kernel on one thread. Counter wait_fraction: the
 //                            share of each rank's time spent waiting on transfers.
@@ -264,6 +268,68 @@ BENCHMARK(ring)
     ->Arg(1)
     ->Arg(2)
     ->Arg(4)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+// Decode: every sequence's query token against its own keys (cu_seqlens_q = 0, 1, ..., 32 and
+// cu_seqlens_k = 0, 32768, ...). K and V (4 GiB) are filled once, outside the timed loop.
+namespace {
+
+struct decode_data {
+  static constexpr index_t seqs = 32, keys = 32768, hq = 16, hkv = 4;
+  std::vector<float> q, k, v, out, lse;
+  std::vector<std::int32_t> qcu, kcu;
+  decode_data()
+      : q(random_vector(static_cast<std::size_t>(seqs * hq * dim), 7)),
+        k(static_cast<std::size_t>(seqs * keys * hkv * dim)),
+        v(k.size()),
+        out(q.size()),
+        lse(static_cast<std::size_t>(seqs * hq)) {
+    std::uint32_t x = 12345;  // a cheap generator: 2^30 values
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      x = x * 1664525u + 1013904223u;
+      k[i] = static_cast<float>(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
+      x = x * 1664525u + 1013904223u;
+      v[i] = static_cast<float>(x >> 8) * (2.0f / 16777216.0f) - 1.0f;
+    }
+    for (index_t s = 0; s <= seqs; ++s) {
+      qcu.push_back(static_cast<std::int32_t>(s));
+      kcu.push_back(static_cast<std::int32_t>(s * keys));
+    }
+  }
+};
+
+void decode(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  static decode_data d;
+  using D = decode_data;
+  const loom::openmp b{threads};
+  const auto plan = la::make_plan(b, loom::segments(std::span<const std::int32_t>(d.qcu)),
+                                  loom::segments(std::span<const std::int32_t>(d.kcu)),
+                                  {D::seqs, D::hq, D::hkv, dim, dim, D::seqs * D::keys});
+  if (!plan.split_keys()) state.SkipWithError("the plan does not split the keys");
+  loom::workspace_buffer ws(plan.workspace_bytes());
+  const index_t tk = D::seqs * D::keys;
+  for (auto _ : state)
+    la::forward(b, plan, loom::tensor_view<const float, 3>(d.q.data(), {D::seqs, D::hq, dim}),
+                loom::tensor_view<const float, 3>(d.k.data(), {tk, D::hkv, dim}),
+                loom::tensor_view<const float, 3>(d.v.data(), {tk, D::hkv, dim}),
+                loom::tensor_view<float, 3>(d.out.data(), {D::seqs, D::hq, dim}),
+                loom::tensor_view<float, 2>(d.lse.data(), {D::seqs, D::hq}), ws.span());
+  const double kv_bytes = 2.0 * static_cast<double>(d.k.size()) * sizeof(float);
+  state.counters["GB/s"] =
+      benchmark::Counter(kv_bytes * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+  set_flops(state, 4.0 * dim * D::hq * static_cast<double>(tk));
+  state.counters["splits"] = static_cast<double>(plan.split().splits);
+}
+
+}  // namespace
+
+BENCHMARK(decode)
+    ->Name("attention.decode")
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

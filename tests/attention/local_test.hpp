@@ -62,9 +62,12 @@ struct run_result {
   std::vector<double> out, lse, dq, dk, dv;
 };
 
-// The plan forms over segments of offset type I (int64 or int32), workspace allocated once.
+// The plan forms over segments of offset type I (int64 or int32), workspace allocated once. With
+// `kcu`, a cross plan: queries of document d are [cu[d], cu[d + 1]), its keys [kcu[d], kcu[d + 1]);
+// `splits` then receives the plan's split count (0: the tiled forward).
 template <class T, class I = std::int64_t>
-run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::vector<index_t>& cu, bool bwd) {
+run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::vector<index_t>& cu, bool bwd,
+                         const std::vector<index_t>* kcu = nullptr, index_t* splits = nullptr) {
   using Acc = loom::accum_t<T>;
   using P = loom::default_precision<T>;
   const auto b = make_backend();
@@ -73,9 +76,13 @@ run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::v
       dk(static_cast<std::size_t>(s.tk * s.hkv * s.dk)), dv(static_cast<std::size_t>(s.tk * s.hkv * s.dv));
   buffer<Acc> lse(static_cast<std::size_t>(s.tq * s.hq));
   buffer<I> cub(std::vector<I>(cu.begin(), cu.end()));
+  buffer<I> kcub(kcu ? std::vector<I>(kcu->begin(), kcu->end()) : std::vector<I>{0});
   const la::options opt{s.causal, s.window, s.scale};
   const loom::segments docs(view_of<const I, 1>(cub, {static_cast<index_t>(cu.size())}));
-  const auto plan = la::make_plan<P>(b, docs, {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt);
+  const loom::segments kdocs(view_of<const I, 1>(kcub, {kcu ? static_cast<index_t>(kcu->size()) : 1}));
+  const auto plan = kcu ? la::make_plan<P>(b, docs, kdocs, {s.tq, s.hq, s.hkv, s.dk, s.dv, s.tk}, opt)
+                        : la::make_plan<P>(b, docs, {s.tq, s.hq, s.hkv, s.dk, s.dv}, opt);
+  if (splits) *splits = plan.split_keys() ? plan.split().splits : 0;
   const loom::temporary_buffer<backend_under_test, std::byte> ws(
       b, static_cast<index_t>(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes())));
   la::forward(b, plan, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
@@ -95,22 +102,12 @@ run_result<T> run_packed(const lt::attn_shape& s, const inputs& in, const std::v
   return r;
 }
 
-// Forward and backward of packed documents in precision P against the oracle.
-template <class P, class I = std::int64_t>
-void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_t seed, bool bwd = true) {
-  using T = typename P::storage_type;
-  s.tk = s.tq = cu.back();
-  const auto in = make_inputs<T>(s, seed);
-  const auto c = lt::packed(cu);
-  const auto want = lt::attention_oracle(s, in.q, in.k, in.v, c, c, bwd ? in.dout : std::vector<double>{});
-  const auto got = run_packed<T, I>(s, in, cu, bwd);
+template <class T>
+void require_oracle(const run_result<T>& got, const lt::attn_result& want, bool bwd) {
   // fp64 ≤ 1e-10; fp32 ≤ 2e-5 relative; bf16 ≤ 2e-2 (the issue's tolerances), on O(1) values.
   const lt::tolerance tol = std::is_same_v<T, double>  ? lt::tolerance{1e-10, 1e-10}
                             : std::is_same_v<T, float> ? lt::tolerance{2e-5, 2e-5}
                                                        : lt::tolerance{2e-2, 2e-2};
-  INFO("tokens " << s.tq << " heads " << s.hq << "/" << s.hkv << " dims " << s.dk << "/" << s.dv << " causal "
-                 << s.causal << " window (" << s.window.left << ", " << s.window.right << ") offsets " << sizeof(I) * 8
-                 << " bit " << loom::precision_name<P>());
   lt::require_close(got.out, want.out, tol, "out");
   std::vector<double> lse_ok(want.lse), lse_got(got.lse);  // -inf rows must match exactly
   for (std::size_t i = 0; i < lse_ok.size(); ++i) {
@@ -122,6 +119,55 @@ void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_
   lt::require_close(got.dq, want.dq, tol, "dq");
   lt::require_close(got.dk, want.dk, tol, "dk");
   lt::require_close(got.dv, want.dv, tol, "dv");
+}
+
+// Forward and backward of packed documents in precision P against the oracle.
+template <class P, class I = std::int64_t>
+void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_t seed, bool bwd = true) {
+  using T = typename P::storage_type;
+  s.tk = s.tq = cu.back();
+  const auto in = make_inputs<T>(s, seed);
+  const auto c = lt::packed(cu);
+  const auto want = lt::attention_oracle(s, in.q, in.k, in.v, c, c, bwd ? in.dout : std::vector<double>{});
+  const auto got = run_packed<T, I>(s, in, cu, bwd);
+  INFO("tokens " << s.tq << " heads " << s.hq << "/" << s.hkv << " dims " << s.dk << "/" << s.dv << " causal "
+                 << s.causal << " window (" << s.window.left << ", " << s.window.right << ") offsets " << sizeof(I) * 8
+                 << " bit " << loom::precision_name<P>());
+  require_oracle<T>(got, want, bwd);
+}
+
+// The queries of each document bottom-right aligned with its keys: query i of Lq at Lk - Lq + i.
+lt::attn_coords bottom_right(const std::vector<index_t>& qcu, const std::vector<index_t>& kcu) {
+  lt::attn_coords c;
+  for (std::size_t d = 0; d + 1 < qcu.size(); ++d) {
+    const index_t lq = qcu[d + 1] - qcu[d], lk = kcu[d + 1] - kcu[d];
+    for (index_t i = 0; i < lq; ++i) {
+      c.doc.push_back(static_cast<index_t>(d));
+      c.pos.push_back(lk - lq + i);
+    }
+  }
+  return c;
+}
+
+// Each document's queries (qcu) over its keys (kcu), forward (split-KV when `split`) and backward,
+// against the oracle. Returns the plan's split count.
+template <class P, class I = std::int64_t>
+index_t check_cross(lt::attn_shape s, const std::vector<index_t>& qcu, const std::vector<index_t>& kcu,
+                    std::uint64_t seed, bool split, bool bwd = true) {
+  using T = typename P::storage_type;
+  s.tq = qcu.back();
+  s.tk = kcu.back();
+  const auto in = make_inputs<T>(s, seed);
+  const auto want = lt::attention_oracle(s, in.q, in.k, in.v, bottom_right(qcu, kcu), lt::packed(kcu),
+                                         bwd ? in.dout : std::vector<double>{});
+  index_t splits = -1;
+  const auto got = run_packed<T, I>(s, in, qcu, bwd, &kcu, &splits);
+  INFO("queries " << s.tq << " keys " << s.tk << " documents " << qcu.size() - 1 << " heads " << s.hq << "/" << s.hkv
+                  << " dims " << s.dk << "/" << s.dv << " causal " << s.causal << " window (" << s.window.left << ", "
+                  << s.window.right << ") splits " << splits << " " << loom::precision_name<P>());
+  CHECK((splits > 0) == split);
+  require_oracle<T>(got, want, bwd);
+  return splits;
 }
 
 }  // namespace
@@ -526,4 +572,106 @@ TEST_CASE("attention: a plan allocates nothing per call and is reusable across c
     CHECK(same(fresh, r2));
     CHECK(a1.heap + a2.heap == 0);  // per thread (the temporaries count is the process's)
   }
+}
+
+TEST_CASE(
+    "attention: queries against longer key histories (decode, KV-cache prefill), split-KV and tiled" LOOM_BACKEND_TAG,
+    "[attention][local][decode]") {
+  // Decode: one query per document (one document without queries, one without keys: its query
+  // sees nothing), dims that leave a tail of the 16-lane products. Host x86: the AVX2 products
+  // (head dims multiples of 8) and the portable ones (vector kernels switched off; dims 36 / 20).
+  const std::vector<index_t> q1{0, 1, 2, 2, 3, 4, 5}, k1{0, 37, 38, 43, 343, 343, 1343};
+  const bool vectors = GENERATE(true, false);
+#if defined(LOOM_X86_KERNELS)
+  struct vector_switch {
+    explicit vector_switch(bool on) { loom::detail::x86::vector_kernels_allowed() = on; }
+    ~vector_switch() { loom::detail::x86::vector_kernels_allowed() = true; }
+  } const switched(vectors);
+#endif
+  INFO("vector kernels allowed: " << vectors);
+  check_cross<loom::fp64>({0, 0, 6, 3, 36, 20, true}, q1, k1, 109, true);
+  check_cross<loom::fp32>({0, 0, 6, 3, 36, 20, true, {100, 0}}, q1, k1, 108, true);
+  for (bool causal : {true, false}) {
+    check_cross<loom::fp64>({0, 0, 8, 2, 80, 40, causal}, q1, k1, 110 + causal, true);
+    check_cross<loom::fp64, std::int32_t>({0, 0, 8, 2, 80, 40, causal, {50, 0}}, q1, k1, 112 + causal, true);
+  }
+  // One long document and one kv head: the keys split (several partials merged), GQA 5, three queries.
+  CHECK(check_cross<loom::fp64>({0, 0, 5, 1, 64, 64, true}, {0, 3}, {0, 3001}, 114, true) > 1);
+  CHECK(check_cross<loom::fp64>({0, 0, 5, 1, 64, 64, true, {700, 0}}, {0, 3}, {0, 3001}, 115, true) > 1);
+  // Up to 16 queries per document take the split path (a document whose queries are all its keys,
+  // prefill without a cache, included); 17 take the tiled kernels on the documents' coordinates.
+  check_cross<loom::fp64>({0, 0, 4, 2, 32, 24, true}, {0, 16, 21}, {0, 216, 221}, 116, true);
+  check_cross<loom::fp64>({0, 0, 4, 2, 32, 24, true}, {0, 16, 21}, {0, 16, 21}, 117, true);
+  check_cross<loom::fp64>({0, 0, 4, 2, 32, 24, true}, {0, 17, 19}, {0, 300, 340}, 118, false);
+  check_cross<loom::fp64>({0, 0, 4, 2, 32, 24, false, {5, 9}}, {0, 17, 19}, {0, 300, 340}, 119, false);
+  // More queries than keys: the first ones sit before the document and see nothing when causal.
+  check_cross<loom::fp64>({0, 0, 2, 1, 16, 16, true}, {0, 5, 7}, {0, 3, 70}, 120, true);
+  check_cross<loom::fp32>({0, 0, 8, 2, 128, 128, true}, q1, k1, 121, true);
+  check_cross<loom::fp32, std::int32_t>({0, 0, 4, 4, 96, 96, true}, {0, 2, 4}, {0, 1500, 2600}, 122, true);
+  check_cross<loom::bf16>({0, 0, 8, 2, 64, 64, true}, q1, k1, 123, true);
+}
+
+TEST_CASE(
+    "attention: split-KV keeps a non-finite input in its document, allocates nothing, rejects bad "
+    "offsets" LOOM_BACKEND_TAG,
+    "[attention][local][decode][nonfinite]") {
+  using T = float;
+  const std::vector<index_t> qcu{0, 2, 3, 5}, kcu{0, 700, 1000, 1301};
+  lt::attn_shape s{qcu.back(), kcu.back(), 4, 2, 32, 24, true};
+  const auto in = make_inputs<T>(s, 130);
+  index_t splits = 0;
+  const auto clean = run_packed<T>(s, in, qcu, false, &kcu, &splits);
+  REQUIRE(splits > 1);
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (std::size_t d = 0; d + 1 < qcu.size(); ++d)
+    for (int which = 0; which < 3; ++which)
+      for (double bad : {nan, inf}) {
+        INFO("document " << d << " input "
+                         << "qkv"[which] << " value " << bad);
+        inputs dirty = in;
+        const index_t tq = qcu[d + 1] - 1, tk = kcu[d] + (kcu[d + 1] - kcu[d]) / 2;  // the last query sees it
+        if (which == 0) dirty.q[(tq * s.hq + 1) * s.dk + 1] = bad;
+        if (which == 1) dirty.k[(tk * s.hkv) * s.dk + 1] = bad;
+        if (which == 2) dirty.v[(tk * s.hkv) * s.dv + 1] = bad;
+        const auto got = run_packed<T>(s, dirty, qcu, false, &kcu);
+        lt::require_same_outside(got.out, clean.out, s.hq * s.dv, qcu[d], qcu[d + 1], "out");
+        lt::require_same_outside(got.lse, clean.lse, s.hq, qcu[d], qcu[d + 1], "lse");
+        if (which == 0) CHECK(std::isnan(got.lse[tq * s.hq + 1]));
+        if (which == 1) CHECK(std::isnan(got.lse[tq * s.hq + 0]));
+        if (which == 2) CHECK(!std::isfinite(got.out[(tq * s.hq + 0) * s.dv + 1]));
+      }
+  // The plan form allocates nothing and gives the same bits on every call.
+  const auto b = make_backend();
+  buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v)), out(in.dout.size());
+  buffer<float> lse(static_cast<std::size_t>(s.tq * s.hq));
+  buffer<index_t> qb(qcu), kb(kcu);
+  const loom::segments qd(view_of<const index_t, 1>(qb, {4})), kd(view_of<const index_t, 1>(kb, {4}));
+  const auto plan = la::make_plan(b, qd, kd, {s.tq, s.hq, s.hkv, s.dk, s.dv, s.tk});
+  CHECK(plan.split_keys());
+  const loom::temporary_buffer<backend_under_test, std::byte> ws(b, static_cast<index_t>(plan.workspace_bytes()));
+  const auto call = [&] {
+    la::forward(b, plan, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+                view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+                view_of<float, 2>(lse, {s.tq, s.hq}), ws.bytes());
+  };
+  const lt::allocation_report a = lt::count_allocations(call);
+  CHECK(a.heap == 0);
+  CHECK(a.temporaries == 0);
+  const auto first = out.to_host();
+  call();
+  CHECK(std::memcmp(first.data(), out.to_host().data(), first.size() * sizeof(T)) == 0);
+  CHECK(widen(first) == clean.out);
+  // Rejections: document counts that differ, key offsets that do not end at the key count.
+  buffer<index_t> k3(std::vector<index_t>{0, 700, 1301});
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, qd, loom::segments(view_of<const index_t, 1>(k3, {3})),
+                            {s.tq, s.hq, s.hkv, s.dk, s.dv, s.tk});
+      },
+      loom::errc::shape_mismatch, {"q_segments and k_segments must hold the same documents, got 3 and 2 documents"});
+  lt::require_loom_error(
+      [&] {
+        (void)la::make_plan(b, qd, kd, {s.tq, s.hq, s.hkv, s.dk, s.dv, s.tk + 1});
+      },
+      loom::errc::invalid_argument, {"k_segments[3] (the last offset) must equal the token count 1302"});
 }

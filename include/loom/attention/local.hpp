@@ -10,8 +10,21 @@
 //!   loom::attention::forward(b, docs, q, k, v, out, lse, opts);                      convenience
 //!
 //! `docs` is a loom::segments (int32 or int64 offsets, in the backend's memory space; q and k hold
-//! the same tokens). Any token sets, masked by explicit (document, position) coordinates (ring
-//! attention's blocks), use a plan without segments and pass the coordinates per call:
+//! the same tokens). Queries against a longer key history (decode, prefill against a KV cache)
+//! give the documents' queries and keys separately, FlashAttention's cu_seqlens_q / cu_seqlens_k;
+//! a document's queries are its last tokens (query i of Lq sits at position Lk - Lq + i):
+//!
+//!   auto plan = loom::attention::make_plan(b, q_docs, k_docs, {tq, heads_q, heads_kv, dim_qk, dim_v, tk}, opts);
+//!   loom::attention::forward(b, plan, q, k, v, out, lse, ws.span());                 (and backward)
+//!   loom::attention::forward(b, q_docs, k_docs, q, k, v, out, lse, opts);            convenience
+//!
+//! When no document has more than detail::decode_max_queries (16) queries, the forward splits the
+//! keys (split-KV: work items are (document, kv head, key split), the splits' partial results
+//! merged in a fixed order), so a decode step uses every core; otherwise, and for the backward,
+//! the tiled kernels run on the tokens' coordinates.
+//!
+//! Any token sets, masked by explicit (document, position) coordinates (ring attention's blocks),
+//! use a plan without segments and pass the coordinates per call:
 //!
 //!   auto plan = loom::attention::make_plan(b, {tq, heads_q, heads_kv, dim_qk, dim_v, tk}, opts);
 //!   loom::attention::forward(b, plan, q, k, v, q_coords, k_coords, out, lse, ws.span());
@@ -42,8 +55,10 @@
 //! scores (about 2.5x the forward). Deterministic: every output element is computed by one work
 //! item in a fixed order.
 
+#include <loom/attention/detail/decode_kernels.hpp>
 #include <loom/attention/detail/local_kernels.hpp>
 #include <loom/attention/options.hpp>
+#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/precision.hpp>
@@ -206,6 +221,41 @@ std::size_t backward_bytes(const problem& pb, index_t cap) {
   return layout_of<Acc>(pb, true, cap).bytes;
 }
 
+//! Where the split-KV forward's buffers sit in its workspace: the splits' partial results (when a
+//! document has more than one split) and one scratch per slot.
+struct decode_layout {
+  std::size_t part_out = 0, part_lse = 0, scratch = 0, bytes = 0;
+  index_t slots = 0;
+};
+
+template <class Acc, class Space>
+decode_layout decode_layout_of(const problem& pb, const decode_split<Space>& g, index_t cap) {
+  using Kn = decode_kernel<float, float, float, float, Acc, Space>;
+  const index_t splits = g.splits;
+  decode_layout l;
+  workspace_layout w;
+  l.slots = slots_for(cap, g.docs * (pb.hkv / g.heads) * splits);
+  if (splits > 1) {
+    l.part_out = w.add<Acc>(pb.tq * pb.hq * splits * pb.dv);
+    l.part_lse = w.add<Acc>(pb.tq * pb.hq * splits);
+  }
+  l.scratch = w.add<Acc>(l.slots * Kn::scratch(g.max_q, pb.group(), g.heads, pb.dk, pb.dv));
+  l.bytes = w.bytes();
+  return l;
+}
+
+//! Keys per split of a split-KV plan: enough splits that documents x head groups x splits reaches
+//! `target` work items, each split at least decode_min_chunk keys, a multiple of tile_k. From the
+//! shapes only, so the result's bits do not depend on the thread count.
+inline constexpr index_t decode_min_chunk = 4 * tile_k;
+inline index_t decode_chunk(index_t docs, index_t groups, index_t max_k, index_t target) {
+  const index_t have = docs * groups > 0 ? docs * groups : 1;
+  const index_t want = (target + have - 1) / have;  // splits per document wanted
+  index_t chunk = (max_k + want - 1) / want;
+  chunk = (chunk + tile_k - 1) / tile_k * tile_k;
+  return chunk < decode_min_chunk ? decode_min_chunk : chunk;
+}
+
 //! K and V of problem pb in the selected prepared layouts, written into `at`.
 template <class Acc, backend B, class K, class V>
 prepared_kv<Acc> prepare(const B& b, const problem& pb, const K& k, const V& v, Acc* at, bool kt, bool vt, bool kr,
@@ -301,6 +351,17 @@ plan<B, P> make_plan(const B& b, const segments<Space>& docs, const shape& s, co
 template <precision_policy P = fp32, backend B>
 plan<B, P> make_plan(const B& b, const shape& s, const options& opt = {});
 
+//! Plans attention of each document's queries over that document's keys: document d holds
+//! queries [q_docs[d], q_docs[d + 1]) of the shape.tokens and keys [k_docs[d], k_docs[d + 1]) of
+//! the shape.keys(); its queries are its last positions (bottom-right aligned, FlashAttention's
+//! varlen convention with a KV cache). The offsets are read on the host once (device offsets: a
+//! copy and a fence of b) to check them and to choose the split-KV forward (see the file comment).
+//! @throws as the segments form, and loom::error(shape_mismatch) when q_docs and k_docs hold
+//! different document counts.
+template <precision_policy P = fp32, backend B, memory_space Space>
+plan<B, P> make_plan(const B& b, const segments<Space>& q_docs, const segments<Space>& k_docs, const shape& s,
+                     const options& opt = {});
+
 //! A local attention plan (see the file comment). Make it with attention::make_plan.
 //! Immutable; may be shared between threads for reading.
 template <class B, precision_policy P>
@@ -313,8 +374,17 @@ class plan : public precision_types<P> {
   [[nodiscard]] const options& opts() const noexcept { return opt_; }
   //! True for a plan made with segments (forward / backward without coordinates).
   [[nodiscard]] bool packed() const noexcept { return packed_; }
-  //! The documents of a packed plan (bound to the token count).
+  //! True for a plan made with separate query and key segments.
+  [[nodiscard]] bool cross() const noexcept { return cross_; }
+  //! The documents of a packed plan (bound to the token count); the query documents of a cross plan.
   [[nodiscard]] const segments<space>& documents() const noexcept { return seg_; }
+  //! The key documents of a cross plan (bound to the key count).
+  [[nodiscard]] const segments<space>& key_documents() const noexcept { return kseg_; }
+  //! True when the forward splits the keys (a cross plan whose documents have at most
+  //! detail::decode_max_queries queries each).
+  [[nodiscard]] bool split_keys() const noexcept { return split_.splits > 0; }
+  //! The split-KV geometry (split_keys() plans).
+  [[nodiscard]] const detail::decode_split<space>& split() const noexcept { return split_; }
   //! Workspace bytes of forward.
   [[nodiscard]] std::size_t workspace_bytes() const noexcept { return fwd_bytes_; }
   //! Workspace bytes of backward (at least workspace_bytes() is not implied: size a buffer for
@@ -335,8 +405,9 @@ class plan : public precision_types<P> {
   options opt_{};
   detail::problem pb_{};
   typename P::accum_type scale_{};
-  segments<space> seg_{};
-  bool packed_ = false;
+  segments<space> seg_{}, kseg_{};
+  detail::decode_split<space> split_{{}, {}, 0, 0, detail::tile_k, 0, 1};
+  bool packed_ = false, cross_ = false;
   std::size_t kernel_at_ = 0, fwd_bytes_ = 0, bwd_bytes_ = 0;
   index_t cap_ = 1;
 
@@ -344,6 +415,8 @@ class plan : public precision_types<P> {
   friend plan<B2, Q> make_plan(const B2&, const segments<S2>&, const shape&, const options&);
   template <precision_policy Q, backend B2>
   friend plan<B2, Q> make_plan(const B2&, const shape&, const options&);
+  template <precision_policy Q, backend B2, memory_space S2>
+  friend plan<B2, Q> make_plan(const B2&, const segments<S2>&, const segments<S2>&, const shape&, const options&);
 };
 
 template <precision_policy P, backend B>
@@ -379,6 +452,48 @@ plan<B, P> make_plan(const B& b, const segments<Space>& docs, const shape& s, co
   return p;
 }
 
+template <precision_policy P, backend B, memory_space Space>
+plan<B, P> make_plan(const B& b, const segments<Space>& q_docs, const segments<Space>& k_docs, const shape& s,
+                     const options& opt) {
+  using Acc = typename P::accum_type;
+  constexpr std::string_view call = "attention::make_plan";
+  static_assert(std::is_same_v<Space, typename backend_traits<B>::memory_space>,
+                "attention::make_plan: the segments must live in the backend's memory space");
+  plan<B, P> p = make_plan<P>(b, s, opt);
+  p.seg_ = check_segments(q_docs, s.tokens, call, "q_segments");
+  p.kseg_ = check_segments(k_docs, s.keys(), call, "k_segments");
+  LOOM_EXPECTS(p.seg_.count() == p.kseg_.count(), errc::shape_mismatch, call,
+               ": q_segments and k_segments must hold the same documents, got ", p.seg_.count(), " and ",
+               p.kseg_.count(), " documents");
+  // The longest query and key runs, from offsets checked on the host.
+  const auto longest = [&](const segments<Space>& seg, index_t n, std::string_view name) {
+    return loom::detail::with_host_segments(b, seg, [&](const segments<host_memory>& h) {
+      const segments<host_memory> c = check_segments(h, n, call, name);
+      index_t most = 0;
+      for (index_t d = 0; d < c.count(); ++d) most = std::max(most, c.length(d));
+      return most;
+    });
+  };
+  const index_t max_q = longest(p.seg_, s.tokens, "q_segments"), max_k = longest(p.kseg_, s.keys(), "k_segments");
+  p.packed_ = p.cross_ = true;
+  workspace_layout w;
+  (void)w.add<index_t>(2 * (s.tokens + s.keys()));  // query coordinates, then key coordinates
+  p.kernel_at_ = w.bytes();
+  if (max_q <= detail::decode_max_queries) {
+    // Host: every kv head in one item (keys read in address order), at least 64 items; device:
+    // one kv head per item, at least 2048.
+    constexpr bool host = backend_traits<B>::memory_space::host_accessible;
+    const index_t docs = p.seg_.count(), heads = host ? s.heads_kv : 1, target = host ? 64 : 2048;
+    const index_t chunk = detail::decode_chunk(docs, s.heads_kv / heads, max_k, target);
+    const index_t splits = max_k > chunk ? (max_k + chunk - 1) / chunk : 1;
+    p.split_ = {p.seg_, p.kseg_, docs, max_q, chunk, splits, heads};
+    p.fwd_bytes_ = detail::decode_layout_of<Acc>(p.pb_, p.split_, p.cap_).bytes;
+  }
+  p.fwd_bytes_ += p.kernel_at_;
+  p.bwd_bytes_ += p.kernel_at_;
+  return p;
+}
+
 namespace detail {
 template <class P, class L>
 constexpr void check_lse() {
@@ -394,6 +509,40 @@ token_coords packed_coords(const B& b, const plan<B, P>& p, std::span<std::byte>
   index_t* doc = workspace_carver(ws).at<index_t>(p.coords_offset());
   if (n > 0) for_each_index(b, n, coords_from_segments<typename plan<B, P>::space>{p.documents(), doc, doc + n});
   return {doc, doc + n, 1, 1};
+}
+
+//! The token coordinates of a cross plan (queries, then keys), computed into the workspace.
+template <class B, class P>
+std::pair<token_coords, token_coords> cross_coords(const B& b, const plan<B, P>& p, std::span<std::byte> ws) {
+  using S = typename plan<B, P>::space;
+  const index_t nq = p.dims().tokens, nk = p.dims().keys();
+  index_t* at = workspace_carver(ws).at<index_t>(p.coords_offset());
+  const decode_split<S> g{p.documents(), p.key_documents(), p.documents().count(), 0, tile_k, 0, 1};
+  if (nq > 0) for_each_index(b, nq, coords_from_split<S>{g, true, at, at + nq});
+  if (nk > 0) for_each_index(b, nk, coords_from_split<S>{g, false, at + 2 * nq, at + 2 * nq + nk});
+  return {{at, at + nq, 1, 1}, {at + 2 * nq, at + 2 * nq + nk, 1, 1}};
+}
+
+//! The split-KV forward of a cross plan on its kernel workspace.
+template <class B, class P, class Q, class K, class V, class O, class L>
+void split_forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
+  using Acc = typename P::accum_type;
+  using S = typename plan<B, P>::space;
+  const problem& pb = p.problem();
+  if (pb.tq == 0) return;
+  const decode_split<S>& g = p.split();
+  const decode_layout l = decode_layout_of<Acc>(pb, g, p.slot_cap());
+  const workspace_carver w(ws);
+  Acc* po = g.splits > 1 ? w.at<Acc>(l.part_out) : nullptr;
+  Acc* pl = g.splits > 1 ? w.at<Acc>(l.part_lse) : nullptr;
+  using TO = typename O::value_type;
+  for_each_index(b, l.slots,
+                 decode_kernel<typename Q::value_type, typename K::value_type, typename V::value_type, TO, Acc, S>{
+                     pb, g, rows_of(q), rows_of(k), rows_of(v), rows_of(out), rows2_of(lse), p.scale(), po, pl,
+                     w.at<Acc>(l.scratch), l.slots});
+  if (g.splits > 1)
+    for_each_index(b, pb.tq * pb.hq,
+                   decode_merge_kernel<TO, Acc, S>{g, rows_of(out), rows2_of(lse), po, pl, pb.hq, pb.dv});
 }
 
 template <class B, class P>
@@ -434,8 +583,11 @@ void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, std::
   const detail::problem& pb = p.problem();
   detail::check_views(pb, q, k, v, out, lse, call);
   check_workspace(workspace, p.workspace_bytes(), call);
-  const detail::token_coords c = detail::packed_coords(b, p, workspace);
-  detail::forward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, workspace.subspan(p.kernel_offset()), p.slot_cap());
+  const std::span<std::byte> kernel_ws = workspace.subspan(p.kernel_offset());
+  if (p.split_keys()) return detail::split_forward(b, p, q, k, v, out, lse, kernel_ws);
+  const auto [qc, kc] = p.cross() ? detail::cross_coords(b, p, workspace)
+                                  : std::pair{detail::packed_coords(b, p, workspace), detail::token_coords{}};
+  detail::forward_on(b, pb, p.scale(), q, k, v, qc, p.cross() ? kc : qc, out, lse, kernel_ws, p.slot_cap());
 }
 
 //! Gradients of the attention of forward(): dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv]
@@ -473,8 +625,9 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
   detail::check_views(pb, q, k, v, out, lse, call);
   detail::check_gradients(pb, dout, dq, dk, dv, call);
   check_workspace(workspace, p.backward_workspace_bytes(), call);
-  const detail::token_coords c = detail::packed_coords(b, p, workspace);
-  detail::backward_on(b, pb, p.scale(), q, k, v, c, c, out, lse, dout, dq, dk, dv, false,
+  const auto [qc, kc] = p.cross() ? detail::cross_coords(b, p, workspace)
+                                  : std::pair{detail::packed_coords(b, p, workspace), detail::token_coords{}};
+  detail::backward_on(b, pb, p.scale(), q, k, v, qc, p.cross() ? kc : qc, out, lse, dout, dq, dk, dv, false,
                       workspace.subspan(p.kernel_offset()), p.slot_cap());
 }
 
@@ -483,6 +636,16 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
 template <backend B, memory_space Space, class Q, class K, class V, class O, class L>
 void forward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, p, q, k, v, out, lse, ws); });
+}
+
+//! Convenience forward of each document's queries over its keys (the cross make_plan).
+template <backend B, memory_space Space, class Q, class K, class V, class O, class L>
+void forward(const B& b, const segments<Space>& q_docs, const segments<Space>& k_docs, Q q, K k, V v, O out, L lse,
+             const options& opt = {}) {
+  const auto p =
+      make_plan<default_precision<typename Q::value_type>>(b, q_docs, k_docs, detail::shape_of(q, k, v), opt);
   loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
                                          [&](std::span<std::byte> ws) { forward(b, p, q, k, v, out, lse, ws); });
 }
@@ -502,6 +665,18 @@ template <backend B, memory_space Space, class Q, class K, class V, class O, cla
 void backward(const B& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               const options& opt = {}) {
   const auto p = make_plan<default_precision<typename Q::value_type>>(b, docs, detail::shape_of(q, k, v), opt);
+  loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
+}
+
+//! Convenience backward of each document's queries over its keys.
+template <backend B, memory_space Space, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+          class DV>
+void backward(const B& b, const segments<Space>& q_docs, const segments<Space>& k_docs, Q q, K k, V v, O out, L lse,
+              DO dout, DQ dq, DK dk, DV dv, const options& opt = {}) {
+  const auto p =
+      make_plan<default_precision<typename Q::value_type>>(b, q_docs, k_docs, detail::shape_of(q, k, v), opt);
   loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
     backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws);
   });

@@ -127,6 +127,52 @@ LOOM_HD Acc row_sum(const Acc* row) {
   return sum;
 }
 
+//! The online-softmax step of rows [0, nq) of a (query rows, key tile) block: s holds the rows'
+//! scores (tile_k wide, the first nk valid; masked ones -inf, visible non-finite ones NaN, as
+//! apply_mask leaves them). Each row's running max m and sum l are updated and its accumulator
+//! (dv wide, row stride dv) rescaled; s is left holding the probabilities (an exact 0 where masked
+//! or past nk), ready for the P V product. `full`: every key of the block is visible to every row.
+template <class Acc>
+LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, Acc* l, Acc* acc, index_t dv) {
+  for (index_t i = 0; i < nq; ++i) {
+    Acc* row = s + i * tile_k;
+    for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
+    const Acc mx = row_max(row, m[i]);
+    if (mx == neg_inf<Acc>()) {
+      // No finite score in this row yet: nothing visible, or visible scores that are all
+      // -inf or NaN (then the row is NaN, never the merge identity out = 0, lse = -inf).
+      bool poisoned = full && nk > 0;
+      for (index_t j = 0; j < tile_k; ++j) {
+        poisoned |= row[j] != row[j];
+        row[j] = Acc(0);
+      }
+      if (poisoned) m[i] = l[i] = std::numeric_limits<Acc>::quiet_NaN();
+      continue;
+    }
+    const Acc alpha = fast_exp(m[i] - mx);
+    if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
+      for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
+    else
+      for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
+    const Acc sum = row_sum(row);
+    l[i] = l[i] * alpha + sum;
+    m[i] = mx;
+    Acc* arow = acc + i * dv;
+    for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
+  }
+}
+
+//! Writes a finished row: out = acc / l (dv values, converted to TO) and returns its lse, m + log l.
+//! A row that saw no key gives out = 0 and lse = -inf (the merge identity); a poisoned row (m NaN)
+//! gives NaN in both.
+template <class Acc, class TO>
+LOOM_HD Acc finish_row(Acc m, Acc l, const Acc* acc, index_t dv, TO* out) {
+  const bool any = m != neg_inf<Acc>();  // NaN (a poisoned row) counts as seen: out and lse NaN
+  const Acc inv = any ? Acc(1) / l : Acc(0);
+  for (index_t c = 0; c < dv; ++c) out[c] = static_cast<TO>(acc[c] * inv);
+  return any ? m + static_cast<Acc>(std::log(l)) : neg_inf<Acc>();
+}
+
 //! Whether query q0 + i sees key k0 + l, for gemm_visible.
 struct pair_visible {
   const problem& pb;
@@ -197,32 +243,7 @@ struct forward_kernel {
       gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
       const bool full = kind == tile_kind::full;
       if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
-      for (index_t i = 0; i < nq; ++i) {
-        Acc* row = s + i * tile_k;
-        for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
-        const Acc mx = row_max(row, m[i]);
-        if (mx == neg_inf<Acc>()) {
-          // No finite score in this row yet: nothing visible, or visible scores that are all
-          // -inf or NaN (then the row is NaN, never the merge identity out = 0, lse = -inf).
-          bool poisoned = full && nk > 0;
-          for (index_t j = 0; j < tile_k; ++j) {
-            poisoned |= row[j] != row[j];
-            row[j] = Acc(0);
-          }
-          if (poisoned) m[i] = l[i] = std::numeric_limits<Acc>::quiet_NaN();
-          continue;
-        }
-        const Acc alpha = fast_exp(m[i] - mx);
-        if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
-          for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
-        else
-          for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
-        const Acc sum = row_sum(row);
-        l[i] = l[i] * alpha + sum;
-        m[i] = mx;
-        Acc* arow = acc + i * dv;
-        for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
-      }
+      softmax_update(nq, nk, full, s, m, l, acc, dv);
       // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
       // not multiplied (0 * inf = NaN would cross into another document's rows).
       if (kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv))
@@ -232,11 +253,8 @@ struct forward_kernel {
         gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
     }
     for (index_t i = 0; i < nq; ++i) {
-      const bool any = m[i] != neg_inf<Acc>();  // NaN (a poisoned row) counts as seen: out and lse NaN
-      const Acc inv = any ? Acc(1) / l[i] : Acc(0);
       TO* orow = o.at(q0 + i, h);
-      for (index_t c = 0; c < dv; ++c) orow[c] = static_cast<TO>(acc[i * dv + c] * inv);
-      lse.at(q0 + i, h) = any ? m[i] + static_cast<Acc>(std::log(l[i])) : neg_inf<Acc>();
+      lse.at(q0 + i, h) = finish_row(m[i], l[i], acc + i * dv, dv, orow);
     }
   }
 };

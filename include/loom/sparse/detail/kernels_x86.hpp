@@ -21,10 +21,11 @@
 //! in different (each fixed) orders: results are identical across host backends and thread counts
 //! on one machine, and within the fp32 tolerance of each other.
 
+#include <loom/backend/detail/x86.hpp>
 #include <loom/core/float16.hpp>
 #include <loom/sparse/formats.hpp>
 
-#if defined(__x86_64__) && !defined(__CUDACC__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(LOOM_X86_KERNELS)
 #define LOOM_SPARSE_X86_KERNELS 1
 #include <atomic>
 #include <cstdint>
@@ -44,43 +45,22 @@
 
 namespace loom::sparse::detail::x86 {
 
-//! False forces the portable kernels (tests of the fallback, benchmark comparisons).
-inline std::atomic<bool>& avx512_allowed() {
-  static std::atomic<bool> allowed{true};
-  return allowed;
-}
+//! The one switch of every family's vector kernels (loom::detail::x86::vector_kernels_allowed).
+inline std::atomic<bool>& avx512_allowed() { return loom::detail::x86::vector_kernels_allowed(); }
+using loom::detail::x86::first_lanes;
+using loom::detail::x86::load16;
+using loom::detail::x86::load16_bits;
+using loom::detail::x86::widen;
 
-//! Whether the CPU runs the AVX-512 kernels (checked once) and they are allowed.
+//! Whether the CPU runs these kernels (the shared AVX-512 set plus bitalg and vbmi2, checked
+//! once) and vector kernels are allowed.
 inline bool avx512_available() {
   static const bool cpu = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("avx512vbmi2") &&
-           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+    return loom::detail::x86::avx512_cpu() && __builtin_cpu_supports("avx512bitalg") &&
+           __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
   }();
   return cpu && avx512_allowed().load(std::memory_order_relaxed);
-}
-
-//! The mask of the first `count` (<= 16) lanes.
-LOOM_SPARSE_X86_TARGET inline __mmask16 first_lanes(unsigned count) {
-  return static_cast<__mmask16>(_bzhi_u32(0xffffu, count));
-}
-
-//! The first `count` (<= 16) values at s, as floats, zeros after them (a masked load).
-LOOM_SPARSE_X86_TARGET inline __m512 load16(const float* s, unsigned count) {
-  return _mm512_maskz_loadu_ps(first_lanes(count), s);
-}
-LOOM_SPARSE_X86_TARGET inline __m256i load16_bits(const void* s, unsigned count) {
-  return _mm256_maskz_loadu_epi16(first_lanes(count), s);
-}
-LOOM_SPARSE_X86_TARGET inline __m512 widen(const bfloat16*, __m256i v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-LOOM_SPARSE_X86_TARGET inline __m512 widen(const half*, __m256i v) { return _mm512_cvtph_ps(v); }
-template <class T>
-LOOM_SPARSE_X86_TARGET inline __m512 load16(const T* s, unsigned count) {
-  return widen(s, load16_bits(s, count));
 }
 
 //! The first `count` (<= 16) values at s, placed at the set bits of m (zeros elsewhere), as floats:

@@ -1,0 +1,108 @@
+#pragma once
+
+//! @file
+//! What loom's runtime-dispatched x86 vector kernels share: the switch that turns them all off
+//! (tests of the portable fallbacks, benchmark comparisons), the CPU checks, and 16-lane float
+//! loads of float, bfloat16 and half storage. The kernels are compiled with function-level target
+//! attributes and taken at run time when the CPU has the instructions, so a default build needs no
+//! -march flag; the portable LOOM_HD kernels stay the fallback and the device code.
+//! LOOM_X86_KERNELS is defined where these kernels exist (x86-64 host compilers, not nvcc).
+
+#include <loom/config.hpp>
+#include <loom/core/float16.hpp>
+
+#include <atomic>
+
+#if defined(__x86_64__) && !defined(__CUDACC__) && (defined(__GNUC__) || defined(__clang__))
+#define LOOM_X86_KERNELS 1
+#include <immintrin.h>
+
+//! The instructions loom's AVX-512 float kernels use (a subset of every AVX-512 target attribute
+//! loom writes, so these helpers inline into any of its kernels).
+#define LOOM_X86_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,bmi,bmi2,fma")))
+//! The AVX2 floor: AVX2, FMA and F16C (every x86-64 CPU since 2013-2015).
+#define LOOM_X86_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// GCC 12's AVX-512 intrinsics build their pass-through operands from _mm512_undefined_*(), which
+// -Wmaybe-uninitialized reports once inlined into a function with a target attribute.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace loom::detail::x86 {
+
+//! False forces every family's portable kernels (tests of the fallback, benchmark comparisons).
+inline std::atomic<bool>& vector_kernels_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+//! Whether the CPU has the instructions of LOOM_X86_AVX512 (checked once).
+inline bool avx512_cpu() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("bmi2") &&
+           __builtin_cpu_supports("fma");
+  }();
+  return cpu;
+}
+
+//! Whether the CPU has the instructions of LOOM_X86_AVX2 (checked once).
+inline bool avx2_cpu() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return cpu;
+}
+
+//! Whether the AVX2 kernels may run: the CPU has them and vector kernels are allowed.
+inline bool avx2_available() { return avx2_cpu() && vector_kernels_allowed().load(std::memory_order_relaxed); }
+
+//! 8 values at s, as floats (AVX2).
+LOOM_X86_AVX2 inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }
+LOOM_X86_AVX2 inline __m256 load8(const bfloat16* s) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+LOOM_X86_AVX2 inline __m256 load8(const half* s) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+}
+
+//! The mask of the first `count` (<= 16) lanes.
+LOOM_X86_AVX512 inline __mmask16 first_lanes(unsigned count) {
+  return static_cast<__mmask16>(_bzhi_u32(0xffffu, count));
+}
+
+//! The first `count` (<= 16) values at s, as floats, zeros after them (a masked load).
+LOOM_X86_AVX512 inline __m512 load16(const float* s, unsigned count) {
+  return _mm512_maskz_loadu_ps(first_lanes(count), s);
+}
+LOOM_X86_AVX512 inline __m256i load16_bits(const void* s, unsigned count) {
+  return _mm256_maskz_loadu_epi16(first_lanes(count), s);
+}
+LOOM_X86_AVX512 inline __m512 widen(const bfloat16*, __m256i v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+LOOM_X86_AVX512 inline __m512 widen(const half*, __m256i v) { return _mm512_cvtph_ps(v); }
+template <class T>
+LOOM_X86_AVX512 inline __m512 load16(const T* s, unsigned count) {
+  return widen(s, load16_bits(s, count));
+}
+//! 16 values at s, as floats (unmasked).
+LOOM_X86_AVX512 inline __m512 load16(const float* s) { return _mm512_loadu_ps(s); }
+template <class T>
+LOOM_X86_AVX512 inline __m512 load16(const T* s) {
+  return widen(s, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+}  // namespace loom::detail::x86
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+#endif
