@@ -485,8 +485,7 @@ plan<B, P> make_plan(const B& b, const segments<Space>& q_docs, const segments<S
     constexpr bool host = backend_traits<B>::memory_space::host_accessible;
     const index_t docs = p.seg_.count(), heads = host ? s.heads_kv : 1, target = host ? 64 : 2048;
     const index_t chunk = detail::decode_chunk(docs, s.heads_kv / heads, max_k, target);
-    const index_t splits = max_k > chunk ? (max_k + chunk - 1) / chunk : 1;
-    p.split_ = {p.seg_, p.kseg_, docs, max_q, chunk, splits, heads};
+    p.split_ = {p.seg_, p.kseg_, docs, max_q, chunk, max_k > chunk ? (max_k + chunk - 1) / chunk : 1, heads};
     p.fwd_bytes_ = detail::decode_layout_of<Acc>(p.pb_, p.split_, p.cap_).bytes;
   }
   p.fwd_bytes_ += p.kernel_at_;
