@@ -3,6 +3,10 @@
 //   attention.loom           loom::attention::forward on a plan, openmp, N = 8192, causal and full
 //   attention.materialised   the fastest sgemm's QKᵀ into an N x N score matrix per head, row softmax, PV
 //   attention.loom_backward  loom::attention::backward at the same shape
+//   attention.gqa            loom::attention forward / backward (pass 0 / 1) at the shapes of the
+//                            PyTorch peer rows (bench/peers): H = 16 query heads over Hkv = 4, causal,
+//                            T = 4096 and 8192 as one document (docs 1) or packed as 4 documents of
+//                            fixed lengths (docs 4); backward rated at the forward's FLOP count
 //   attention.decode         one query token per sequence over its K/V history (32 sequences x 32768
 //                            keys, 16 query heads over 4 kv heads): the split-KV forward of a plan
 //                            made with query and key segments. Counter GB/s: K and V bytes read per
@@ -268,6 +272,78 @@ BENCHMARK(ring)
     ->Arg(1)
     ->Arg(2)
     ->Arg(4)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
+
+// GQA at the peer rows' shapes: one document of T tokens or 4 packed documents (the lengths
+// bench/peers uses), forward or backward (dO random), plan and workspace made outside the timing.
+namespace {
+
+struct gqa_data {
+  static constexpr index_t hq = 16, hkv = 4;
+  index_t t;
+  std::vector<float> q, k, v, out, dout, dq, dk, dv, lse;
+  explicit gqa_data(index_t t_)
+      : t(t_),
+        q(random_vector(static_cast<std::size_t>(t * hq * dim), 11)),
+        k(random_vector(static_cast<std::size_t>(t * hkv * dim), 12)),
+        v(random_vector(k.size(), 13)),
+        out(q.size()),
+        dout(random_vector(q.size(), 14)),
+        dq(q.size()),
+        dk(k.size()),
+        dv(k.size()),
+        lse(static_cast<std::size_t>(t * hq)) {}
+};
+
+std::vector<std::int32_t> gqa_offsets(index_t t, bool packed) {
+  if (!packed) return {0, static_cast<std::int32_t>(t)};
+  const std::vector<std::int32_t> lengths =
+      t == 8192 ? std::vector<std::int32_t>{3000, 2500, 1500, 1192} : std::vector<std::int32_t>{1500, 1250, 750, 596};
+  std::vector<std::int32_t> cu{0};
+  for (const auto l : lengths) cu.push_back(cu.back() + l);
+  return cu;
+}
+
+void gqa(benchmark::State& state) {
+  const index_t t = state.range(0);
+  const bool packed = state.range(1) != 1, backward = state.range(2) != 0;
+  const int threads = static_cast<int>(state.range(3));
+  static gqa_data d4096(4096), d8192(8192);
+  gqa_data& d = t == 8192 ? d8192 : d4096;
+  using D = gqa_data;
+  const auto cu = gqa_offsets(t, packed);
+  if (cu.back() != t) state.SkipWithError("the document lengths do not sum to T");
+  const loom::openmp b{threads};
+  const auto plan = la::make_plan(b, loom::segments(std::span<const std::int32_t>(cu)), {t, D::hq, D::hkv, dim, dim});
+  loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
+  const loom::tensor_view<const float, 3> q(d.q.data(), {t, D::hq, dim}), k(d.k.data(), {t, D::hkv, dim}),
+      v(d.v.data(), {t, D::hkv, dim}), o(d.out.data(), {t, D::hq, dim}), dout(d.dout.data(), {t, D::hq, dim});
+  const loom::tensor_view<float, 2> lse(d.lse.data(), {t, D::hq});
+  const auto fwd = [&] {
+    la::forward(b, plan, q, k, v, loom::tensor_view<float, 3>(d.out.data(), {t, D::hq, dim}), lse, ws.span());
+  };
+  if (backward) fwd();
+  for (auto _ : state) {
+    if (backward)
+      la::backward(b, plan, q, k, v, o, loom::tensor_view<const float, 2>(d.lse.data(), {t, D::hq}), dout,
+                   loom::tensor_view<float, 3>(d.dq.data(), {t, D::hq, dim}),
+                   loom::tensor_view<float, 3>(d.dk.data(), {t, D::hkv, dim}),
+                   loom::tensor_view<float, 3>(d.dv.data(), {t, D::hkv, dim}), ws.span());
+    else
+      fwd();
+  }
+  double visible = 0;
+  for (std::size_t i = 0; i + 1 < cu.size(); ++i) visible += pairs(cu[i + 1] - cu[i], true);
+  set_flops(state, 4.0 * dim * D::hq * visible);
+}
+
+}  // namespace
+
+BENCHMARK(gqa)
+    ->Name("attention.gqa")
+    ->ArgNames({"T", "docs", "pass", "threads"})
+    ->ArgsProduct({{4096, 8192}, {1, 4}, {0, 1}, {1, 2}})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 

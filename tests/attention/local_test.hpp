@@ -136,6 +136,24 @@ void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_
   require_oracle<T>(got, want, bwd);
 }
 
+// Host x86 builds: allows or forbids the AVX2 kernels (restored on exit), so a test body runs both
+// the vector and the portable paths (nothing to switch elsewhere).
+struct vector_switch {
+  explicit vector_switch(bool on) {
+#if defined(LOOM_X86_KERNELS)
+    loom::detail::x86::vector_kernels_allowed() = on;
+#endif
+    UNSCOPED_INFO("vector kernels allowed: " << on);
+  }
+  ~vector_switch() {
+#if defined(LOOM_X86_KERNELS)
+    loom::detail::x86::vector_kernels_allowed() = true;
+#endif
+  }
+  vector_switch(const vector_switch&) = delete;
+  vector_switch& operator=(const vector_switch&) = delete;
+};
+
 // The queries of each document bottom-right aligned with its keys: query i of Lq at Lk - Lq + i.
 lt::attn_coords bottom_right(const std::vector<index_t>& qcu, const std::vector<index_t>& kcu) {
   lt::attn_coords c;
@@ -186,12 +204,16 @@ TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp
 }
 
 TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKEND_TAG, "[attention][local]") {
+  const vector_switch switched(GENERATE(true, false));  // host x86: the AVX2 products, then the portable ones
   const std::vector<index_t> docs{0, 0, 1, 8, 8, 138, 141, 1141, 1141};  // empty documents too
   check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, {36, 0}}, docs, 40);
   check_packed<loom::fp64, std::int32_t>({0, 0, 2, 2, 32, 16, false, {49, -1}}, {0, 300}, 41);
   check_packed<loom::fp32, std::int32_t>({0, 0, 8, 2, 64, 64, true}, docs, 42);
   check_packed<loom::fp32>({0, 0, 2, 1, 96, 96, false}, {0, 1021}, 43);
   check_packed<loom::bf16>({0, 0, 4, 1, 64, 64, true}, docs, 44);
+  // Odd dims: column blocks of 16, then a lane remainder; prime document lengths: row remainders.
+  check_packed<loom::fp32>({0, 0, 3, 1, 36, 20, true}, {0, 7, 300, 1021}, 45);
+  check_packed<loom::fp32>({0, 0, 2, 2, 24, 43, false, {29, 3}}, {0, 131, 257}, 46);
 }
 
 TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND_TAG, "[attention][merge]") {
@@ -408,6 +430,7 @@ void check_isolated(lt::attn_shape s, const std::vector<index_t>& cu, std::uint6
 TEST_CASE("attention: a non-finite input stays in its document, forward and backward" LOOM_BACKEND_TAG,
           "[attention][local][nonfinite]") {
   // Documents of 40, 61, 62 tokens: tiles of 64 straddle every boundary.
+  const vector_switch switched(GENERATE(true, false));
   const std::vector<index_t> docs{0, 40, 101, 163};
   check_isolated<loom::fp32>({0, 0, 4, 2, 32, 24, true}, docs, 70);
   check_isolated<loom::fp32>({0, 0, 2, 1, 16, 16, false}, docs, 71);
@@ -582,13 +605,7 @@ TEST_CASE(
   // (head dims multiples of 8) and the portable ones (vector kernels switched off; dims 36 / 20).
   const std::vector<index_t> q1{0, 1, 2, 2, 3, 4, 5}, k1{0, 37, 38, 43, 343, 343, 1343};
   const bool vectors = GENERATE(true, false);
-#if defined(LOOM_X86_KERNELS)
-  struct vector_switch {
-    explicit vector_switch(bool on) { loom::detail::x86::vector_kernels_allowed() = on; }
-    ~vector_switch() { loom::detail::x86::vector_kernels_allowed() = true; }
-  } const switched(vectors);
-#endif
-  INFO("vector kernels allowed: " << vectors);
+  const vector_switch switched(vectors);
   check_cross<loom::fp64>({0, 0, 6, 3, 36, 20, true}, q1, k1, 109, true);
   check_cross<loom::fp32>({0, 0, 6, 3, 36, 20, true, {100, 0}}, q1, k1, 108, true);
   for (bool causal : {true, false}) {

@@ -59,13 +59,21 @@ LOOM_HD void load_rows(const rows3<const T>& x, index_t r0, index_t n, index_t h
 //! K and V of every kv head in the layouts the tile products read, in the accumulation type,
 //! padded with zeros to whole key tiles: built once per call, so no (query tile, key tile) pair
 //! transposes or converts anything. Any of the four may be absent (null).
-//!   kt [hkv][dk][tk_pad]   vt [hkv][dv][tk_pad]   kr [hkv][tk_pad][dk]   vr [hkv][tk_pad][dv]
+//!   kt [hkv][k tiles][dk][tile_k]   vt [hkv][k tiles][dv][tile_k]   kr [hkv][tk_pad][dk]   vr [hkv][tk_pad][dv]
+//! The transposed layouts keep each key tile's block contiguous (row stride tile_k, ld_t()): with
+//! rows tk_pad apart, a tile product's column reads would all fall in one L1 set.
 template <class Acc>
 struct prepared_kv {
   Acc *kt = nullptr, *vt = nullptr, *kr = nullptr, *vr = nullptr;
   index_t tk_pad = 0, dk = 0, dv = 0;
-  LOOM_HD const Acc* kt_tile(index_t hk, index_t k0) const { return kt + hk * dk * tk_pad + k0; }
-  LOOM_HD const Acc* vt_tile(index_t hk, index_t k0) const { return vt + hk * dv * tk_pad + k0; }
+  LOOM_HD const Acc* kt_tile(index_t hk, index_t k0) const { return kt + (hk * tk_pad + k0) * dk; }
+  LOOM_HD const Acc* vt_tile(index_t hk, index_t k0) const { return vt + (hk * tk_pad + k0) * dv; }
+  //! Row stride of a kt / vt tile block.
+  LOOM_HD static constexpr index_t ld_t() { return tile_k; }
+  //! Offset of element (c, t) of kv head hk in a transposed layout of d rows.
+  LOOM_HD index_t t_at(index_t hk, index_t c, index_t t, index_t d) const {
+    return (hk * tk_pad + t - t % tile_k) * d + c * tile_k + t % tile_k;
+  }
   LOOM_HD const Acc* kr_tile(index_t hk, index_t k0) const { return kr + (hk * tk_pad + k0) * dk; }
   LOOM_HD const Acc* vr_tile(index_t hk, index_t k0) const { return vr + (hk * tk_pad + k0) * dv; }
   //! Elements needed for the layouts selected.
@@ -89,12 +97,12 @@ struct prepare_kv_kernel {
       const bool in = t < pb.tk;
       for (index_t c = 0; c < pb.dk; ++c) {
         const Acc x = in ? static_cast<Acc>(k.at(t, hk)[c]) : Acc(0);
-        if (out.kt) out.kt[(hk * pb.dk + c) * p + t] = x;
+        if (out.kt) out.kt[out.t_at(hk, c, t, pb.dk)] = x;
         if (out.kr) out.kr[(hk * p + t) * pb.dk + c] = x;
       }
       for (index_t c = 0; c < pb.dv; ++c) {
         const Acc x = in ? static_cast<Acc>(v.at(t, hk)[c]) : Acc(0);
-        if (out.vt) out.vt[(hk * pb.dv + c) * p + t] = x;
+        if (out.vt) out.vt[out.t_at(hk, c, t, pb.dv)] = x;
         if (out.vr) out.vr[(hk * p + t) * pb.dv + c] = x;
       }
     }
@@ -127,6 +135,22 @@ LOOM_HD Acc row_sum(const Acc* row) {
   return sum;
 }
 
+//! row[j] = e^(row[j] - mx) over a tile row (masked scores are -inf: 0); where `full` (every key
+//! visible) a score of +-inf or NaN makes its entry NaN and entries past nk are 0. Returns the
+//! row's sum. x86 hosts with AVX2 take the 8-lane form (float; its own fixed order).
+template <class Acc>
+LOOM_HD Acc exp_row(Acc* row, index_t nk, bool full, Acc mx) {
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx2_available()) return x86::exp_row(row, tile_k, nk, full, mx);
+#endif
+  if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
+    for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
+  else
+    for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
+  return row_sum(row);
+}
+
 //! The online-softmax step of rows [0, nq) of a (query rows, key tile) block: s holds the rows'
 //! scores (tile_k wide, the first nk valid; masked ones -inf, visible non-finite ones NaN, as
 //! apply_mask leaves them). Each row's running max m and sum l are updated and its accumulator
@@ -150,11 +174,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
       continue;
     }
     const Acc alpha = fast_exp(m[i] - mx);
-    if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
-      for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
-    else
-      for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
-    const Acc sum = row_sum(row);
+    const Acc sum = exp_row(row, nk, full, mx);
     l[i] = l[i] * alpha + sum;
     m[i] = mx;
     Acc* arow = acc + i * dv;
@@ -240,7 +260,7 @@ struct forward_kernel {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
       const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
-      gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.tk_pad, s, tile_k, false);
+      gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
       const bool full = kind == tile_kind::full;
       if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
       softmax_update(nq, nk, full, s, m, l, acc, dv);
@@ -294,6 +314,13 @@ LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const to
     Acc* drow = dp + i * tile_k;
     const Acc delta = delta_rows[i];
     const Acc lse = lse_rows[i] == -neg_inf<Acc>() ? std::numeric_limits<Acc>::quiet_NaN() : lse_rows[i];
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+    if constexpr (std::is_same_v<Acc, float>)
+      if (loom::detail::x86::avx2_available()) {
+        x86::backward_row(srow, drow, tile_k, nk, full, lse, delta);
+        continue;
+      }
+#endif
     for (index_t j = 0; j < tile_k; ++j) {
       const bool seen = j < nk && (full || srow[j] != neg_inf<Acc>());
       const Acc p = seen ? fast_exp(finite_or_nan(srow[j]) - lse) : Acc(0);
@@ -374,7 +401,7 @@ struct backward_kv_kernel {
         const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.left, pb.right);
         if (kind == tile_kind::skip) continue;
         a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
-        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.tk_pad, lrow, drow, s, dp);
+        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.ld_t(), lrow, drow, s, dp);
         // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
         const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, q0, k0}};
         if (kind == tile_kind::partial && !all_finite(dos, nq, dv, dv))
@@ -421,7 +448,7 @@ struct backward_q_kernel {
       const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
-                      a.kv.tk_pad, lrow, drow, s, dp);
+                      a.kv.ld_t(), lrow, drow, s, dp);
       if (kind == tile_kind::partial && !all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk))
         gemm_visible<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true,
                             pair_visible{pb, a.qc, a.kc, q0, k0});

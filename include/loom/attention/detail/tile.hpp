@@ -5,6 +5,7 @@
 //! register-blocked tile product, and the mask of a (query tile, key tile) pair. Everything is
 //! LOOM_HD and works on small dense tiles in the accumulation type.
 
+#include <loom/attention/detail/attention_x86.hpp>
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace loom::attention::detail {
 
@@ -82,9 +84,14 @@ LOOM_HD bool all_finite(const Acc* x, index_t n, index_t d, index_t ld) {
 //! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
 //! by 32 columns keep their sums in registers (16 vector registers of 16 floats with AVX-512); the
 //! inner loop runs over contiguous j.
+//! On x86 hosts with AVX2, float products take x86::gemm (blocks sized for 16 registers) instead.
 template <bool TransA, class Acc>
 LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
                   index_t ldc, bool accumulate) {
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx2_available()) return x86::gemm<TransA>(m, n, kd, a, lda, b, ldb, c, ldc, accumulate);
+#endif
   constexpr index_t rb = 8, cb = 32;
   const index_t m_full = m - m % rb, n_full = n - n % cb;
   auto at = [&](index_t i, index_t l) { return TransA ? a[l * lda + i] : a[i * lda + l]; };
@@ -123,11 +130,17 @@ LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, c
 //! gemm() restricted to visible pairs: C row i (+)= sum over l with visible(i, l) of A(i, l) B[l].
 //! Used when B holds a non-finite value and some (i, l) are masked: there A(i, l) is an exact 0,
 //! and 0 * inf = NaN would carry one document's value into another's rows. Skipped terms are
-//! exact zeros in gemm(), and the kept terms are added in gemm()'s order with its expression, so
-//! every row whose visible B rows are finite comes out bitwise as gemm() computes it.
+//! exact zeros in gemm(), and the kept terms are added in gemm()'s order with its expression (a
+//! fused multiply-add where gemm() runs x86::gemm), so every row whose visible B rows are finite
+//! comes out bitwise as gemm() computes it.
 template <bool TransA, class Acc, class Visible>
 LOOM_HD void gemm_visible(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb,
                           Acc* c, index_t ldc, bool accumulate, const Visible& visible) {
+  // Where gemm() takes x86::gemm, each of its terms is one fused multiply-add: so are these.
+  bool fused = false;
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+  if constexpr (std::is_same_v<Acc, float>) fused = loom::detail::x86::avx2_available();
+#endif
   for (index_t i = 0; i < m; ++i) {
     Acc* crow = c + i * ldc;
     if (!accumulate)
@@ -136,7 +149,10 @@ LOOM_HD void gemm_visible(index_t m, index_t n, index_t kd, const Acc* a, index_
       if (!visible(i, l)) continue;
       const Acc ail = TransA ? a[l * lda + i] : a[i * lda + l];
       const Acc* brow = b + l * ldb;
-      for (index_t j = 0; j < n; ++j) crow[j] += ail * brow[j];
+      if (fused)
+        for (index_t j = 0; j < n; ++j) crow[j] = std::fma(ail, brow[j], crow[j]);
+      else
+        for (index_t j = 0; j < n; ++j) crow[j] += ail * brow[j];
     }
   }
 }
