@@ -508,6 +508,35 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
   CHECK(fast_exp(1e30f) == inf);
   CHECK(fast_exp(0.0f) == 1.0f);
   CHECK(fast_exp(-0.0f) == 1.0f);
+#if defined(LOOM_X86_KERNELS)
+  // The AVX2 form (8 lanes) on the same grid and the same special values, where the CPU has it.
+  if (loom::detail::x86::avx2_cpu()) {
+    std::vector<float> x;
+    for (int i = -90 * 1024; i <= 90 * 1024; ++i) x.push_back(static_cast<float>(i) / 1024.0f);
+    for (float v : {std::numeric_limits<float>::quiet_NaN(), -inf, inf, -1e30f, 1e30f, 0.0f, -0.0f}) x.push_back(v);
+    while (x.size() % 8) x.push_back(0.0f);
+    std::vector<float> y(x.size());
+    la::detail::x86::exp_array(x.data(), y.data(), static_cast<index_t>(x.size()));
+    double vworst = 0;
+    std::size_t vbad = 0;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float xi = x[i], yi = y[i];
+      if (std::isnan(xi)) {
+        vbad += !std::isnan(yi);
+      } else if (xi <= -87.0f) {
+        vbad += yi != 0.0f;
+      } else if (xi > 88.37f) {
+        vbad += !(std::isinf(yi) && yi > 0);
+      } else {
+        const double want = std::exp(static_cast<double>(xi));
+        vworst = std::max(vworst, std::abs(static_cast<double>(yi) - want) / want);
+      }
+    }
+    INFO("AVX2 exp: largest relative error " << vworst);
+    CHECK(vworst < 3e-7);
+    CHECK(vbad == 0);
+  }
+#endif
 }
 
 TEST_CASE("attention: windows (left, right): left-only, right-only, symmetric, causal or not" LOOM_BACKEND_TAG,

@@ -151,6 +151,11 @@ LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {
   return _mm256_blendv_ps(hi, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ));
 }
 
+//! y[i] = exp8(x[i]) for i < n (a multiple of 8): the vector exp on an array (its tests).
+LOOM_X86_AVX2 inline void exp_array(const float* x, float* y, index_t n) {
+  for (index_t i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+}
+
 //! x where finite, NaN where x is +-inf or NaN (tile.hpp's finite_or_nan).
 LOOM_X86_AVX2 inline __m256 finite_or_nan8(__m256 x) {
   return _mm256_blendv_ps(_mm256_set1_ps(__builtin_nanf("")), x,

@@ -137,10 +137,11 @@ LOOM_HD Acc row_sum(const Acc* row) {
 
 //! row[j] = e^(row[j] - mx) over a tile row (masked scores are -inf: 0); where `full` (every key
 //! visible) a score of +-inf or NaN makes its entry NaN and entries past nk are 0. Returns the
-//! row's sum. x86 hosts with AVX2 take the 8-lane form (float; its own fixed order).
+//! row's sum. x86 hosts with AVX2 take the 8-lane form (float; its own fixed order; see
+//! LOOM_ATTENTION_X86_TILES).
 template <class Acc>
 LOOM_HD Acc exp_row(Acc* row, index_t nk, bool full, Acc mx) {
-#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+#if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (std::is_same_v<Acc, float>)
     if (loom::detail::x86::avx2_available()) return x86::exp_row(row, tile_k, nk, full, mx);
 #endif
@@ -314,7 +315,7 @@ LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const to
     Acc* drow = dp + i * tile_k;
     const Acc delta = delta_rows[i];
     const Acc lse = lse_rows[i] == -neg_inf<Acc>() ? std::numeric_limits<Acc>::quiet_NaN() : lse_rows[i];
-#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+#if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (std::is_same_v<Acc, float>)
       if (loom::detail::x86::avx2_available()) {
         x86::backward_row(srow, drow, tile_k, nk, full, lse, delta);

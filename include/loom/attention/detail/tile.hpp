@@ -15,6 +15,13 @@
 #include <limits>
 #include <type_traits>
 
+//! The tiled kernels take the AVX2 forms of their hot loops (attention_x86.hpp) on x86 hosts, unless
+//! the build itself targets AVX-512: then the compiler vectorises the portable bodies with 32
+//! registers of 16 lanes, which the 8 x 32 blocks of gemm() were sized for.
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE && !defined(__AVX512F__)
+#define LOOM_ATTENTION_X86_TILES 1
+#endif
+
 namespace loom::attention::detail {
 
 inline constexpr index_t tile_q = 64;  //!< query rows per tile
@@ -84,11 +91,12 @@ LOOM_HD bool all_finite(const Acc* x, index_t n, index_t d, index_t ld) {
 //! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
 //! by 32 columns keep their sums in registers (16 vector registers of 16 floats with AVX-512); the
 //! inner loop runs over contiguous j.
-//! On x86 hosts with AVX2, float products take x86::gemm (blocks sized for 16 registers) instead.
+//! On x86 hosts with AVX2 (LOOM_ATTENTION_X86_TILES), float products take x86::gemm (blocks sized
+//! for 16 registers) instead.
 template <bool TransA, class Acc>
 LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
                   index_t ldc, bool accumulate) {
-#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+#if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (std::is_same_v<Acc, float>)
     if (loom::detail::x86::avx2_available()) return x86::gemm<TransA>(m, n, kd, a, lda, b, ldb, c, ldc, accumulate);
 #endif
@@ -138,7 +146,7 @@ LOOM_HD void gemm_visible(index_t m, index_t n, index_t kd, const Acc* a, index_
                           Acc* c, index_t ldc, bool accumulate, const Visible& visible) {
   // Where gemm() takes x86::gemm, each of its terms is one fused multiply-add: so are these.
   bool fused = false;
-#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+#if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (std::is_same_v<Acc, float>) fused = loom::detail::x86::avx2_available();
 #endif
   for (index_t i = 0; i < m; ++i) {
