@@ -250,6 +250,16 @@ LOOM_X86_AVX2 inline void gemm_rows(index_t n, index_t kd, const float* a, index
     }
 }
 
+//! Rows [0, rows) of gemm() in one block of R = rows (R counts down from Max to find it).
+template <bool TransA, int Max>
+LOOM_X86_AVX2 inline void gemm_last_rows(index_t rows, index_t n, index_t kd, const float* a, index_t lda,
+                                         const float* b, index_t ldb, float* c, index_t ldc, bool accumulate) {
+  if constexpr (Max > 0) {
+    if (rows == Max) return gemm_rows<TransA, Max>(n, kd, a, lda, b, ldb, c, ldc, accumulate);
+    gemm_last_rows<TransA, Max - 1>(rows, n, kd, a, lda, b, ldb, c, ldc, accumulate);
+  }
+}
+
 //! The AVX2 form of attention's tile product gemm() (tile.hpp), float: blocks of 6 rows x 16
 //! columns (12 accumulators of the 16 registers), the rows left in one smaller block. Each output
 //! is summed over l ascending, as the portable form.
@@ -259,25 +269,7 @@ LOOM_X86_AVX2 inline void gemm(index_t m, index_t n, index_t kd, const float* a,
   const auto at = [&](index_t i) { return TransA ? a + i : a + i * lda; };
   index_t i = 0;
   for (; i + 6 <= m; i += 6) gemm_rows<TransA, 6>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-  switch (m - i) {
-    case 5:
-      gemm_rows<TransA, 5>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-      break;
-    case 4:
-      gemm_rows<TransA, 4>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-      break;
-    case 3:
-      gemm_rows<TransA, 3>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-      break;
-    case 2:
-      gemm_rows<TransA, 2>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-      break;
-    case 1:
-      gemm_rows<TransA, 1>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-      break;
-    default:
-      break;
-  }
+  gemm_last_rows<TransA, 5>(m - i, n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
 }
 
 }  // namespace loom::attention::detail::x86
