@@ -9,6 +9,7 @@
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
+#include <support/vector_switch.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -22,6 +23,7 @@ using loom::index_t;
 using loom::test::backend_under_test;
 using loom::test::buffer;
 using loom::test::make_backend;
+using loom::test::vector_switch;
 namespace la = loom::attention;
 namespace lt = loom::test;
 
@@ -135,24 +137,6 @@ void check_packed(lt::attn_shape s, const std::vector<index_t>& cu, std::uint64_
                  << " bit " << loom::precision_name<P>());
   require_oracle<T>(got, want, bwd);
 }
-
-// Host x86 builds: allows or forbids the AVX2 kernels (restored on exit), so a test body runs both
-// the vector and the portable paths (nothing to switch elsewhere).
-struct vector_switch {
-  explicit vector_switch(bool on) {
-#if defined(LOOM_X86_KERNELS)
-    loom::detail::x86::vector_kernels_allowed() = on;
-#endif
-    UNSCOPED_INFO("vector kernels allowed: " << on);
-  }
-  ~vector_switch() {
-#if defined(LOOM_X86_KERNELS)
-    loom::detail::x86::vector_kernels_allowed() = true;
-#endif
-  }
-  vector_switch(const vector_switch&) = delete;
-  vector_switch& operator=(const vector_switch&) = delete;
-};
 
 // The queries of each document bottom-right aligned with its keys: query i of Lq at Lk - Lq + i.
 lt::attn_coords bottom_right(const std::vector<index_t>& qcu, const std::vector<index_t>& kcu) {

@@ -8,6 +8,7 @@
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
+#include <support/vector_switch.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -179,6 +180,7 @@ const char* name(gating g) {
 }  // namespace
 
 TEST_CASE("linear_attention::forward matches the recurrent oracle", "[linear_attention][forward]" LOOM_BACKEND_TAG) {
+  const loom::test::vector_switch switched(GENERATE(true, false));  // host x86: AVX2 tiles, then portable
   const index_t T = GENERATE(as<index_t>{}, 1, 2, 63, 64, 65);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
   const bool packed = GENERATE(false, true);
@@ -239,6 +241,7 @@ TEST_CASE("linear_attention: small integers without decay are exact in fp32 for 
 }
 
 TEST_CASE("linear_attention::backward matches the analytic oracle", "[linear_attention][backward]" LOOM_BACKEND_TAG) {
+  const loom::test::vector_switch switched(GENERATE(true, false));  // host x86: AVX2 tiles, then portable
   const index_t T = GENERATE(as<index_t>{}, 1, 2, 63, 65, 200);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
   const auto p = loom::test::la::make_problem(T, 2, 8, 4, mode, loom::test::la::random_docs(T, 3, 5), true, 30);
@@ -252,6 +255,7 @@ TEST_CASE("linear_attention::backward matches the analytic oracle", "[linear_att
 
 TEST_CASE("linear_attention::forward: the fused and the chunk-parallel paths give the same bits for any head group",
           "[linear_attention][forward][paths]" LOOM_BACKEND_TAG) {
+  const loom::test::vector_switch switched(GENERATE(true, false));
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
   const index_t T = 301, H = 5;
   const auto p = loom::test::la::make_problem(T, H, 8, 4, mode, loom::test::la::random_docs(T, 4, 9), true, 40);

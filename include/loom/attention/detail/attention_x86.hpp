@@ -9,9 +9,10 @@
 //!    together by one horizontal-add tree;
 //!  - P V: for 16 output columns, eight register accumulators (four rows x two halves) over every
 //!    key of the block: two loads of V per key, one broadcast of p per row;
-//! and the tiled kernels' tile product gemm() (tile.hpp), in blocks of 6 rows x 16 columns whose
-//! 12 accumulators fit AVX2's 16 registers (the portable form's 8 x 32 blocks need 32 AVX2
-//! registers: compiled for AVX2 they spill, measured 0.29x the sgemm rate).
+//! and the tiled kernels' tile product gemm() (tile.hpp) through loom::detail::x86::gemm
+//! (backend/detail/x86_gemm.hpp: blocks of 6 rows x 16 columns whose 12 accumulators fit AVX2's 16
+//! registers; the portable form's 8 x 32 blocks need 32 AVX2 registers: compiled for AVX2 they
+//! spill, measured 0.29x the sgemm rate).
 //! AVX2 with FMA and F16C is the vector floor of x86-64 (every CPU loom's users run). Taken at run
 //! time when the CPU has the instructions and vector kernels are allowed (loom::detail::x86), for
 //! head dims that are multiples of 8; the portable LOOM_HD products of decode_kernels.hpp are the
@@ -20,6 +21,7 @@
 //! portable ones.
 
 #include <loom/backend/detail/x86.hpp>
+#include <loom/backend/detail/x86_gemm.hpp>
 #include <loom/core/tensor_view.hpp>
 
 #include <cmath>
@@ -204,72 +206,12 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
   }
 }
 
-//! One register block of gemm(): C[r][j] (+)= sum_{l < kd} A(r, l) B[l][j] for R rows and 8 V
-//! columns, the R x V accumulators in registers over l (ascending). a points at A(0, 0) of the
-//! block: A(r, l) = a[r * lda + l], or a[l * lda + r] when TransA.
-template <bool TransA, int R, int V>
-LOOM_X86_AVX2 inline void gemm_block(index_t kd, const float* a, index_t lda, const float* b, index_t ldb, float* c,
-                                     index_t ldc, bool accumulate) {
-  __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) acc[r][v] = accumulate ? _mm256_loadu_ps(c + r * ldc + 8 * v) : _mm256_setzero_ps();
-  for (index_t l = 0; l < kd; ++l) {
-    __m256 bv[V];
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(b + l * ldb + 8 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(TransA ? a + l * lda + r : a + r * lda + l);
-#pragma GCC unroll 2
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(av, bv[v], acc[r][v]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(c + r * ldc + 8 * v, acc[r][v]);
-}
-
-//! Rows [0, R) of gemm() over columns [0, n): blocks of 16 columns, then 8, then single columns.
-template <bool TransA, int R>
-LOOM_X86_AVX2 inline void gemm_rows(index_t n, index_t kd, const float* a, index_t lda, const float* b, index_t ldb,
-                                    float* c, index_t ldc, bool accumulate) {
-  index_t j = 0;
-  for (; j + 16 <= n; j += 16) gemm_block<TransA, R, 2>(kd, a, lda, b + j, ldb, c + j, ldc, accumulate);
-  if (j + 8 <= n) {
-    gemm_block<TransA, R, 1>(kd, a, lda, b + j, ldb, c + j, ldc, accumulate);
-    j += 8;
-  }
-  for (; j < n; ++j)
-    for (int r = 0; r < R; ++r) {
-      float x = accumulate ? c[r * ldc + j] : 0.0f;
-      for (index_t l = 0; l < kd; ++l) x = std::fma(TransA ? a[l * lda + r] : a[r * lda + l], b[l * ldb + j], x);
-      c[r * ldc + j] = x;
-    }
-}
-
-//! Rows [0, rows) of gemm() in one block of R = rows (R counts down from Max to find it).
-template <bool TransA, int Max>
-LOOM_X86_AVX2 inline void gemm_last_rows(index_t rows, index_t n, index_t kd, const float* a, index_t lda,
-                                         const float* b, index_t ldb, float* c, index_t ldc, bool accumulate) {
-  if constexpr (Max > 0) {
-    if (rows == Max) return gemm_rows<TransA, Max>(n, kd, a, lda, b, ldb, c, ldc, accumulate);
-    gemm_last_rows<TransA, Max - 1>(rows, n, kd, a, lda, b, ldb, c, ldc, accumulate);
-  }
-}
-
-//! The AVX2 form of attention's tile product gemm() (tile.hpp), float: blocks of 6 rows x 16
-//! columns (12 accumulators of the 16 registers), the rows left in one smaller block. Each output
-//! is summed over l ascending, as the portable form.
+//! The AVX2 form of attention's tile product gemm() (tile.hpp), float: C[i][j] (+)= sum_l A(i, l)
+//! B[l][j] with A(i, l) = a[i * lda + l], or a[l * lda + i] when TransA (loom::detail::x86::gemm).
 template <bool TransA>
 LOOM_X86_AVX2 inline void gemm(index_t m, index_t n, index_t kd, const float* a, index_t lda, const float* b,
                                index_t ldb, float* c, index_t ldc, bool accumulate) {
-  const auto at = [&](index_t i) { return TransA ? a + i : a + i * lda; };
-  index_t i = 0;
-  for (; i + 6 <= m; i += 6) gemm_rows<TransA, 6>(n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
-  gemm_last_rows<TransA, 5>(m - i, n, kd, at(i), lda, b, ldb, c + i * ldc, ldc, accumulate);
+  loom::detail::x86::gemm(m, n, kd, a, TransA ? 1 : lda, TransA ? lda : 1, b, ldb, c, ldc, accumulate);
 }
 
 }  // namespace loom::attention::detail::x86

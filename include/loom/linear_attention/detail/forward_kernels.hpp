@@ -15,16 +15,19 @@
 //!
 //! Every product is a small dense one, C (C x n) += A (C x K) B (K x n), done by tile_product on
 //! tile_rows x tile_cols tiles whose accumulators the compiler keeps in vector registers (unit
-//! stride over the tile's columns, the A element broadcast). The lane's scratch holds the chunk's
+//! stride over the tile's columns, the A element broadcast); on AVX2 hosts in blocks of 4 x 16
+//! (loom::detail::x86::gemm_rows), since the whole tile needs 32 AVX2 registers. The lane's scratch holds the chunk's
 //! operands zero-padded to multiples of tile_cols, so every tile is full and every loop is a
 //! fixed-trip, unit-stride one.
 
+#include <loom/backend/detail/x86_gemm.hpp>
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/linear_attention/detail/layout.hpp>
 #include <loom/scan/monoid.hpp>
 
 #include <cmath>
+#include <type_traits>
 
 namespace loom::linear_attention::detail {
 
@@ -76,6 +79,18 @@ LOOM_HD inline void tile_product(A* c, index_t ldc, const A* a1, index_t ar1, in
                                  index_t n1, const A* a2, index_t ar2, index_t ak2, const A* b2, index_t ldb2,
                                  index_t n2) {
   constexpr index_t R = tile_rows, W = tile_cols;
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE && !defined(__AVX512F__)
+  // AVX2 hosts (unless the build targets AVX-512, whose 32 registers hold this tile): four blocks
+  // of 4 rows x 16 columns, each term a fused multiply-add, the first product then the second.
+  if constexpr (std::is_same_v<A, float> && R == 8 && W == 32)
+    if (loom::detail::x86::avx2_available()) {
+      for (index_t r0 = 0; r0 < R; r0 += 4) {
+        loom::detail::x86::gemm_rows<4>(W, n1, a1 + r0 * ar1, ar1, ak1, b1, ldb1, c + r0 * ldc, ldc, false);
+        if (n2 > 0) loom::detail::x86::gemm_rows<4>(W, n2, a2 + r0 * ar2, ar2, ak2, b2, ldb2, c + r0 * ldc, ldc, true);
+      }
+      return;
+    }
+#endif
   A acc[R][W];
   for (index_t r = 0; r < R; ++r)
     for (index_t x = 0; x < W; ++x) acc[r][x] = A(0);
