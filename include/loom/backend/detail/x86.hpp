@@ -15,6 +15,7 @@
 
 #if defined(__x86_64__) && !defined(__CUDACC__) && (defined(__GNUC__) || defined(__clang__))
 #define LOOM_X86_KERNELS 1
+#include <cpuid.h>
 #include <immintrin.h>
 
 //! The instructions loom's AVX-512 float kernels use (a subset of every AVX-512 target attribute
@@ -54,7 +55,9 @@ inline bool avx512_cpu() {
 inline bool avx2_cpu() {
   static const bool cpu = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;  // F16C: CPUID leaf 1, ECX bit 29 (clang's builtin lacks it)
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && ((ecx >> 29) & 1u) != 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   }();
   return cpu;
 }
