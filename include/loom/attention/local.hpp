@@ -510,15 +510,20 @@ token_coords packed_coords(const B& b, const plan<B, P>& p, std::span<std::byte>
   return {doc, doc + n, 1, 1};
 }
 
-//! The token coordinates of a cross plan (queries, then keys), computed into the workspace.
+//! The query and key coordinates of a plan made with segments, computed into the workspace: one
+//! set for a packed plan (queries and keys are the same tokens); for a cross plan the queries'
+//! (bottom-right aligned with their document's keys), then the keys'.
 template <class B, class P>
-std::pair<token_coords, token_coords> cross_coords(const B& b, const plan<B, P>& p, std::span<std::byte> ws) {
+std::pair<token_coords, token_coords> segment_coords(const B& b, const plan<B, P>& p, std::span<std::byte> ws) {
+  if (!p.cross()) {
+    const token_coords c = packed_coords(b, p, ws);
+    return {c, c};
+  }
   using S = typename plan<B, P>::space;
   const index_t nq = p.dims().tokens, nk = p.dims().keys();
   index_t* at = workspace_carver(ws).at<index_t>(p.coords_offset());
-  const decode_split<S> g{p.documents(), p.key_documents(), p.documents().count(), 0, tile_k, 0, 1};
-  if (nq > 0) for_each_index(b, nq, coords_from_split<S>{g, true, at, at + nq});
-  if (nk > 0) for_each_index(b, nk, coords_from_split<S>{g, false, at + 2 * nq, at + 2 * nq + nk});
+  if (nq > 0) for_each_index(b, nq, query_coords<S>{p.documents(), p.key_documents(), at, at + nq});
+  if (nk > 0) for_each_index(b, nk, coords_from_segments<S>{p.key_documents(), at + 2 * nq, at + 2 * nq + nk});
   return {{at, at + nq, 1, 1}, {at + 2 * nq, at + 2 * nq + nk, 1, 1}};
 }
 
@@ -584,9 +589,8 @@ void forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, std::
   check_workspace(workspace, p.workspace_bytes(), call);
   const std::span<std::byte> kernel_ws = workspace.subspan(p.kernel_offset());
   if (p.split_keys()) return detail::split_forward(b, p, q, k, v, out, lse, kernel_ws);
-  const auto [qc, kc] = p.cross() ? detail::cross_coords(b, p, workspace)
-                                  : std::pair{detail::packed_coords(b, p, workspace), detail::token_coords{}};
-  detail::forward_on(b, pb, p.scale(), q, k, v, qc, p.cross() ? kc : qc, out, lse, kernel_ws, p.slot_cap());
+  const auto [qc, kc] = detail::segment_coords(b, p, workspace);
+  detail::forward_on(b, pb, p.scale(), q, k, v, qc, kc, out, lse, kernel_ws, p.slot_cap());
 }
 
 //! Gradients of the attention of forward(): dq [Tq, Hq, Dqk], dk [Tk, Hkv, Dqk], dv [Tk, Hkv, Dv]
@@ -624,9 +628,8 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
   detail::check_views(pb, q, k, v, out, lse, call);
   detail::check_gradients(pb, dout, dq, dk, dv, call);
   check_workspace(workspace, p.backward_workspace_bytes(), call);
-  const auto [qc, kc] = p.cross() ? detail::cross_coords(b, p, workspace)
-                                  : std::pair{detail::packed_coords(b, p, workspace), detail::token_coords{}};
-  detail::backward_on(b, pb, p.scale(), q, k, v, qc, p.cross() ? kc : qc, out, lse, dout, dq, dk, dv, false,
+  const auto [qc, kc] = detail::segment_coords(b, p, workspace);
+  detail::backward_on(b, pb, p.scale(), q, k, v, qc, kc, out, lse, dout, dq, dk, dv, false,
                       workspace.subspan(p.kernel_offset()), p.slot_cap());
 }
 

@@ -9,10 +9,9 @@
 //!    together by one horizontal-add tree;
 //!  - P V: for 16 output columns, eight register accumulators (four rows x two halves) over every
 //!    key of the block: two loads of V per key, one broadcast of p per row;
-//! and the tiled kernels' tile product gemm() (tile.hpp) through loom::detail::x86::gemm
-//! (backend/detail/x86_gemm.hpp: blocks of 6 rows x 16 columns whose 12 accumulators fit AVX2's 16
-//! registers; the portable form's 8 x 32 blocks need 32 AVX2 registers: compiled for AVX2 they
-//! spill, measured 0.29x the sgemm rate).
+//! and the tiled kernels' softmax and probability rows. (Their tile product gemm() takes
+//! loom::detail::x86::gemm, backend/detail/x86_gemm.hpp: the portable 8 x 32 blocks need 32 AVX2
+//! registers; compiled for AVX2 they spill, measured 0.29x the sgemm rate.)
 //! AVX2 with FMA and F16C is the vector floor of x86-64 (every CPU loom's users run). Taken at run
 //! time when the CPU has the instructions and vector kernels are allowed (loom::detail::x86), for
 //! head dims that are multiples of 8; the portable LOOM_HD products of decode_kernels.hpp are the
@@ -21,12 +20,31 @@
 //! portable ones.
 
 #include <loom/backend/detail/x86.hpp>
-#include <loom/backend/detail/x86_gemm.hpp>
 #include <loom/core/tensor_view.hpp>
 
 #include <cmath>
 #include <cstddef>
 #include <type_traits>
+
+namespace loom::attention::detail {
+
+//! Keys ahead whose K or V row the split-KV products ask the cache for: the rows are a kv-head
+//! stride apart, a pattern the hardware prefetchers do not follow, and a key's work is too short
+//! for the out-of-order window to overlap its misses.
+inline constexpr index_t prefetch_keys = 16;
+
+//! Asks for the cache lines of `bytes` bytes at p (host only; a hint, never a fault).
+LOOM_HD inline void prefetch_row(const void* p, std::size_t bytes) {
+#if !LOOM_IN_DEVICE_CODE && (defined(__GNUC__) || defined(__clang__))
+  const char* c = static_cast<const char*>(p);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+}  // namespace loom::attention::detail
 
 #if defined(LOOM_X86_KERNELS)
 
@@ -48,14 +66,6 @@ inline bool vector_products(index_t dk, index_t dv) {
   return false;
 }
 
-//! Keys ahead whose rows the products prefetch: K and V rows are a kv-head stride apart, a pattern
-//! the hardware prefetchers do not follow.
-inline constexpr index_t prefetch_keys = 16;
-inline void prefetch(const void* p, std::size_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
-}
-
 //! s[r * ld_s + j] = q_r . k_j for rows r < 4 (q row-major, row stride dk, a multiple of 8) and
 //! keys j < nk (row stride ldk); `ahead` keys are readable from k (rows to prefetch).
 template <class TK>
@@ -63,7 +73,7 @@ LOOM_X86_AVX2 inline void decode_scores(const float* q, const TK* k, index_t ldk
                                         index_t ld_s, index_t ahead) {
   for (index_t j = 0; j < nk; ++j) {
     const TK* kr = k + j * ldk;
-    if (j + prefetch_keys < ahead) prefetch(kr + prefetch_keys * ldk, static_cast<std::size_t>(dk) * sizeof(TK));
+    if (j + prefetch_keys < ahead) prefetch_row(kr + prefetch_keys * ldk, static_cast<std::size_t>(dk) * sizeof(TK));
     __m256 a[4][2];
     for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     index_t c0 = 0;
@@ -96,7 +106,7 @@ template <class TV>
 LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, index_t ldv, index_t nk, index_t dv,
                                     float* acc, index_t ahead) {
   for (index_t j = nk; j < 2 * nk && j < ahead; ++j)  // the next block's rows, one block ahead
-    prefetch(v + j * ldv, static_cast<std::size_t>(dv) * sizeof(TV));
+    prefetch_row(v + j * ldv, static_cast<std::size_t>(dv) * sizeof(TV));
   index_t c0 = 0;
   for (; c0 + 16 <= dv; c0 += 16) {
     __m256 a[4][2];
@@ -204,14 +214,6 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
     _mm256_storeu_ps(srow + j, p);
     _mm256_storeu_ps(drow + j, ds);
   }
-}
-
-//! The AVX2 form of attention's tile product gemm() (tile.hpp), float: C[i][j] (+)= sum_l A(i, l)
-//! B[l][j] with A(i, l) = a[i * lda + l], or a[l * lda + i] when TransA (loom::detail::x86::gemm).
-template <bool TransA>
-LOOM_X86_AVX2 inline void gemm(index_t m, index_t n, index_t kd, const float* a, index_t lda, const float* b,
-                               index_t ldb, float* c, index_t ldc, bool accumulate) {
-  loom::detail::x86::gemm(m, n, kd, a, TransA ? 1 : lda, TransA ? lda : 1, b, ldb, c, ldc, accumulate);
 }
 
 }  // namespace loom::attention::detail::x86

@@ -29,22 +29,6 @@ inline constexpr index_t decode_lanes = 16;
 //! The most query tokens per document for which a plan takes the split-KV path.
 inline constexpr index_t decode_max_queries = 16;
 
-//! Keys ahead whose K or V row a product asks the cache for: the rows are dk or dv values apart by
-//! the kv heads' stride, a pattern the hardware prefetchers do not follow, and a key's work is too
-//! short for the out-of-order window to overlap its misses (measured: 4x the time without).
-inline constexpr index_t decode_prefetch = 16;
-
-//! Asks for the cache lines of `bytes` bytes at p (host only; a hint, never a fault).
-LOOM_HD inline void prefetch_row(const void* p, std::size_t bytes) {
-#if !LOOM_IN_DEVICE_CODE && (defined(__GNUC__) || defined(__clang__))
-  const char* c = static_cast<const char*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 //! s[r][j] = q_r . k_j for decode_rows rows (q row-major, row stride dk) and keys j < nk (row
 //! stride ldk, converted from the storage type). Per (row, key), decode_lanes partial sums over
 //! the dimension, added in a fixed tree: the bits depend on nothing but the operands. (The
@@ -55,7 +39,7 @@ LOOM_HD void decode_scores(const Acc* q, const TK* k, index_t ldk, index_t nk, i
   const index_t full = dk - dk % W;
   for (index_t j = 0; j < nk; ++j) {
     const TK* kr = k + j * ldk;
-    if (j + decode_prefetch < ahead) prefetch_row(kr + decode_prefetch * ldk, dk * sizeof(TK));
+    if (j + prefetch_keys < ahead) prefetch_row(kr + prefetch_keys * ldk, dk * sizeof(TK));
     for (index_t r = 0; r < decode_rows; ++r) {
       const Acc* qr = q + r * dk;
       Acc part[W];
@@ -114,6 +98,13 @@ LOOM_HD void decode_pv_visible(const Acc* p, const TV* v, index_t ldv, index_t n
     }
 }
 
+//! Position of query token t of document d among the document's keys: its queries are the last
+//! positions (query i of Lq over Lk keys sits at Lk - Lq + i).
+template <class Space>
+LOOM_HD index_t bottom_right_pos(const segments<Space>& qs, const segments<Space>& ks, index_t d, index_t t) {
+  return ks.length(d) - qs.length(d) + (t - qs[d]);
+}
+
 //! How a plan splits the keys: the documents' query and key offsets, the most queries of a
 //! document, `chunk` keys per split (a multiple of tile_k; document d has max(1, ceil(Lk_d /
 //! chunk)) splits, at most `splits`), and the kv heads of a work item (a divisor of the kv heads).
@@ -127,7 +118,7 @@ struct decode_split {
     return lk > chunk ? (lk + chunk - 1) / chunk : 1;
   }
   //! Position of query token t of document d (bottom-right alignment).
-  LOOM_HD index_t query_pos(index_t d, index_t t) const { return ks.length(d) - qs.length(d) + (t - qs[d]); }
+  LOOM_HD index_t query_pos(index_t d, index_t t) const { return bottom_right_pos(qs, ks, d, t); }
 };
 
 //! One split of one document for a group of g.heads kv heads: every query row of the document
@@ -213,7 +204,7 @@ struct decode_kernel {
           for (index_t r = rn; r < decode_rows; ++r)  // rows past R: no probabilities
             for (index_t j = 0; j < tile_k; ++j) s[r * tile_k + j] = Acc(0);
           if (kind == tile_kind::partial && !v_checked) {
-            v_finite = all_rows_finite(vt, v.st, nk, dv);
+            v_finite = all_finite(vt, nk, dv, v.st);
             v_checked = true;
           }
           if (kind == tile_kind::partial && !v_finite)
@@ -264,14 +255,6 @@ struct decode_kernel {
     (void)vec;
     decode_pv(p, v, ldv, nk, dv, acc, ahead);
   }
-
-  //! Whether the nk rows of dv values (row stride ld, storage type) are all finite.
-  LOOM_HD static bool all_rows_finite(const TV* x, index_t ld, index_t nk, index_t dv) {
-    Acc z = Acc(0);
-    for (index_t j = 0; j < nk; ++j)
-      for (index_t c = 0; c < dv; ++c) z += static_cast<Acc>(x[j * ld + c]) * Acc(0);
-    return z == Acc(0);
-  }
 };
 
 //! out, lse of (query token t, head h) from its document's split partials, in split order:
@@ -317,18 +300,16 @@ struct decode_merge_kernel {
   }
 };
 
-//! Coordinates of a cross plan's tokens: queries (document, bottom-right aligned position) when
-//! `queries`, keys (document, offset) otherwise.
+//! (document, bottom-right aligned position) of every query token of a cross plan.
 template <class Space>
-struct coords_from_split {
-  decode_split<Space> g;
-  bool queries;
+struct query_coords {
+  segments<Space> qs, ks;
   index_t* doc;
   index_t* pos;
   LOOM_HD void operator()(index_t t) const {
-    const index_t d = queries ? g.qs.of(t) : g.ks.of(t);
+    const index_t d = qs.of(t);
     doc[t] = d;
-    pos[t] = queries ? g.query_pos(d, t) : t - g.ks[d];
+    pos[t] = bottom_right_pos(qs, ks, d, t);
   }
 };
 

@@ -6,6 +6,7 @@
 //! LOOM_HD and works on small dense tiles in the accumulation type.
 
 #include <loom/attention/detail/attention_x86.hpp>
+#include <loom/backend/detail/x86_gemm.hpp>
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 
@@ -78,27 +79,30 @@ LOOM_HD Acc finite_or_nan(Acc s) {
 }
 
 //! True when the n x d block (leading dimension ld) holds only finite values: sum(x * 0) is 0
-//! exactly then and NaN otherwise (vectorises; no branch per element).
-template <class Acc>
-LOOM_HD bool all_finite(const Acc* x, index_t n, index_t d, index_t ld) {
-  Acc z = Acc(0);
+//! exactly then and NaN otherwise (vectorises; no branch per element). T is the accumulation type
+//! or a storage type (converted to float or double first).
+template <class T>
+LOOM_HD bool all_finite(const T* x, index_t n, index_t d, index_t ld) {
+  using A = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>, double, float>;
+  A z = A(0);
   for (index_t i = 0; i < n; ++i)
-    for (index_t c = 0; c < d; ++c) z += x[i * ld + c] * Acc(0);
-  return z == Acc(0);
+    for (index_t c = 0; c < d; ++c) z += static_cast<A>(x[i * ld + c]) * A(0);
+  return z == A(0);
 }
 
 //! C[i][j] (+)= sum_l A(i, l) B[l][j] for i < m, j < n, l < kd. A(i, l) = a[i * lda + l], or
 //! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
 //! by 32 columns keep their sums in registers (16 vector registers of 16 floats with AVX-512); the
 //! inner loop runs over contiguous j.
-//! On x86 hosts with AVX2 (LOOM_ATTENTION_X86_TILES), float products take x86::gemm (blocks sized
+//! On x86 hosts with AVX2 (LOOM_ATTENTION_X86_TILES), float products take loom::detail::x86::gemm (blocks sized
 //! for 16 registers) instead.
 template <bool TransA, class Acc>
 LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
                   index_t ldc, bool accumulate) {
 #if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (std::is_same_v<Acc, float>)
-    if (loom::detail::x86::avx2_available()) return x86::gemm<TransA>(m, n, kd, a, lda, b, ldb, c, ldc, accumulate);
+    if (loom::detail::x86::avx2_available())
+      return loom::detail::x86::gemm(m, n, kd, a, TransA ? 1 : lda, TransA ? lda : 1, b, ldb, c, ldc, accumulate);
 #endif
   constexpr index_t rb = 8, cb = 32;
   const index_t m_full = m - m % rb, n_full = n - n % cb;

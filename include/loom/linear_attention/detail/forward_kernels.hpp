@@ -82,7 +82,8 @@ LOOM_HD inline void tile_product(A* c, index_t ldc, const A* a1, index_t ar1, in
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE && !defined(__AVX512F__)
   // AVX2 hosts (unless the build targets AVX-512, whose 32 registers hold this tile): four blocks
   // of 4 rows x 16 columns, each term a fused multiply-add, the first product then the second.
-  if constexpr (std::is_same_v<A, float> && R == 8 && W == 32)
+  static_assert(R % 4 == 0, "the AVX2 form takes the tile's rows four at a time");
+  if constexpr (std::is_same_v<A, float>)
     if (loom::detail::x86::avx2_available()) {
       for (index_t r0 = 0; r0 < R; r0 += 4) {
         loom::detail::x86::gemm_rows<4>(W, n1, a1 + r0 * ar1, ar1, ak1, b1, ldb1, c + r0 * ldc, ldc, false);
