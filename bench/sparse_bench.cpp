@@ -7,10 +7,13 @@
 //     fp32 bytes.
 // sparse.bitmap_colmajor/...        the same with B and C column-major (Y^T = W X^T layouts).
 // sparse.csr/...                    loom spmm, CSR A (same matrix).
+// sparse.chosen/...                 loom spmm in the format sparse::format_chooser measured as the
+//     faster for this shape (the measurement is made before the timing); label: the format.
 // sparse.eigen/...                  Eigen::SparseMatrix<float, RowMajor> * MatrixXf (OpenMP, 2 threads).
 // sparse.sgemm/M:m/K:k/N:n          the fastest sgemm on this shape (support/sgemm.hpp), dense matrix, 2 threads.
 
 #include <loom/backend/openmp.hpp>
+#include <loom/sparse/chooser.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
 
@@ -96,7 +99,7 @@ void rate(benchmark::State& state, index_t m, index_t k, index_t n) {
       benchmark::Counter(2.0 * static_cast<double>(m * k * n) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-template <int Format>  // 0 bitmap row-major, 1 bitmap column-major, 2 csr
+template <int Format>  // 0 bitmap row-major, 1 bitmap column-major, 2 csr, 3 the chooser's pick
 void loom_spmm(benchmark::State& state) {
   const index_t m = state.range(0), k = state.range(1), n = state.range(2);
   const auto& c = get(m, k, static_cast<int>(state.range(3)));
@@ -109,8 +112,11 @@ void loom_spmm(benchmark::State& state) {
   // One plan and one workspace for every call (the plan form allocates nothing).
   const auto pl = ls::make_plan(be, c.bitmap, n);
   loom::workspace_buffer ws(pl.workspace_bytes());
+  static ls::format_chooser chooser;
+  const bool use_csr = Format == 2 || (Format == 3 && chooser.pick(be, c.csr, c.bitmap, n).pick == ls::format::csr);
+  if (Format == 3) state.SetLabel(use_csr ? "csr" : "bitmap");
   for (auto _ : state) {
-    if constexpr (Format == 2)
+    if (use_csr)
       ls::spmm(be, pl, c.csr, bv, cv, ws.span());
     else
       ls::spmm(be, pl, c.bitmap, bv, cv, ws.span());
@@ -118,7 +124,7 @@ void loom_spmm(benchmark::State& state) {
   }
   rate(state, m, k, n);
   state.counters["bytes_ratio"] =
-      static_cast<double>(Format == 2 ? c.csr.bytes() : c.bitmap.bytes()) / (4.0 * static_cast<double>(m * k));
+      static_cast<double>(use_csr ? c.csr.bytes() : c.bitmap.bytes()) / (4.0 * static_cast<double>(m * k));
 }
 
 void eigen_spmm(benchmark::State& state) {
@@ -181,6 +187,11 @@ const bool registered = [] {
               ->Unit(benchmark::kMillisecond)
               ->UseRealTime();
         benchmark::RegisterBenchmark("sparse.csr", loom_spmm<2>)
+            ->ArgNames({"M", "K", "N", "s"})
+            ->Args(args)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+        benchmark::RegisterBenchmark("sparse.chosen", loom_spmm<3>)
             ->ArgNames({"M", "K", "N", "s"})
             ->Args(args)
             ->Unit(benchmark::kMillisecond)

@@ -342,3 +342,46 @@ TEST_CASE("sparse formats and conversions reject sizes whose products overflow, 
   require_error([&] { (void)ls::prune_n_m<2, 4>(tall); }, inv,
                 "prune_n_m: rows * cols = 4611686018427387904 * 4 overflows");
 }
+
+TEST_CASE("sparse measure_formats and format_chooser: a measured pick, kept per shape", "[sparse][chooser]") {
+  const loom::serial be;
+  const index_t m = 37, k = 131;
+  const auto d = random_sparse(m, k, 0.9, 61);
+  const auto c = ls::to_csr(view(d, m, k));
+  const auto b = ls::to_bitmap(view(d, m, k));
+  for (index_t n : {index_t{1}, index_t{13}}) {
+    const auto r = ls::measure_formats(be, c, b, n, {.repetitions = 2});
+    CHECK(r.csr_seconds > 0);
+    CHECK(r.bitmap_seconds > 0);
+    CHECK(r.pick == (r.bitmap_seconds < r.csr_seconds ? ls::format::bitmap : ls::format::csr));
+  }
+  ls::format_chooser chooser;
+  const auto first = chooser.pick(be, c, b, 13);
+  CHECK(chooser.measured() == 1);
+  const auto again = chooser.pick(be, c, b, 13);  // looked up: the same answer, nothing measured
+  CHECK(chooser.measured() == 1);
+  CHECK(again.pick == first.pick);
+  CHECK(again.csr_seconds == first.csr_seconds);
+  CHECK(again.bitmap_seconds == first.bitmap_seconds);
+  (void)chooser.pick(be, c, b, 14);  // another N: measured
+  CHECK(chooser.measured() == 2);
+  const auto denser = random_sparse(m, k, 0.5, 62);  // another density: measured
+  (void)chooser.pick(be, ls::to_csr(view(denser, m, k)), ls::to_bitmap(view(denser, m, k)), 13);
+  CHECK(chooser.measured() == 3);
+}
+
+TEST_CASE("sparse measure_formats rejects bad arguments", "[sparse][chooser][reject]") {
+  const loom::serial be;
+  const auto d = random_sparse(9, 20, 0.5, 63);
+  const auto c = ls::to_csr(view(d, 9, 20));
+  const auto b = ls::to_bitmap(view(d, 9, 20));
+  const auto other = ls::to_bitmap(view(d, 10, 18));
+  require_error([&] { ls::measure_formats(be, c, other, 4); }, loom::errc::shape_mismatch,
+                "a_csr and a_bitmap must have the same extents");
+  require_error([&] { ls::measure_formats(be, c, b, 0); }, loom::errc::invalid_argument, "n must be > 0");
+  require_error([&] { ls::measure_formats(be, c, b, 4, {.repetitions = 0}); }, loom::errc::invalid_argument,
+                "repetitions must be > 0");
+  ls::format_chooser chooser;
+  require_error([&] { chooser.pick(be, c, b, -1); }, loom::errc::invalid_argument, "n must be > 0");
+  CHECK(chooser.measured() == 0);
+}

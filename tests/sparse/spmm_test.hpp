@@ -162,7 +162,7 @@ const char* format_name(int f) { return f == 0 ? "csr" : f == 1 ? "bitmap" : "n_
 // (M, K) pairs: every size of the issue, crossed fully below 1000 and sparsely above.
 const index_t shapes[][2] = {{1, 1},    {1, 7},    {7, 1},     {7, 7},     {7, 64},   {64, 7},   {64, 64},
                              {1, 1003}, {1003, 1}, {64, 1000}, {1000, 64}, {7, 1003}, {1003, 7}, {1000, 1003}};
-const index_t widths[] = {1, 7, 16, 33};
+const index_t widths[] = {1, 7, 16, 33, 64};
 const double sparsities[] = {0.0, 0.5, 0.9, 0.99, 1.0};
 
 template <class TA, class TB, class TC>
@@ -217,17 +217,37 @@ TEST_CASE("spmm fp32: small integers give exactly the oracle's result" LOOM_BACK
 
 #if defined(LOOM_SPARSE_X86_KERNELS)
 // On a CPU with AVX-512 the cases above run the vector kernels of detail/kernels_x86.hpp for
-// bitmap fp32; these run the portable kernels that every other CPU takes.
-TEST_CASE("spmm fp32 with the portable kernels (AVX-512 kernels switched off)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+// bitmap fp32, on one with AVX2 those of detail/kernels_avx2.hpp for bitmap and CSR; these run the
+// portable kernels that every other CPU takes.
+TEST_CASE("spmm fp32 with the portable kernels (vector kernels switched off)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   struct portable_only {
     portable_only() { ls::detail::x86::avx512_allowed() = false; }
     ~portable_only() { ls::detail::x86::avx512_allowed() = true; }
   } guard;
   REQUIRE_FALSE(ls::detail::x86::avx512_available());
+  REQUIRE_FALSE(ls::detail::x86::avx2_available());
   sweep<float, float, float>(false, lt::tolerance_for<loom::fp32>(), false);
   sweep<float, float, float>(true, {}, true);
 }
 #endif
+
+// K * N above 2^18: the AVX2 CSR kernel walks A's columns in blocks of 512 per band; N = 67 is a
+// full 64-column chunk and a 3-column one.
+TEST_CASE("spmm fp32: a wide K (the CSR kernel's column blocks)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  const index_t m = 11, k = 4111, n = 67;
+  for (double sp : {0.9, 0.3}) {
+    const auto a = make_matrix<float>(m, k, sp, false, 301);
+    const dense_operand<float> b(k, n, false, lt::uniform<float>(k * n, -1, 1, 302));
+    const dense_operand<float> c0(m, n, false, lt::small_integers<float>(m * n, -2, 2, 303));
+    for (int f = 0; f < 2; ++f) {
+      INFO(format_name(f) << " sparsity=" << sp);
+      const auto got = run(f, a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+      const auto want = oracle(a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+      const auto tol = lt::tolerance_for<loom::fp32>();
+      lt::require_close(got, want, {tol.rel, tol.abs * (1 + std::sqrt(static_cast<double>(k)))}, "spmm");
+    }
+  }
+}
 
 TEST_CASE("spmm bf16 and fp16 storage, fp32 accumulation" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   sweep<loom::bfloat16, loom::bfloat16, loom::bfloat16>(false, lt::tolerance_for<loom::bf16>(), false);

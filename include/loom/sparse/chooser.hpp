@@ -15,13 +15,29 @@
 //! cols(s, N) = 64 (1 - s^8) for randomly placed zeros, 0 for N = 1. The defaults are calibrated on
 //! the benchmark machine of docs/performance.md (2 cores, openmp 2 threads, AVX-512 kernels,
 //! OpenBLAS sgemm; see docs/sparse.md); pass a cost_model measured on yours.
+//!
+//! Between loom's own formats the choice is measured, not modelled: measure_formats times spmm
+//! with the weight held as CSR and as a tiled bitmap on this machine, this backend and this N, and
+//! format_chooser does that once per (backend, M, K, N, density to 1 %) and keeps the answer, so a
+//! model calibrates itself at first use. Which format wins moves with the ISA (AVX-512 or AVX2
+//! kernels), the sparsity and N; see docs/sparse.md for the figures on the benchmark machines.
 
 #include <loom/core/error.hpp>
 #include <loom/core/tensor_view.hpp>
+#include <loom/core/workspace.hpp>
+#include <loom/sparse/formats.hpp>
+#include <loom/sparse/spmm.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <typeinfo>
+#include <vector>
 
 namespace loom::sparse {
 
@@ -72,5 +88,99 @@ inline double crossover_sparsity(index_t m, index_t k, index_t n, std::size_t el
     if (choose(pct / 200.0, m, k, n, element_bytes, model).pick == choice::path::bitmap_spmm) return pct / 200.0;
   return 1.0;
 }
+
+//! loom's formats that measure_formats ranks.
+enum class format { csr, bitmap };
+
+//! What measure_formats found: the faster format and each one's best time per product (seconds).
+struct format_choice {
+  format pick;
+  double csr_seconds;
+  double bitmap_seconds;
+};
+
+//! How measure_formats times: each format runs `repetitions` timed products after one untimed
+//! one, and keeps its fastest.
+struct measure_options {
+  int repetitions = 5;
+};
+
+//! Times spmm(b, plan, A, B, C, workspace) with A given as CSR and as a tiled bitmap (the same
+//! matrix) times a K x n row-major B, C = A B, on backend b; picks the faster (CSR on a tie). The
+//! products run with the plan form, so the times are those of the calls a user makes; B, C and
+//! the workspace are allocated here, in host memory.
+//! @throws loom::error(shape_mismatch) if the two forms' extents differ, (invalid_argument) for
+//!   n <= 0 or repetitions <= 0; as make_plan and spmm.
+template <backend B, class T>
+format_choice measure_formats(const B& b, const csr<T>& a_csr, const bitmap<T>& a_bitmap, index_t n,
+                              const measure_options& opt = {}) {
+  static_assert(backend_traits<B>::memory_space::host_accessible,
+                "measure_formats: host backends only (the operands are made in host memory)");
+  LOOM_EXPECTS(a_csr.rows() == a_bitmap.rows() && a_csr.cols() == a_bitmap.cols(), errc::shape_mismatch,
+               "measure_formats: a_csr and a_bitmap must have the same extents, got ", a_csr.rows(), " x ",
+               a_csr.cols(), " and ", a_bitmap.rows(), " x ", a_bitmap.cols());
+  LOOM_EXPECTS(n > 0, errc::invalid_argument, "measure_formats: n must be > 0, got ", n);
+  LOOM_EXPECTS(opt.repetitions > 0, errc::invalid_argument, "measure_formats: repetitions must be > 0, got ",
+               opt.repetitions);
+  const index_t m = a_csr.rows(), k = a_csr.cols();
+  std::vector<float> bv(static_cast<std::size_t>(k * n)), cv(static_cast<std::size_t>(m * n));
+  std::uint32_t x = 12345u;  // B in [-1, 1): the values do not change the time
+  for (auto& v : bv) v = static_cast<float>((x = x * 1664525u + 1013904223u) >> 8) / 8388608.0f - 1.0f;
+  const tensor_view<const float, 2> bview(bv.data(), {k, n});
+  const tensor_view<float, 2> cview(cv.data(), {m, n});
+  auto best = [&](const auto& a) {
+    const auto pl = make_plan(b, a, n);
+    workspace_buffer ws(pl.workspace_bytes());
+    spmm(b, pl, a, bview, cview, ws.span());
+    double t = 0;
+    for (int r = 0; r < opt.repetitions; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      spmm(b, pl, a, bview, cview, ws.span());
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      t = r == 0 ? s : std::min(t, s);
+    }
+    return t;
+  };
+  const double tc = best(a_csr), tb = best(a_bitmap);
+  return {tb < tc ? format::bitmap : format::csr, tc, tb};
+}
+
+//! measure_formats once per (backend type and thread count, M, K, N, density to 1 %), its answers
+//! kept for later calls: the first product of a shape measures, the others look up. Thread-safe.
+class format_chooser {
+ public:
+  //! The measured choice for this shape, measuring on first use.
+  //! @throws as measure_formats.
+  template <backend B, class T>
+  format_choice pick(const B& b, const csr<T>& a_csr, const bitmap<T>& a_bitmap, index_t n,
+                     const measure_options& opt = {}) {
+    const index_t m = a_csr.rows(), k = a_csr.cols();
+    const double cells = static_cast<double>(m) * static_cast<double>(k);
+    const int density = cells > 0 ? static_cast<int>(std::lround(100.0 * static_cast<double>(a_csr.nnz()) / cells)) : 0;
+    int threads = 0;
+    if constexpr (requires { b.threads; }) threads = static_cast<int>(b.threads);
+    const key kk{typeid(B).hash_code(), threads, m, k, n, density};
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (const auto it = known_.find(kk); it != known_.end()) return it->second;
+    }
+    const auto c = measure_formats(b, a_csr, a_bitmap, n, opt);  // measured outside the lock
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ++measured_;
+    return known_.emplace(kk, c).first->second;
+  }
+
+  //! How many shapes were measured (not looked up) so far.
+  std::size_t measured() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return measured_;
+  }
+
+ private:
+  using key = std::tuple<std::size_t, int, index_t, index_t, index_t, int>;
+  mutable std::mutex mutex_;
+  std::map<key, format_choice> known_;
+  std::size_t measured_ = 0;
+};
 
 }  // namespace loom::sparse

@@ -11,6 +11,7 @@
 //! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
 //! no_hook compiles away.
 
+#include <loom/sparse/detail/kernels_avx2.hpp>
 #include <loom/sparse/detail/kernels_x86.hpp>
 #include <loom/sparse/formats.hpp>
 
@@ -141,6 +142,11 @@ struct bitmap_kernel {
         store(band, j0, nb, acc);
         return;
       }
+      if (x86::avx2_available()) {
+        x86::bitmap_band(a, band, k.b, k.ldb, j0, nb, k.n, acc, n_block);
+        store(band, j0, nb, acc);
+        return;
+      }
     }
 #endif
     for (index_t i = 0; i < tile_rows * n_block; ++i) acc[i] = Acc(0);
@@ -222,6 +228,22 @@ struct csr_kernel {
   LOOM_HD void operator()(index_t w) const {
     const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
     Acc acc[n_block];
+#if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
+    if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
+      if (x86::avx2_available()) {
+        const index_t i0 = band * tile_rows, rows = min_index(tile_rows, a.rows - i0);
+        if (k.n == 1) {
+          for (index_t r = 0; r < rows; ++r) acc[r] = x86::csr_dot(a, i0 + r, k.b);
+          for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, 0, 1, acc + r);
+        } else {
+          Acc band_acc[tile_rows * n_block];
+          x86::csr_band(a, i0, rows, k.b, k.ldb, j0, nb, band_acc, n_block);
+          for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, j0, nb, band_acc + r * n_block);
+        }
+        return;
+      }
+    }
+#endif
     for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
       for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
       dispatch_width<Acc>(nb, [&](auto width) {

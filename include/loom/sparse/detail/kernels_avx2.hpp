@@ -1,0 +1,260 @@
+#pragma once
+
+//! @file
+//! AVX2 host kernels of loom::sparse::spmm (float accumulation; float, bfloat16 or half weights),
+//! taken on CPUs without the AVX-512 kernels of kernels_x86.hpp. One micro-kernel serves both
+//! formats: a row's nonzeros as a (column, value) list, multiplied into up to 64 output columns
+//! held in registers (ceil(nb / 8) vectors, in 1, 2 or 4 interleaved sets so that consecutive FMAs
+//! do not wait on each other), one broadcast and ceil(nb / 8) FMAs per nonzero, no branch per
+//! nonzero. CSR rows already are such lists. A band of the tiled bitmap is decoded into them 8
+//! tiles (512 columns) at a time, without a branch per nonzero either: the column numbers of each
+//! mask byte come from a 256-entry table (8 stored per byte, the count advances the list), and a
+//! tile row's values are copied 8 at a time. N == 1 takes the same lists with an 8-lane gather of
+//! x. Every output sums its nonzeros in one fixed order (list order, the sets added in order), so
+//! results are the same bits on every host backend and thread count; they differ from the portable
+//! kernels' within the fp32 tolerance.
+
+#include <loom/backend/detail/x86.hpp>
+#include <loom/sparse/formats.hpp>
+
+#if defined(LOOM_X86_KERNELS)
+#include <cstdint>
+#include <immintrin.h>
+#include <type_traits>
+
+#define LOOM_SPARSE_AVX2_TARGET __attribute__((target("avx2,fma,f16c,popcnt,bmi,bmi2")))
+
+namespace loom::sparse::detail::x86 {
+
+//! Whether the CPU runs the AVX2 kernels (the shared AVX2 floor plus popcnt and BMI2) and vector
+//! kernels are allowed.
+inline bool avx2_available() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return loom::detail::x86::avx2_cpu() && __builtin_cpu_supports("popcnt") && __builtin_cpu_supports("bmi2");
+  }();
+  return cpu && loom::detail::x86::vector_kernels_allowed().load(std::memory_order_relaxed);
+}
+
+//! For each byte value, the positions of its set bits in increasing order, one per byte (unused
+//! bytes 0).
+struct byte_positions {
+  std::uint64_t of[256] = {};
+  constexpr byte_positions() {
+    for (unsigned v = 0; v < 256; ++v) {
+      unsigned n = 0;
+      for (unsigned bit = 0; bit < 8; ++bit)
+        if ((v >> bit) & 1u) of[v] |= std::uint64_t{bit} << (8 * n++);
+    }
+  }
+};
+inline constexpr byte_positions positions{};
+
+//! Interleaved accumulator sets for V vectors per row: enough independent FMA chains to cover the
+//! FMA latency, no more registers than AVX2 has.
+template <int V>
+inline constexpr int list_sets = V <= 2   ? 4
+                                 : V <= 4 ? 2
+                                          : 1;
+
+//! acc[0, V) += x * B row bk (8 V columns); with Tail the last vector loads only the lanes of `tail`.
+template <int V, bool Tail>
+LOOM_SPARSE_AVX2_TARGET inline void row_update(__m256 (&acc)[V], __m256 x, const float* bk, __m256i tail) {
+  for (int v = 0; v + 1 < V; ++v) acc[v] = _mm256_fmadd_ps(x, _mm256_loadu_ps(bk + 8 * v), acc[v]);
+  const __m256 last = Tail ? _mm256_maskload_ps(bk + 8 * (V - 1), tail) : _mm256_loadu_ps(bk + 8 * (V - 1));
+  acc[V - 1] = _mm256_fmadd_ps(x, last, acc[V - 1]);
+}
+
+//! out[0, 8 V) += sum over e < count of val[e] * B(col[e], 0, 8 V), B rows ldb apart from b. With
+//! Tail the last vector loads only its first nb % 8 columns.
+template <int V, bool Tail, class T>
+LOOM_SPARSE_AVX2_TARGET inline void list_product(float* out, const std::int32_t* col, const T* val, index_t count,
+                                                 const float* b, index_t ldb, index_t nb) {
+  constexpr int S = list_sets<V>;
+  const __m256i tail =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nb % 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 s[S][V];
+  for (int i = 0; i < S; ++i)
+    for (int v = 0; v < V; ++v) s[i][v] = _mm256_setzero_ps();
+  index_t e = 0;
+  for (; e + S <= count; e += S)
+    for (int i = 0; i < S; ++i)
+      row_update<V, Tail>(s[i], _mm256_set1_ps(static_cast<float>(val[e + i])),
+                          b + static_cast<index_t>(col[e + i]) * ldb, tail);
+  for (int i = 0; e < count; ++e, ++i)
+    row_update<V, Tail>(s[i], _mm256_set1_ps(static_cast<float>(val[e])), b + static_cast<index_t>(col[e]) * ldb, tail);
+  for (int v = 0; v < V; ++v) {
+    __m256 t = s[0][v];
+    for (int i = 1; i < S; ++i) t = _mm256_add_ps(t, s[i][v]);
+    _mm256_storeu_ps(out + 8 * v, _mm256_add_ps(_mm256_loadu_ps(out + 8 * v), t));
+  }
+}
+
+//! sum over e < count of val[e] * x[col[e]] (N == 1): 8 lanes at a time through a gather, the
+//! remainder one by one, added in a fixed order.
+template <class T>
+LOOM_SPARSE_AVX2_TARGET inline float list_dot(const std::int32_t* col, const T* val, index_t count, const float* x) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  index_t e = 0;
+  for (; e + 16 <= count; e += 16) {
+    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + e));
+    const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + e + 8));
+    s0 = _mm256_fmadd_ps(loom::detail::x86::load8(val + e), _mm256_i32gather_ps(x, c0, 4), s0);
+    s1 = _mm256_fmadd_ps(loom::detail::x86::load8(val + e + 8), _mm256_i32gather_ps(x, c1, 4), s1);
+  }
+  if (e + 8 <= count) {
+    const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(col + e));
+    s0 = _mm256_fmadd_ps(loom::detail::x86::load8(val + e), _mm256_i32gather_ps(x, c0, 4), s0);
+    e += 8;
+  }
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_add_ps(s0, s1));
+  float r = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+  for (; e < count; ++e) r += static_cast<float>(val[e]) * x[col[e]];
+  return r;
+}
+
+//! Calls f(V, Tail) for the vector count and tail of nb columns (1 <= nb <= 64).
+template <class F>
+inline void dispatch_vectors(index_t nb, F&& f) {
+  const bool tail = nb % 8 != 0;
+  auto go = [&](auto v) {
+    if (tail)
+      f(v, std::true_type{});
+    else
+      f(v, std::false_type{});
+  };
+  switch ((nb + 7) / 8) {
+    case 1:
+      go(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      go(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      go(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      go(std::integral_constant<int, 4>{});
+      break;
+    case 5:
+      go(std::integral_constant<int, 5>{});
+      break;
+    case 6:
+      go(std::integral_constant<int, 6>{});
+      break;
+    case 7:
+      go(std::integral_constant<int, 7>{});
+      break;
+    default:
+      go(std::integral_constant<int, 8>{});
+      break;
+  }
+}
+
+//! One CSR row times x (N == 1): A(i, :) . x.
+template <class T, class Space>
+LOOM_SPARSE_AVX2_TARGET float csr_dot(const csr_view<T, Space>& a, index_t i, const float* x) {
+  const index_t e0 = a.row_ptr[i];
+  return list_dot(a.col_idx + e0, a.values + e0, a.row_ptr[i + 1] - e0, x);
+}
+
+//! Output rows of a band (<= 8): acc[r * acc_ld + [0, nb)] = (A B)(row i0 + r, j0 + [0, nb)), N >= 2.
+//! When the B panel outgrows L2 (K nb > 64 Ki floats), the rows go through A's columns 512 at a
+//! time, so the B rows of one block stay in cache for every row of the band; each row's entries in
+//! a block are found by a binary search from where the previous block ended.
+template <class T, class Space>
+LOOM_SPARSE_AVX2_TARGET void csr_band(const csr_view<T, Space>& a, index_t i0, index_t rows, const float* b,
+                                      index_t ldb, index_t j0, index_t nb, float* acc, index_t acc_ld) {
+  const index_t width = (nb + 7) / 8 * 8;
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t j = 0; j < width; ++j) acc[r * acc_ld + j] = 0.0f;
+  const index_t block = a.cols * nb > (index_t{1} << 18) ? 2048 : a.cols;
+  index_t cur[tile_rows];
+  for (index_t r = 0; r < rows; ++r) cur[r] = a.row_ptr[i0 + r];
+  for (index_t c1 = block; c1 - block < a.cols; c1 += block) {
+    for (index_t r = 0; r < rows; ++r) {
+      index_t lo = cur[r], hi = a.row_ptr[i0 + r + 1];
+      if (c1 < a.cols) {  // the first entry at column >= c1
+        while (lo < hi) {
+          const index_t mid = lo + (hi - lo) / 2;
+          if (a.col_idx[mid] < c1)
+            lo = mid + 1;
+          else
+            hi = mid;
+        }
+      } else {
+        lo = hi;
+      }
+      dispatch_vectors(nb, [&](auto v, auto tl) {
+        list_product<decltype(v)::value, decltype(tl)::value>(acc + r * acc_ld, a.col_idx + cur[r], a.values + cur[r],
+                                                              lo - cur[r], b + j0, ldb, nb);
+      });
+      cur[r] = lo;
+    }
+  }
+}
+
+//! Tiles decoded into row lists at a time (512 columns: 32 KiB of lists for 8 dense rows).
+inline constexpr index_t list_tiles = 8;
+
+//! One band of the tiled bitmap: acc[r * acc_ld + [0, nb)] = (A B)(band row r, j0 + [0, nb)) for
+//! N >= 2, acc[r * acc_ld] = A(band row r, :) . x for N == 1.
+template <class T, class Space>
+LOOM_SPARSE_AVX2_TARGET void bitmap_band(const bitmap_view<T, Space>& a, index_t band, const float* b, index_t ldb,
+                                         index_t j0, index_t nb, index_t n, float* acc, index_t acc_ld) {
+  constexpr index_t cap = list_tiles * tile_cols + 8;  // + 8: the decode writes 8 lanes past a list's end
+  alignas(32) std::int32_t col[tile_rows][cap];
+  alignas(32) float val[tile_rows][cap];
+  const index_t width = (nb + 7) / 8 * 8;
+  for (index_t r = 0; r < tile_rows; ++r)
+    for (index_t j = 0; j < width; ++j) acc[r * acc_ld + j] = 0.0f;
+  const index_t gc = a.grid_cols();
+  const T* end = a.values + a.tile_offsets[a.tiles()];
+  for (index_t tc0 = 0; tc0 < gc; tc0 += list_tiles) {
+    index_t count[tile_rows] = {};
+    const index_t tc1 = tc0 + list_tiles < gc ? tc0 + list_tiles : gc;
+    for (index_t tc = tc0; tc < tc1; ++tc) {
+      const index_t t = band * gc + tc;
+      const T* p = a.values + a.tile_offsets[t];
+      if (a.tile_offsets[t + 1] == a.tile_offsets[t]) continue;  // empty tile
+      const auto c0 = static_cast<std::int32_t>(tc * tile_cols);
+      for (index_t r = 0; r < tile_rows; ++r) {
+        const std::uint64_t m = a.masks[t * tile_rows + r];
+        const auto cnt = static_cast<index_t>(_mm_popcnt_u64(m));
+        std::int32_t* c = col[r] + count[r];
+        index_t at = 0;
+        for (int byte = 0; byte < 8; ++byte) {  // 8 column numbers per byte, advanced by its count
+          const unsigned bits = static_cast<unsigned>(m >> (8 * byte)) & 0xffu;
+          const __m256i pos = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(positions.of[bits])));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + at),
+                              _mm256_add_epi32(pos, _mm256_set1_epi32(c0 + 8 * byte)));
+          at += _mm_popcnt_u32(bits);
+        }
+        float* v = val[r] + count[r];
+        if (end - p >= cnt + 8) {
+          for (index_t q = 0; q < cnt; q += 8) _mm256_storeu_ps(v + q, loom::detail::x86::load8(p + q));
+        } else {  // the last values of the array: no load past its end
+          for (index_t q = 0; q < cnt; ++q) v[q] = static_cast<float>(p[q]);
+        }
+        p += cnt;
+        count[r] += cnt;
+      }
+    }
+    for (index_t r = 0; r < tile_rows; ++r) {
+      if (n == 1) {
+        acc[r * acc_ld] += list_dot(col[r], val[r], count[r], b);
+      } else {
+        dispatch_vectors(nb, [&](auto v, auto tl) {
+          list_product<decltype(v)::value, decltype(tl)::value>(acc + r * acc_ld, col[r], val[r], count[r], b + j0, ldb,
+                                                                nb);
+        });
+      }
+    }
+  }
+}
+
+}  // namespace loom::sparse::detail::x86
+
+#undef LOOM_SPARSE_AVX2_TARGET
+#endif
