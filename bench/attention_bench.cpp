@@ -10,7 +10,9 @@
 //   attention.decode         one query token per sequence over its K/V history (32 sequences x 32768
 //                            keys, 16 query heads over 4 kv heads): the split-KV forward of a plan
 //                            made with query and key segments. Counter GB/s: K and V bytes read per
-//                            second (compare with baseline.memcpy of the same run).
+//                            second.
+//   attention.decode_memcpy  the memory-copy rate over the same K/V bytes, in the same process
+//                            (GB/s = bytes read + written, as baseline.memcpy); threads 1 and 2.
 //   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
 //                            P = 1 is the local kernel on one thread. Counter wait_fraction: the
 //                            share of each rank's time spent waiting on transfers.
@@ -34,6 +36,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -399,7 +402,39 @@ void decode(benchmark::State& state) {
   state.counters["splits"] = static_cast<double>(plan.split().splits);
 }
 
+// The memory-copy rate over the same K/V bytes, in the same process: K and V copied 64 MiB at a
+// time into a 64 MiB buffer per thread (the source streams from memory as the decode's does).
+// GB/s counts the bytes read and the bytes written (2x the K/V bytes), as baseline.memcpy.
+void decode_memcpy(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  static decode_data d;
+  constexpr std::size_t chunk = std::size_t{64} << 20;
+  std::vector<std::vector<char>> dst(static_cast<std::size_t>(threads), std::vector<char>(chunk, 1));
+  const char* srcs[2] = {reinterpret_cast<const char*>(d.k.data()), reinterpret_cast<const char*>(d.v.data())};
+  const std::size_t bytes = d.k.size() * sizeof(float), pieces = (bytes + chunk - 1) / chunk;
+  for (auto _ : state) {
+    for (const char* src : srcs) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (std::size_t i = 0; i < pieces; ++i) {
+        const std::size_t n = std::min(chunk, bytes - i * chunk);
+        std::memcpy(dst[static_cast<std::size_t>(omp_get_thread_num())].data(), src + i * chunk, n);
+      }
+    }
+    benchmark::DoNotOptimize(dst.data());
+  }
+  state.counters["GB/s"] = benchmark::Counter(
+      4.0 * static_cast<double>(bytes) * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
+}
+
 }  // namespace
+
+BENCHMARK(decode_memcpy)
+    ->Name("attention.decode_memcpy")
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK(decode)
     ->Name("attention.decode")

@@ -37,7 +37,7 @@ inline constexpr index_t prefetch_keys = 16;
 LOOM_HD inline void prefetch_row(const void* p, std::size_t bytes) {
 #if !LOOM_IN_DEVICE_CODE && (defined(__GNUC__) || defined(__clang__))
   const char* c = static_cast<const char*>(p);
-  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+  for (std::size_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b, 0, 2);
 #else
   (void)p;
   (void)bytes;
@@ -67,13 +67,17 @@ inline bool vector_products(index_t dk, index_t dv) {
 }
 
 //! s[r * ld_s + j] = q_r . k_j for rows r < 4 (q row-major, row stride dk, a multiple of 8) and
-//! keys j < nk (row stride ldk); `ahead` keys are readable from k (rows to prefetch).
-template <class TK>
+//! keys j < nk (row stride ldk); `ahead` keys are readable from k (rows to prefetch). Each key also
+//! asks for the V row (`v_bytes` at v + j ldv) that the P V product after it reads: the scores
+//! take long enough per key for the row to arrive, the P V pass (8 FMAs per key and 16 columns)
+//! does not.
+template <class TK, class TV>
 LOOM_X86_AVX2 inline void decode_scores(const float* q, const TK* k, index_t ldk, index_t nk, index_t dk, float* s,
-                                        index_t ld_s, index_t ahead) {
+                                        index_t ld_s, index_t ahead, const TV* v, index_t ldv, std::size_t v_bytes) {
   for (index_t j = 0; j < nk; ++j) {
     const TK* kr = k + j * ldk;
     if (j + prefetch_keys < ahead) prefetch_row(kr + prefetch_keys * ldk, static_cast<std::size_t>(dk) * sizeof(TK));
+    prefetch_row(v + j * ldv, v_bytes);
     __m256 a[4][2];
     for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     index_t c0 = 0;
@@ -101,12 +105,10 @@ LOOM_X86_AVX2 inline void decode_scores(const float* q, const TK* k, index_t ldk
 }
 
 //! acc[r * dv + c] += sum_{j < nk} p[r * ld_p + j] v_j[c] for rows r < 4 (dv a multiple of 8, v
-//! rows of stride ldv), keys j ascending; `ahead` keys readable from v (rows to prefetch).
+//! rows of stride ldv), keys j ascending (decode_scores asked for the rows).
 template <class TV>
 LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, index_t ldv, index_t nk, index_t dv,
-                                    float* acc, index_t ahead) {
-  for (index_t j = nk; j < 2 * nk && j < ahead; ++j)  // the next block's rows, one block ahead
-    prefetch_row(v + j * ldv, static_cast<std::size_t>(dv) * sizeof(TV));
+                                    float* acc) {
   index_t c0 = 0;
   for (; c0 + 16 <= dv; c0 += 16) {
     __m256 a[4][2];

@@ -192,7 +192,7 @@ struct decode_kernel {
           const tile_kind kind = classify(qbd, kbd, pb.causal, pb.left, pb.right);
           if (kind == tile_kind::skip) continue;
           const index_t ahead = r0 == 0 ? ke - k0 : nk;  // rows to prefetch: once per tile
-          scores(vec, qr + row0 * dk, kt, k.st, nk, dk, s, ahead);
+          scores(vec, qr + row0 * dk, kt, k.st, nk, dk, s, ahead, vt, v.st, r0 == 0 ? dv : 0);
           auto seen = [&](index_t r, index_t j) {
             return r < rn && visible(d, pos0 + (r0 + r) / G, d, k0 + j, pb.causal, pb.left, pb.right);
           };
@@ -237,20 +237,26 @@ struct decode_kernel {
 #endif
   }
   //! The products, `ahead` keys readable from k / v (the rest of the split: rows to prefetch).
+  //! `v_cols` columns of each of the nk V rows at v are asked for the P V product after it (0: none).
   LOOM_HD static void scores(bool vec, const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s,
-                             index_t ahead) {
+                             index_t ahead, const TV* v, index_t ldv, index_t v_cols) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TK>)
-      if (vec) return x86::decode_scores(q, k, ldk, nk, dk, s, tile_k, ahead);
+      if (vec)
+        return x86::decode_scores(q, k, ldk, nk, dk, s, tile_k, ahead, v, ldv,
+                                  static_cast<std::size_t>(v_cols) * sizeof(TV));
 #endif
     (void)vec;
+    (void)v;
+    (void)ldv;
+    (void)v_cols;
     decode_scores(q, k, ldk, nk, dk, s, ahead);
   }
   LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc,
                          index_t ahead) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TV>)
-      if (vec) return x86::decode_pv(p, tile_k, v, ldv, nk, dv, acc, ahead);
+      if (vec) return x86::decode_pv(p, tile_k, v, ldv, nk, dv, acc);
 #endif
     (void)vec;
     decode_pv(p, v, ldv, nk, dv, acc, ahead);
