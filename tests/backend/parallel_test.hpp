@@ -153,3 +153,117 @@ TEST_CASE("backend building blocks reject bad arguments", "[backend][errors]" LO
   CHECK_THROWS_WITH(loom::for_each_tile(b, -1, 4, {2, 2}, mark_tiles{nullptr, nullptr, 4, 2, 2}),
                     Catch::Contains("rows and cols must be >= 0"));
 }
+
+namespace {
+
+// League rank l sums x[l seg, (l + 1) seg): each member its strided share into its scratch slot;
+// after the barrier member 0 adds the slots in rank order. Also records the team size it saw
+// (negated if the league size it saw is wrong).
+struct team_segment_sum {
+  const std::int64_t* x;
+  std::int64_t* out;
+  int* sizes;
+  index_t seg, league;
+  template <class M>
+  LOOM_HD void operator()(const M& m) const {
+    auto* slot = static_cast<std::int64_t*>(m.scratch());
+    const int r = m.team_rank(), n = m.team_size();
+    const index_t base = m.league_rank() * seg;
+    std::int64_t s = 0;
+    for (index_t i = r; i < seg; i += n) s += x[base + i];
+    slot[r] = s;
+    m.barrier();
+    if (r == 0) {
+      std::int64_t t = 0;
+      for (int k = 0; k < n; ++k) t += slot[k];
+      out[m.league_rank()] = t;
+      sizes[m.league_rank()] = m.league_size() == league ? n : -n;
+    }
+  }
+};
+
+// Inclusive scan of each league rank's segment in the team's scratch (Hillis-Steele: log2(seg)
+// steps, one barrier each, two buffers swapped by every member alike): a missing or leaky barrier
+// shows as a wrong prefix.
+struct team_segment_scan {
+  const std::int64_t* x;
+  std::int64_t* y;
+  index_t seg;
+  template <class M>
+  LOOM_HD void operator()(const M& m) const {
+    auto* a = static_cast<std::int64_t*>(m.scratch());
+    auto* b = a + seg;
+    const int r = m.team_rank(), n = m.team_size();
+    const index_t base = m.league_rank() * seg;
+    for (index_t i = r; i < seg; i += n) a[i] = x[base + i];
+    m.barrier();
+    for (index_t d = 1; d < seg; d *= 2) {
+      for (index_t i = r; i < seg; i += n) b[i] = i >= d ? a[i] + a[i - d] : a[i];
+      m.barrier();
+      std::int64_t* t = a;
+      a = b;
+      b = t;
+    }
+    for (index_t i = r; i < seg; i += n) y[base + i] = a[i];
+  }
+};
+
+}  // namespace
+
+TEST_CASE("backend::for_each_team: every team, every member, a shared scratch and a barrier",
+          "[backend][team]" LOOM_BACKEND_TAG) {
+  const auto b = make_backend();
+  const int max = loom::team_size_max(b), rec = loom::team_size_recommended(b);
+  REQUIRE(max >= 1);
+  REQUIRE(rec >= 1);
+  REQUIRE(rec <= max);
+  const index_t league = GENERATE(as<index_t>{}, 0, 1, 2, 37);
+  const index_t seg = GENERATE(as<index_t>{}, 1, 53, 200);
+  const auto host = loom::test::small_integers<double>(league * seg, -1000, 1000, 31);
+  std::vector<std::int64_t> xs(host.size());
+  for (std::size_t i = 0; i < host.size(); ++i) xs[i] = static_cast<std::int64_t>(host[i]) * 1000003;
+  buffer<std::int64_t> x(xs);
+  for (int size : {0, 1, 2, 3, 7, max}) {
+    if (size > max) continue;
+    const int runs = size == 0 ? rec : size;
+    INFO("league " << league << ", segment " << seg << ", team_size " << size << " (runs " << runs << ")");
+    buffer<std::int64_t> out(static_cast<std::size_t>(league)), y(static_cast<std::size_t>(league * seg));
+    buffer<int> sizes(static_cast<std::size_t>(league));
+    loom::for_each_team(b, {league, size, sizeof(std::int64_t) * static_cast<std::size_t>(runs)},
+                        team_segment_sum{x.data(), out.data(), sizes.data(), seg, league});
+    loom::for_each_team(b, {league, size, 2 * sizeof(std::int64_t) * static_cast<std::size_t>(seg)},
+                        team_segment_scan{x.data(), y.data(), seg});
+    const auto o = out.to_host();
+    const auto s = sizes.to_host();
+    const auto yh = y.to_host();
+    std::size_t wrong = 0;
+    for (index_t l = 0; l < league; ++l) {
+      std::int64_t want = 0;
+      for (index_t i = 0; i < seg; ++i) {
+        want += xs[static_cast<std::size_t>(l * seg + i)];
+        wrong += yh[static_cast<std::size_t>(l * seg + i)] != want;
+      }
+      wrong += o[static_cast<std::size_t>(l)] != want;
+      wrong += s[static_cast<std::size_t>(l)] != runs;
+    }
+    CHECK(wrong == 0);
+  }
+}
+
+TEST_CASE("backend::for_each_team rejects a bad policy, naming the field", "[backend][team][reject]" LOOM_BACKEND_TAG) {
+  const auto b = make_backend();
+  const team_segment_sum none{nullptr, nullptr, nullptr, 0, 0};
+  auto rejects = [&](loom::team_policy p, const char* what) {
+    try {
+      loom::for_each_team(b, p, none);
+      FAIL("accepted " << what);
+    } catch (const loom::error& e) {
+      CHECK(e.code() == loom::errc::invalid_argument);
+      CHECK_THAT(e.what(), Catch::Contains(what));
+    }
+  };
+  rejects({-1, 1, 8}, "league_size must be >= 0");
+  rejects({1, loom::team_size_max(b) + 1, 8}, "team_size must be in [0, ");
+  rejects({1, -2, 8}, "team_size must be in [0, ");
+  rejects({1, 1, std::size_t{1} << 40}, "scratch_bytes must be <= ");
+}

@@ -6,6 +6,7 @@
 //!   loom::for_each_index(b, n, f)                      f(i) for i in [0, n)
 //!   loom::reduce(b, n, init, op, f)                    init op f(0) op ... op f(n-1)
 //!   loom::for_each_tile(b, rows, cols, tile, f)         f(tile2d) for each tile of a 2-D space
+//!   loom::for_each_team(b, {league, size, scratch}, f)  f(member) for each member of each team
 //! Include the header of the backend you use (loom/backend/openmp.hpp, ...) before calling.
 
 #include <loom/backend/serial.hpp>
@@ -84,6 +85,48 @@ void for_each_tile(const B& b, index_t rows, index_t cols, tile_shape tile, cons
   if (grid_rows == 0 || grid_cols == 0) return;
   detail::parallel_impl<B>::for_each(b, grid_rows * grid_cols,
                                      detail::tile_body<F>{rows, cols, tile.rows, tile.cols, grid_cols, f});
+}
+
+//! The largest team_size for_each_team accepts on b: 1 on serial (one thread); the backend's
+//! thread count on openmp; 1024 on cuda; the execution space's limit on kokkos; 32 on the stand-in.
+template <backend B>
+int team_size_max(const B& b) {
+  return detail::parallel_impl<B>::team_size_max(b);
+}
+
+//! The team size for_each_team runs when the policy says 0: 1 on host backends (a team per
+//! thread), 128 on cuda, Kokkos::AUTO's choice on kokkos, 4 on the stand-in.
+template <backend B>
+int team_size_recommended(const B& b) {
+  return detail::parallel_impl<B>::team_size_recommended(b);
+}
+
+//! Cooperative work: calls f(m) once for every member m of every team, league ranks
+//! [0, p.league_size), team_size members per team (p.team_size, or team_size_recommended(b) for 0).
+//! A member's handle m has league_rank(), league_size(), team_rank(), team_size(), scratch() (the
+//! team's p.scratch_bytes, shared by its members, aligned to team_scratch_alignment, contents
+//! undefined at the start of each league rank) and barrier() (every member of the team waits until
+//! all arrive; writes before it are visible after it; every member must call it the same number of
+//! times). Teams run concurrently in any order; a body must not wait on another team. f is one
+//! LOOM_HD body for every backend: `template <class M> LOOM_HD void operator()(const M& m) const`.
+//! Mapping: cuda: a block of team_size threads per team, scratch in shared memory, barrier
+//! __syncthreads(); openmp: team_size threads of one parallel region per team, up to threads /
+//! team_size teams at once taking league ranks dynamically, a barrier that sleeps rather than spins;
+//! kokkos: Kokkos::TeamPolicy with level-0 team scratch and team_barrier(); serial: teams of one
+//! member in league order; stand-in: one team at a time on team_size threads of its own.
+//! Completion as for_each_index (stream-ordered on cuda and the stand-in). On host backends the
+//! scratch comes from a per-thread block that only grows: a call allocates only when it asks for
+//! more scratch than any call before it on that thread.
+//! @throws loom::error(invalid_argument) if league_size < 0, team_size is outside
+//!   [0, team_size_max(b)] or scratch_bytes exceeds the backend's limit (48 KiB on cuda and the
+//!   stand-in); (unsupported) if OpenMP runs fewer threads than a team needs.
+template <backend B, class F>
+void for_each_team(const B& b, const team_policy& p, const F& f) {
+  using impl = detail::parallel_impl<B>;
+  const int size =
+      detail::checked_team_size(p, impl::team_size_recommended(b), impl::team_size_max(b), impl::team_scratch_max(b));
+  if (p.league_size == 0) return;
+  impl::for_each_team(b, p, size, f);
 }
 
 namespace detail {

@@ -21,6 +21,7 @@
 //!   loom::fence(b);                     // waits for it (and rethrows its error, if any)
 
 #include <loom/backend/detail/blocking.hpp>
+#include <loom/backend/detail/team.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/backend/traits.hpp>
 #include <loom/core/error.hpp>
@@ -36,6 +37,7 @@
 #include <thread>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace loom {
 
@@ -280,6 +282,30 @@ struct parallel_impl<standin> {
         i += stride;
         if (i >= n) i -= n;
       }
+    });
+  }
+
+  //! Teams as a device runs them, in stream order: one team at a time on team_size threads of
+  //! their own (the stream's thread and team_size - 1 started for the operation), with a barrier
+  //! that truly waits, so a body that misses one shows.
+  static int team_size_max(const standin&) noexcept { return 32; }
+  static int team_size_recommended(const standin&) noexcept { return 4; }
+  static std::size_t team_scratch_max(const standin&) noexcept { return std::size_t{48} << 10; }
+  template <class F>
+  static void for_each_team(const standin& b, const team_policy& p, int size, const F& f) {
+    const index_t league = p.league_size;
+    const std::size_t bytes = p.scratch_bytes;
+    b.queue().enqueue([league, bytes, size, f] {
+      host_team_state st;
+      st.barrier.reset(size);
+      st.scratch = host_team_scratch(bytes);
+      std::memset(st.scratch, 0xFF, bytes);  // as stand-in scratch: a read before a write shows
+      std::atomic<index_t> next{0};
+      std::vector<std::thread> members;
+      for (int r = 1; r < size; ++r)
+        members.emplace_back([&st, &next, league, r, size, &f] { host_team_loop(st, next, league, r, size, f); });
+      host_team_loop(st, next, league, 0, size, f);
+      for (auto& m : members) m.join();
     });
   }
 

@@ -7,6 +7,7 @@
 
 #include <loom/backend/cuda.hpp>
 #include <loom/backend/detail/blocking.hpp>
+#include <loom/backend/detail/team.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -26,9 +27,58 @@ __global__ void fold_blocks_kernel(reduce_blocking blk, Op op, F f, P* partial) 
   if (k < blk.blocks) partial[k] = fold_block(blk, k, op, f);
 }
 
+//! The handle of a member of a CUDA team (for_each_team): a block. Host-callable only so that a
+//! LOOM_HD body compiles for the host too; it is used on the device.
+struct cuda_team_member {
+  index_t league_rank_, league_size_;
+  void* shared;
+  LOOM_HD index_t league_rank() const { return league_rank_; }
+  LOOM_HD index_t league_size() const { return league_size_; }
+  LOOM_HD int team_rank() const {
+#if defined(__CUDA_ARCH__)
+    return static_cast<int>(threadIdx.x);
+#else
+    return 0;
+#endif
+  }
+  LOOM_HD int team_size() const {
+#if defined(__CUDA_ARCH__)
+    return static_cast<int>(blockDim.x);
+#else
+    return 1;
+#endif
+  }
+  LOOM_HD void* scratch() const { return shared; }
+  LOOM_HD void barrier() const {
+#if defined(__CUDA_ARCH__)
+    __syncthreads();
+#endif
+  }
+};
+
+template <class F>
+__global__ void for_each_team_kernel(index_t league, F f) {
+  extern __shared__ __align__(16) unsigned char team_shared[];
+  for (index_t l = blockIdx.x; l < league; l += gridDim.x) {
+    f(cuda_team_member{l, league, team_shared});
+    __syncthreads();  // the next league rank reuses the shared memory
+  }
+}
+
 template <>
 struct parallel_impl<cuda> {
   static constexpr int threads_per_block = 256;
+
+  static int team_size_max(const cuda&) noexcept { return 1024; }
+  static int team_size_recommended(const cuda&) noexcept { return 128; }
+  static std::size_t team_scratch_max(const cuda&) noexcept { return std::size_t{48} << 10; }
+  template <class F>
+  static void for_each_team(const cuda& b, const team_policy& p, int size, const F& f) {
+    const index_t grid = p.league_size < (index_t{1} << 20) ? p.league_size : (index_t{1} << 20);
+    for_each_team_kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(size), p.scratch_bytes, b.stream>>>(
+        p.league_size, f);
+    LOOM_CUDA_TRY(cudaGetLastError());
+  }
 
   template <class F>
   static void for_each(const cuda& b, index_t n, const F& f) {

@@ -4,6 +4,7 @@
 //! The generic loops on one thread.
 
 #include <loom/backend/detail/blocking.hpp>
+#include <loom/backend/detail/team.hpp>
 #include <loom/backend/traits.hpp>
 
 namespace loom {
@@ -15,6 +16,14 @@ struct parallel_impl<serial> {
   template <class F>
   static void for_each(const serial&, index_t n, const F& f) {
     for (index_t i = 0; i < n; ++i) f(i);
+  }
+
+  static int team_size_max(const serial&) noexcept { return 1; }
+  static int team_size_recommended(const serial&) noexcept { return 1; }
+  static std::size_t team_scratch_max(const serial&) noexcept { return std::size_t{1} << 30; }
+  template <class F>
+  static void for_each_team(const serial&, const team_policy& p, int, const F& f) {
+    run_single_member_teams(p.league_size, p.scratch_bytes, f);
   }
 
   template <class T, class Op, class F>
