@@ -601,3 +601,44 @@ TEST_CASE("spmm plan form rejects a too-small or misaligned workspace and operan
                          {"spmm: B must have the plan's 6 columns, got 5"});
   lt::require_loom_error([&] { (void)ls::make_plan(b_, a, -1); }, inv, {"spmm: B's column count must be >= 0"});
 }
+
+// The team body that loom::cuda runs for the bitmap format (bitmap_team_kernel through
+// for_each_team, teams of 64 there), run here on this backend with every team size it takes up to
+// 32 (1 on serial), against the fp64 oracle: the device kernel's logic, tested on the CPU.
+TEST_CASE("spmm bitmap: the cuda team body on this backend's teams" LOOM_BACKEND_TAG, "[sparse][spmm][team]") {
+  const auto be = make_backend();
+  const int max = loom::team_size_max(be) < 32 ? loom::team_size_max(be) : 32;
+  for (const auto& s : {std::pair<index_t, index_t>{7, 1}, std::pair<index_t, index_t>{83, 200},
+                        std::pair<index_t, index_t>{64, 129}}) {
+    const index_t m = s.first, k = s.second;
+    for (index_t n : {index_t{1}, index_t{13}, index_t{67}}) {
+      const auto a = make_matrix<float>(m, k, 0.8, false, 401);
+      const auto bvals = lt::uniform<float>(k * n, -1, 1, 402);
+      const auto bm = ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k}));
+      on_device_bitmap<float> d(bm);
+      buffer<float> bb(bvals), cc(std::vector<float>(static_cast<std::size_t>(m * n), 0.0f));
+      const dense_operand<float> bo(k, n, false, bvals);
+      const dense_operand<float> c0(m, n, false, std::vector<float>(static_cast<std::size_t>(m * n), 0.0f));
+      const auto want = oracle(a, m, k, bo, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+      for (int size : {1, 3, 8, max}) {
+        if (size > max) continue;
+        INFO("M=" << m << " K=" << k << " N=" << n << " team_size=" << size);
+        ls::detail::spmm_common<float, float> common;
+        common.b = bb.data();
+        common.ldb = n;
+        common.n = n;
+        common.n_chunks = (n + ls::detail::n_block - 1) / ls::detail::n_block;
+        common.out = {cc.data(), n, 1, 1.0f, 0.0f, nullptr, m};
+        const auto g = ls::detail::plan_geometry(d.v, n);
+        ls::detail::run_bitmap_teams(
+            be,
+            ls::detail::bitmap_kernel<float, decltype(d.v)::space, float, float, ls::detail::no_hook>{d.v, common, {}},
+            g.items, size);
+        const auto h = cc.to_host();
+        const std::vector<double> got(h.begin(), h.end());
+        const auto tol = lt::tolerance_for<loom::fp32>();
+        lt::require_close(got, want, {tol.rel, tol.abs * (1 + std::sqrt(static_cast<double>(k)))}, "team spmm");
+      }
+    }
+  }
+}

@@ -11,6 +11,7 @@
 //! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
 //! no_hook compiles away.
 
+#include <loom/backend/parallel.hpp>
 #include <loom/sparse/detail/kernels_avx2.hpp>
 #include <loom/sparse/detail/kernels_x86.hpp>
 #include <loom/sparse/formats.hpp>
@@ -283,6 +284,69 @@ struct n_m_kernel {
     }
   }
 };
+
+//! The bitmap product as a team body (loom::for_each_team): league rank w is the work item of
+//! bitmap_kernel (band w / n_chunks, output columns from (w % n_chunks) n_block). The team's
+//! scratch holds the band's dense 8 x 64 tile and its 8 x n_block results. For each nonempty tile,
+//! member q expands bits q, q + size, ... of every tile row (packed_position: the lane form of the
+//! decode), a barrier, then accumulates its output columns q, q + size, ... over the dense tile
+//! against the row-major B panel (a team of 64 on cuda: one column per thread, coalesced), a
+//! barrier before the next tile. The rows are stored by the epilogue of bitmap_kernel. Each output
+//! sums its products in tile-column order, whatever the team size.
+template <class TA, class Space, class TC, class Acc>
+struct bitmap_team_kernel {
+  bitmap_view<TA, Space> a;
+  spmm_common<TC, Acc> k;
+
+  static constexpr std::size_t scratch_bytes = sizeof(Acc) * tile_rows * (tile_cols + n_block);
+
+  template <class M>
+  LOOM_HD void operator()(const M& m) const {
+    Acc* dense = static_cast<Acc*>(m.scratch());  // [tile_rows][tile_cols]
+    Acc* result = dense + tile_rows * tile_cols;  // [tile_rows][n_block]
+    const index_t w = m.league_rank(), band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block;
+    const index_t nb = min_index(n_block, k.n - j0);
+    const int q = m.team_rank(), size = m.team_size();
+    for (index_t i = q; i < tile_rows * n_block; i += size) result[i] = Acc(0);
+    m.barrier();  // members zero other members' columns
+    const index_t gc = a.grid_cols();
+    for (index_t tc = 0; tc < gc; ++tc) {
+      const index_t t = band * gc + tc;
+      index_t p = a.tile_offsets[t];
+      if (a.tile_offsets[t + 1] == p) continue;  // empty tile: the same for every member
+      for (index_t r = 0; r < tile_rows; ++r) {
+        const std::uint64_t mask = a.masks[t * tile_rows + r];
+        for (int lane = q; lane < static_cast<int>(tile_cols); lane += size)
+          dense[r * tile_cols + lane] =
+              ((mask >> lane) & 1u) ? to_acc<Acc>(a.values[p + packed_position(mask, lane)]) : Acc(0);
+        p += popcount64(mask);
+      }
+      m.barrier();
+      const index_t width = min_index(tile_cols, a.cols - tc * tile_cols);
+      for (index_t j = q; j < nb; j += size) {
+        const Acc* bt = k.b + tc * tile_cols * k.ldb + j0 + j;
+        Acc acc[tile_rows];
+        for (index_t r = 0; r < tile_rows; ++r) acc[r] = result[r * n_block + j];
+        for (index_t c = 0; c < width; ++c) {
+          const Acc x = bt[c * k.ldb];
+          for (index_t r = 0; r < tile_rows; ++r) acc[r] += dense[r * tile_cols + c] * x;
+        }
+        for (index_t r = 0; r < tile_rows; ++r) result[r * n_block + j] = acc[r];
+      }
+      m.barrier();
+    }
+    for (index_t r = q; r < tile_rows; r += size)
+      if (band * tile_rows + r < a.rows) k.out.store(band * tile_rows + r, j0, nb, result + r * n_block);
+  }
+};
+
+//! Runs a bitmap product's work items as teams of `team_size` members of bitmap_team_kernel.
+template <class Backend, class TA, class Space, class TC, class Acc, class Hook>
+void run_bitmap_teams(const Backend& b, const bitmap_kernel<TA, Space, TC, Acc, Hook>& kernel, index_t items,
+                      int team_size) {
+  using T = bitmap_team_kernel<TA, Space, TC, Acc>;
+  for_each_team(b, {items, team_size, T::scratch_bytes}, T{kernel.a, kernel.k});
+}
 
 //! Packs B (any strides, any storage type) into a row-major K x N panel of Acc.
 template <class BV, class Acc>
