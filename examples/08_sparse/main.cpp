@@ -70,6 +70,11 @@ int main(int argc, char** argv) {
   std::printf("chooser: %s (predicted dense %.3f ms, bitmap %.3f ms)\n",
               c.pick == ls::choice::path::bitmap_spmm ? "bitmap spmm" : "dense gemm", c.dense_seconds * 1e3,
               c.sparse_seconds * 1e3);
+  // Between loom's own formats the choice is measured on this machine (once per shape, then kept).
+  ls::format_chooser formats;
+  const auto f = formats.pick(backend, ls::to_csr(a), a, n);
+  std::printf("measured: %s (csr %.3f ms, bitmap %.3f ms per call)\n", f.pick == ls::format::csr ? "csr" : "bitmap",
+              f.csr_seconds * 1e3, f.bitmap_seconds * 1e3);
   const bool ok =
       worst <= 1e-4 * std::max(scale, 1.0) && std::equal(pruned.begin(), pruned.end(), ls::to_dense(a).begin());
   std::printf("%s\n", ok ? "OK: exact round trip, product within fp32 rounding" : "MISMATCH");
