@@ -299,7 +299,7 @@ struct parallel_impl<standin> {
       host_team_state st;
       st.barrier.reset(size);
       st.scratch = host_team_scratch(bytes);
-      std::memset(st.scratch, 0xFF, bytes);  // as stand-in scratch: a read before a write shows
+      if (bytes > 0) std::memset(st.scratch, 0xFF, bytes);  // as stand-in scratch: a read before a write shows
       std::atomic<index_t> next{0};
       std::vector<std::thread> members;
       for (int r = 1; r < size; ++r)
