@@ -231,8 +231,8 @@ TEST_CASE("spmm fp32 with the portable kernels (vector kernels switched off)" LO
 }
 #endif
 
-// K * N above 2^18: the AVX2 CSR kernel walks A's columns in blocks of 512 per band; N = 67 is a
-// full 64-column chunk and a 3-column one.
+// K * N above 2^18 for the first 64-column chunk: the AVX2 CSR kernel walks A's columns in blocks
+// of 2048 per band (three here); N = 67 adds a 3-column chunk that it takes in one pass.
 TEST_CASE("spmm fp32: a wide K (the CSR kernel's column blocks)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   const index_t m = 11, k = 4111, n = 67;
   for (double sp : {0.9, 0.3}) {
@@ -616,13 +616,15 @@ TEST_CASE("spmm bitmap: the cuda team body on this backend's teams" LOOM_BACKEND
       const auto bvals = lt::uniform<float>(k * n, -1, 1, 402);
       const auto bm = ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k}));
       on_device_bitmap<float> d(bm);
-      buffer<float> bb(bvals), cc(std::vector<float>(static_cast<std::size_t>(m * n), 0.0f));
+      buffer<float> bb(bvals);
       const dense_operand<float> bo(k, n, false, bvals);
       const dense_operand<float> c0(m, n, false, std::vector<float>(static_cast<std::size_t>(m * n), 0.0f));
       const auto want = oracle(a, m, k, bo, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
       for (int size : {1, 3, 8, max}) {
         if (size > max) continue;
         INFO("M=" << m << " K=" << k << " N=" << n << " team_size=" << size);
+        // C starts as NaN for every team size: an output the body does not write shows.
+        buffer<float> cc(std::vector<float>(static_cast<std::size_t>(m * n), std::numeric_limits<float>::quiet_NaN()));
         ls::detail::spmm_common<float, float> common;
         common.b = bb.data();
         common.ldb = n;

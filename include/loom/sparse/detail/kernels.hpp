@@ -92,25 +92,10 @@ LOOM_HD inline void list_kernel(Acc* acc, const int* end, const Acc* const* row,
   }
 }
 
-template <class Acc, class F>
+//! f(width) with width the compile-time form of nb for the unrolled widths 64, 32, 16, 8 (0: any).
+template <class F>
 LOOM_HD inline void dispatch_width(index_t nb, F&& f) {
-  switch (nb) {
-    case 64:
-      f(std::integral_constant<int, 64>{});
-      break;
-    case 32:
-      f(std::integral_constant<int, 32>{});
-      break;
-    case 16:
-      f(std::integral_constant<int, 16>{});
-      break;
-    case 8:
-      f(std::integral_constant<int, 8>{});
-      break;
-    default:
-      f(std::integral_constant<int, 0>{});
-      break;
-  }
+  with_constant<0, 64, 32, 16, 8>(nb, f);
 }
 
 //! Work items and the packed B shared by every format's kernel.
@@ -185,7 +170,7 @@ struct bitmap_kernel {
         p += e - start;
         end[r] = e;
       }
-      dispatch_width<Acc>(nb, [&](auto width) { list_kernel<decltype(width)::value>(acc, end, row, val, nb); });
+      dispatch_width(nb, [&](auto width) { list_kernel<decltype(width)::value>(acc, end, row, val, nb); });
     }
   }
 
@@ -233,21 +218,16 @@ struct csr_kernel {
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
       if (x86::avx2_available()) {
         const index_t i0 = band * tile_rows, rows = min_index(tile_rows, a.rows - i0);
-        if (k.n == 1) {
-          for (index_t r = 0; r < rows; ++r) acc[r] = x86::csr_dot(a, i0 + r, k.b);
-          for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, 0, 1, acc + r);
-        } else {
-          Acc band_acc[tile_rows * n_block];
-          x86::csr_band(a, i0, rows, k.b, k.ldb, j0, nb, band_acc, n_block);
-          for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, j0, nb, band_acc + r * n_block);
-        }
+        Acc band_acc[tile_rows * n_block];
+        x86::csr_band(a, i0, rows, k.b, k.ldb, j0, nb, k.n, band_acc, n_block);
+        for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, j0, nb, band_acc + r * n_block);
         return;
       }
     }
 #endif
     for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
       for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
-      dispatch_width<Acc>(nb, [&](auto width) {
+      dispatch_width(nb, [&](auto width) {
         for (index_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
           hook(e);
           axpy<decltype(width)::value>(acc, to_acc<Acc>(a.values[e]), k.b + index_t{a.col_idx[e]} * k.ldb + j0, nb);
@@ -270,7 +250,7 @@ struct n_m_kernel {
     Acc acc[n_block];
     for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
       for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
-      dispatch_width<Acc>(nb, [&](auto width) {
+      dispatch_width(nb, [&](auto width) {
         for (index_t g = 0; g < groups; ++g) {
           for (index_t s = (i * groups + g) * N, e = s + N; s < e; ++s) {
             const index_t col = g * M + a.indices[s];

@@ -117,55 +117,29 @@ LOOM_SPARSE_AVX2_TARGET inline float list_dot(const std::int32_t* col, const T* 
 //! Calls f(V, Tail) for the vector count and tail of nb columns (1 <= nb <= 64).
 template <class F>
 inline void dispatch_vectors(index_t nb, F&& f) {
-  const bool tail = nb % 8 != 0;
-  auto go = [&](auto v) {
-    if (tail)
+  with_constant<8, 1, 2, 3, 4, 5, 6, 7>((nb + 7) / 8, [&](auto v) {
+    if (nb % 8 != 0)
       f(v, std::true_type{});
     else
       f(v, std::false_type{});
-  };
-  switch ((nb + 7) / 8) {
-    case 1:
-      go(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      go(std::integral_constant<int, 2>{});
-      break;
-    case 3:
-      go(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      go(std::integral_constant<int, 4>{});
-      break;
-    case 5:
-      go(std::integral_constant<int, 5>{});
-      break;
-    case 6:
-      go(std::integral_constant<int, 6>{});
-      break;
-    case 7:
-      go(std::integral_constant<int, 7>{});
-      break;
-    default:
-      go(std::integral_constant<int, 8>{});
-      break;
-  }
+  });
 }
 
-//! One CSR row times x (N == 1): A(i, :) . x.
-template <class T, class Space>
-LOOM_SPARSE_AVX2_TARGET float csr_dot(const csr_view<T, Space>& a, index_t i, const float* x) {
-  const index_t e0 = a.row_ptr[i];
-  return list_dot(a.col_idx + e0, a.values + e0, a.row_ptr[i + 1] - e0, x);
-}
-
-//! Output rows of a band (<= 8): acc[r * acc_ld + [0, nb)] = (A B)(row i0 + r, j0 + [0, nb)), N >= 2.
-//! When the B panel outgrows L2 (K nb > 64 Ki floats), the rows go through A's columns 512 at a
-//! time, so the B rows of one block stay in cache for every row of the band; each row's entries in
-//! a block are found by a binary search from where the previous block ended.
+//! Output rows of a band (<= 8): acc[r * acc_ld + [0, nb)] = (A B)(row i0 + r, j0 + [0, nb)) for
+//! N >= 2, acc[r * acc_ld] = A(row i0 + r, :) . x for N == 1. When the B panel outgrows L2
+//! (K nb > 256 Ki floats), the rows go through A's columns 2048 at a time, so the B rows of one
+//! block stay in cache for every row of the band; each row's entries in a block are found by a
+//! binary search from where the previous block ended.
 template <class T, class Space>
 LOOM_SPARSE_AVX2_TARGET void csr_band(const csr_view<T, Space>& a, index_t i0, index_t rows, const float* b,
-                                      index_t ldb, index_t j0, index_t nb, float* acc, index_t acc_ld) {
+                                      index_t ldb, index_t j0, index_t nb, index_t n, float* acc, index_t acc_ld) {
+  if (n == 1) {
+    for (index_t r = 0; r < rows; ++r) {
+      const index_t e0 = a.row_ptr[i0 + r];
+      acc[r * acc_ld] = list_dot(a.col_idx + e0, a.values + e0, a.row_ptr[i0 + r + 1] - e0, b);
+    }
+    return;
+  }
   const index_t width = (nb + 7) / 8 * 8;
   for (index_t r = 0; r < rows; ++r)
     for (index_t j = 0; j < width; ++j) acc[r * acc_ld + j] = 0.0f;

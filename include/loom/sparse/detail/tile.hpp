@@ -9,6 +9,7 @@
 #include <loom/core/tensor_view.hpp>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace loom::sparse::detail {
 
@@ -29,6 +30,14 @@ LOOM_HD constexpr int ctz64(std::uint64_t m) noexcept {
 #else
   return __builtin_ctzll(m);
 #endif
+}
+
+//! Calls f(std::integral_constant<int, V>{}) for the first V of Vs equal to x, or with Fallback
+//! when none is: a run-time count turned into a compile-time one (register blocks, unrolled widths).
+template <int Fallback, int... Vs, class F>
+LOOM_HD void with_constant(index_t x, F&& f) {
+  const bool hit = ((x == Vs ? (f(std::integral_constant<int, Vs>{}), true) : false) || ...);
+  if (!hit) f(std::integral_constant<int, Fallback>{});
 }
 
 //! Mask of the valid bits of a tile row whose tile starts at column c0 of a matrix with `cols`.
