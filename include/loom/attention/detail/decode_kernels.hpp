@@ -32,14 +32,18 @@ inline constexpr index_t decode_max_queries = 16;
 //! s[r][j] = q_r . k_j for decode_rows rows (q row-major, row stride dk) and keys j < nk (row
 //! stride ldk, converted from the storage type). Per (row, key), decode_lanes partial sums over
 //! the dimension, added in a fixed tree: the bits depend on nothing but the operands. (The
-//! portable form: one row at a time, so compilers vectorise the lanes, not the rows.)
-template <class Acc, class TK>
-LOOM_HD void decode_scores(const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s, index_t ahead) {
+//! portable form: one row at a time, so compilers vectorise the lanes, not the rows.) Prefetches
+//! as x86::decode_scores: K rows `prefetch_keys` ahead (`ahead` keys readable), and each key's V row
+//! (`v_bytes` at v + j ldv) for the P V product after it.
+template <class Acc, class TK, class TV>
+LOOM_HD void decode_scores(const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s, index_t ahead,
+                           const TV* v, index_t ldv, std::size_t v_bytes) {
   constexpr index_t W = decode_lanes;
   const index_t full = dk - dk % W;
   for (index_t j = 0; j < nk; ++j) {
     const TK* kr = k + j * ldk;
     if (j + prefetch_keys < ahead) prefetch_row(kr + prefetch_keys * ldk, dk * sizeof(TK));
+    prefetch_row(v + j * ldv, v_bytes);
     for (index_t r = 0; r < decode_rows; ++r) {
       const Acc* qr = q + r * dk;
       Acc part[W];
@@ -55,14 +59,12 @@ LOOM_HD void decode_scores(const Acc* q, const TK* k, index_t ldk, index_t nk, i
 }
 
 //! acc[r][:] += sum_{j < nk} p[r][j] v_j for decode_rows rows (p row stride tile_k, acc row stride
-//! dv), keys j ascending; v rows of stride ldv converted from the storage type. A column block of
-//! decode_lanes sums stays in registers over the keys (no conditions inside it, so compilers keep
-//! it there).
+//! dv), keys j ascending; v rows of stride ldv converted from the storage type (decode_scores asked
+//! for them). A column block of decode_lanes sums stays in registers over the keys (no conditions
+//! inside it, so compilers keep it there).
 template <class Acc, class TV>
-LOOM_HD void decode_pv(const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc, index_t ahead) {
+LOOM_HD void decode_pv(const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc) {
   constexpr index_t W = decode_lanes;
-  for (index_t j = nk; j < 2 * nk && j < ahead; ++j)  // the next block's rows, one block ahead
-    prefetch_row(v + j * ldv, dv * sizeof(TV));
   const index_t full = dv - dv % W;
   for (index_t r = 0; r < decode_rows; ++r) {
     Acc* ar = acc + r * dv;
@@ -192,7 +194,9 @@ struct decode_kernel {
           const tile_kind kind = classify(qbd, kbd, pb.causal, pb.left, pb.right);
           if (kind == tile_kind::skip) continue;
           const index_t ahead = r0 == 0 ? ke - k0 : nk;  // rows to prefetch: once per tile
-          scores(vec, qr + row0 * dk, kt, k.st, nk, dk, s, ahead, vt, v.st, r0 == 0 ? dv : 0);
+          // The V rows are asked for once per tile, with its first block of rows.
+          scores(vec, qr + row0 * dk, kt, k.st, nk, dk, s, ahead, vt, v.st,
+                 r0 == 0 ? static_cast<std::size_t>(dv) * sizeof(TV) : 0);
           auto seen = [&](index_t r, index_t j) {
             return r < rn && visible(d, pos0 + (r0 + r) / G, d, k0 + j, pb.causal, pb.left, pb.right);
           };
@@ -210,7 +214,7 @@ struct decode_kernel {
           if (kind == tile_kind::partial && !v_finite)
             decode_pv_visible(s, vt, v.st, nk, dv, acc + row0 * dv, seen);
           else
-            pv(vec, s, vt, v.st, nk, dv, acc + row0 * dv, ahead);
+            pv(vec, s, vt, v.st, nk, dv, acc + row0 * dv);
         }
       }
     }
@@ -236,30 +240,24 @@ struct decode_kernel {
     return false;
 #endif
   }
-  //! The products, `ahead` keys readable from k / v (the rest of the split: rows to prefetch).
-  //! `v_cols` columns of each of the nk V rows at v are asked for the P V product after it (0: none).
+  //! The products: `ahead` keys readable from k (the rest of the split: rows to prefetch), and
+  //! `v_bytes` of each of the nk V rows at v asked for the P V product after the scores (0: none).
   LOOM_HD static void scores(bool vec, const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s,
-                             index_t ahead, const TV* v, index_t ldv, index_t v_cols) {
+                             index_t ahead, const TV* v, index_t ldv, std::size_t v_bytes) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TK>)
-      if (vec)
-        return x86::decode_scores(q, k, ldk, nk, dk, s, tile_k, ahead, v, ldv,
-                                  static_cast<std::size_t>(v_cols) * sizeof(TV));
+      if (vec) return x86::decode_scores(q, k, ldk, nk, dk, s, tile_k, ahead, v, ldv, v_bytes);
 #endif
     (void)vec;
-    (void)v;
-    (void)ldv;
-    (void)v_cols;
-    decode_scores(q, k, ldk, nk, dk, s, ahead);
+    decode_scores(q, k, ldk, nk, dk, s, ahead, v, ldv, v_bytes);
   }
-  LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc,
-                         index_t ahead) {
+  LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TV>)
       if (vec) return x86::decode_pv(p, tile_k, v, ldv, nk, dv, acc);
 #endif
     (void)vec;
-    decode_pv(p, v, ldv, nk, dv, acc, ahead);
+    decode_pv(p, v, ldv, nk, dv, acc);
   }
 };
 
