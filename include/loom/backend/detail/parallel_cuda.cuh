@@ -27,33 +27,23 @@ __global__ void fold_blocks_kernel(reduce_blocking blk, Op op, F f, P* partial) 
   if (k < blk.blocks) partial[k] = fold_block(blk, k, op, f);
 }
 
-//! The handle of a member of a CUDA team (for_each_team): a block. Host-callable only so that a
-//! LOOM_HD body compiles for the host too; it is used on the device.
+//! The handle of a member of a CUDA team (for_each_team): a block. Its host pass (a LOOM_HD body
+//! compiles for the host too) is a team of one; it runs on the device.
 struct cuda_team_member {
   index_t league_rank_, league_size_;
   void* shared;
   LOOM_HD index_t league_rank() const { return league_rank_; }
   LOOM_HD index_t league_size() const { return league_size_; }
-  LOOM_HD int team_rank() const {
-#if defined(__CUDA_ARCH__)
-    return static_cast<int>(threadIdx.x);
-#else
-    return 0;
-#endif
-  }
-  LOOM_HD int team_size() const {
-#if defined(__CUDA_ARCH__)
-    return static_cast<int>(blockDim.x);
-#else
-    return 1;
-#endif
-  }
   LOOM_HD void* scratch() const { return shared; }
-  LOOM_HD void barrier() const {
 #if defined(__CUDA_ARCH__)
-    __syncthreads();
+  LOOM_HD int team_rank() const { return static_cast<int>(threadIdx.x); }
+  LOOM_HD int team_size() const { return static_cast<int>(blockDim.x); }
+  LOOM_HD void barrier() const { __syncthreads(); }
+#else
+  LOOM_HD int team_rank() const { return 0; }
+  LOOM_HD int team_size() const { return 1; }
+  LOOM_HD void barrier() const {}
 #endif
-  }
 };
 
 template <class F>

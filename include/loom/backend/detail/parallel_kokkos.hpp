@@ -52,8 +52,7 @@ struct kokkos_team_functor {
   KOKKOS_INLINE_FUNCTION void operator()(const Member& m) const {
     // Every member asks once and gets the same pointer: each member's copy of the level-0 scratch
     // space starts at the team's base.
-    f(kokkos_team_member<Member>{&m,
-                                 m.team_scratch(0).get_shmem_aligned(bytes > 0 ? bytes : 1, team_scratch_alignment)});
+    f(kokkos_team_member<Member>{&m, m.team_scratch(0).get_shmem_aligned(bytes, team_scratch_alignment)});
   }
 };
 
@@ -78,10 +77,10 @@ struct parallel_impl<kokkos<ExecSpace>> {
   static void for_each_team(const kokkos<ExecSpace>& b, const team_policy& p, int size, const F& f) {
     LOOM_EXPECTS(p.league_size <= index_t{2147483647}, errc::invalid_argument,
                  "for_each_team: league_size must fit int on kokkos, got ", p.league_size);
-    const auto bytes = p.scratch_bytes > 0 ? p.scratch_bytes : std::size_t{1};
+    const auto bytes = p.scratch_bytes > 0 ? p.scratch_bytes : std::size_t{1};  // Kokkos hands out no 0-byte piece
     const auto pol = team_policy_type(b.space, static_cast<int>(p.league_size), size)
                          .set_scratch_size(0, Kokkos::PerTeam(static_cast<int>(bytes + team_scratch_alignment)));
-    Kokkos::parallel_for("loom::team", pol, kokkos_team_functor<member_type, F>{f, p.scratch_bytes});
+    Kokkos::parallel_for("loom::team", pol, kokkos_team_functor<member_type, F>{f, bytes});
     b.space.fence();
   }
 

@@ -13,8 +13,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
-#include <thread>
-#include <vector>
 
 namespace loom {
 
