@@ -2,7 +2,7 @@
 #   loom_add_test(<name> SOURCES ... [LINK ...] [LABELS ...] [MAIN default|kokkos])
 #     one Catch2 executable; each TEST_CASE becomes a ctest entry named "<name>:<case>".
 #   loom_add_backend_test(<name> BODY <file.hpp> BACKENDS serial openmp kokkos cuda standin
-#                         [DISTRIBUTED] [LABELS ...])
+#                         [DISTRIBUTED] [BUILDING_BLOCK] [LABELS ...])
 #     writes one translation unit per available backend that defines LOOM_TEST_BACKEND_<B> and
 #     includes the body, so a single test body is swept over every backend (standin: the device
 #     stand-in, always available; DISTRIBUTED bodies run ranks, see tests/support/distributed.hpp). cuda units are built
@@ -25,7 +25,7 @@ function(loom_add_test name)
 endfunction()
 
 function(loom_add_backend_test name)
-  cmake_parse_arguments(T "DISTRIBUTED" "BODY" "BACKENDS;LABELS;LINK" ${ARGN})
+  cmake_parse_arguments(T "DISTRIBUTED;BUILDING_BLOCK" "BODY" "BACKENDS;LABELS;LINK" ${ARGN})
   foreach(_b IN LISTS T_BACKENDS)
     # The stand-in runs every distributed body; the single-rank ones unless switched off (sanitizer
     # builds, where the serial variant already covers their kernels).
@@ -35,6 +35,11 @@ function(loom_add_backend_test name)
     # And the host variant of the distributed ones unless switched on (the ASan build, where their
     # stand-in variant runs the same primitives, host-side plans and device paths included).
     if(_b STREQUAL "serial" AND T_DISTRIBUTED AND NOT LOOM_TEST_DISTRIBUTED_HOST)
+      continue()
+    endif()
+    # And the family bodies on openmp unless switched on (sanitizer builds: the serial variant runs
+    # the same kernels; the openmp splitting itself is the backend test's, a BUILDING_BLOCK).
+    if(_b STREQUAL "openmp" AND NOT T_BUILDING_BLOCK AND NOT LOOM_TEST_OPENMP_BODIES)
       continue()
     endif()
     if(_b STREQUAL "serial" OR _b STREQUAL "standin")

@@ -176,7 +176,7 @@ index_t check_cross(lt::attn_shape s, const std::vector<index_t>& qcu, const std
 
 TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp64" LOOM_BACKEND_TAG,
           "[attention][local]") {
-  const std::vector<index_t> docs{0, 1, 8, 138, 141, 1141};  // lengths 1, 7, 130, 3, 1000
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, lt::long_document_end};  // lengths 1, 7, 130, 3, 1000 (400)
   for (index_t hkv : {index_t{8}, index_t{2}, index_t{1}})
     if (!lt::sanitized || hkv == 2)  // sanitizer builds: one GQA ratio of the full-size sweep
       check_packed<loom::fp64>({0, 0, 8, hkv, 64, 64, true}, docs, 10 + static_cast<std::uint64_t>(hkv));
@@ -189,7 +189,8 @@ TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp
 
 TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKEND_TAG, "[attention][local]") {
   const vector_switch switched(GENERATE(true, false));  // host x86: the AVX2 products, then the portable ones
-  const std::vector<index_t> docs{0, 0, 1, 8, 8, 138, 141, 1141, 1141};  // empty documents too
+  const std::vector<index_t> docs{
+      0, 0, 1, 8, 8, 138, 141, lt::long_document_end, lt::long_document_end};  // empty documents too
   check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, {36, 0}}, docs, 40);
   check_packed<loom::fp64, std::int32_t>({0, 0, 2, 2, 32, 16, false, {49, -1}}, {0, 300}, 41);
   check_packed<loom::fp32, std::int32_t>({0, 0, 8, 2, 64, 64, true}, docs, 42);
