@@ -1,0 +1,257 @@
+// The blocks a fused (cuDNN-style diagonal band) attention kernel runs per step, derived from
+// shard plans and windows, checked pair by pair against the coordinate mask; the graph keys and
+// the graph cache. Host-only: the mapping, not cuDNN.
+
+#include <loom/attention/detail/fused_blocks.hpp>
+
+#include <support/errors.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using loom::index_t;
+namespace la = loom::attention;
+namespace ld = loom::attention::detail;
+namespace shard = loom::shard;
+
+namespace {
+
+struct row {
+  index_t doc, pos;
+};
+
+std::vector<row> rows_of(const shard::rank_plan& r) {
+  std::vector<row> out(static_cast<std::size_t>(r.tokens));
+  for (const auto& p : r.pieces)
+    for (index_t t = 0; t < p.length; ++t)
+      out[static_cast<std::size_t>(p.local_begin + t)] = {p.document, p.doc_offset + t};
+  return out;
+}
+
+// loom's rule (attention/options.hpp), written out independently of the mapping.
+bool visible(const la::options& o, row q, row k) {
+  if (q.doc != k.doc) return false;
+  if (o.causal && k.pos > q.pos) return false;
+  if (o.window.left >= 0 && k.pos < q.pos - o.window.left) return false;
+  if (o.window.right >= 0 && k.pos > q.pos + o.window.right) return false;
+  return true;
+}
+
+// The band convention, in block-local rows i and keys j.
+bool band(const ld::fused_block& b, index_t i, index_t j) {
+  if (b.left_bound >= 0 && !(j > i - b.left_bound)) return false;
+  if (b.right_bound >= 0 && !(j <= i + b.right_bound)) return false;
+  return true;
+}
+
+// Every (query row, key row) pair of two ranks: covered by at most one block, and visible through
+// the blocks exactly when the coordinate rule says so; every block tight (no empty row or key
+// column), its bounds in the band kernels' range, full exactly when it needs no mask.
+void check_pair(const shard::rank_plan& qr, const shard::rank_plan& kr, const la::options& o) {
+  const auto qs = rows_of(qr), ks = rows_of(kr);
+  const auto blocks = ld::fused_blocks(qr, kr, o);
+  std::vector<int> cover(qs.size() * ks.size(), 0), seen(qs.size() * ks.size(), 0);
+  std::size_t other_document = 0;  // cells of a block outside its document
+  for (const auto& b : blocks) {
+    REQUIRE(b.q_count > 0);
+    REQUIRE(b.k_count > 0);
+    REQUIRE(b.q_begin >= 0);
+    REQUIRE(b.q_begin + b.q_count <= qr.tokens);
+    REQUIRE(b.k_begin >= 0);
+    REQUIRE(b.k_begin + b.k_count <= kr.tokens);
+    CHECK((b.left_bound == -1 || b.left_bound >= 1));
+    CHECK((b.right_bound == -1 || b.right_bound >= 0));
+    CHECK((b.kind == ld::block_kind::full) == (b.left_bound == -1 && b.right_bound == -1));
+    std::vector<int> row_any(static_cast<std::size_t>(b.q_count), 0), col_any(static_cast<std::size_t>(b.k_count), 0);
+    for (index_t i = 0; i < b.q_count; ++i)
+      for (index_t j = 0; j < b.k_count; ++j) {
+        const auto at = static_cast<std::size_t>(b.q_begin + i) * ks.size() + static_cast<std::size_t>(b.k_begin + j);
+        ++cover[at];
+        if (qs[static_cast<std::size_t>(b.q_begin + i)].doc != b.document ||
+            ks[static_cast<std::size_t>(b.k_begin + j)].doc != b.document)
+          ++other_document;
+        if (band(b, i, j)) {
+          seen[at] = 1;
+          row_any[static_cast<std::size_t>(i)] = col_any[static_cast<std::size_t>(j)] = 1;
+        }
+      }
+    CHECK(std::count(row_any.begin(), row_any.end(), 0) == 0);  // no fully masked row
+    CHECK(std::count(col_any.begin(), col_any.end(), 0) == 0);  // no key nobody sees
+  }
+  CHECK(other_document == 0);
+  std::size_t wrong = 0, twice = 0;
+  for (std::size_t a = 0; a < qs.size(); ++a)
+    for (std::size_t c = 0; c < ks.size(); ++c) {
+      if (cover[a * ks.size() + c] > 1) ++twice;
+      if ((seen[a * ks.size() + c] != 0) != visible(o, qs[a], ks[c])) ++wrong;
+    }
+  CHECK(twice == 0);
+  CHECK(wrong == 0);
+}
+
+template <class S>
+shard::plan plan_of(const std::vector<index_t>& cu, int p) {
+  return shard::make_plan(std::span<const index_t>(cu), p, S{});
+}
+
+}  // namespace
+
+TEST_CASE("fused blocks: hand-checked blocks of one causal document", "[attention][fused]") {
+  const la::options causal{};
+  // Queries at positions [4, 8) against keys [0, 4): every pair visible, no mask.
+  auto b = ld::fuse_block(causal, 4, 4, 10, 0, 4, 20);
+  REQUIRE(b);
+  CHECK(*b == ld::fused_block{10, 4, 20, 4, ld::block_kind::full, -1, -1, 0});
+  // The diagonal block: the causal band, j <= i.
+  b = ld::fuse_block(causal, 0, 4, 0, 0, 4, 0);
+  REQUIRE(b);
+  CHECK(*b == ld::fused_block{0, 4, 0, 4, ld::block_kind::band, -1, 0, 0});
+  // Keys after every query: no block.
+  CHECK(!ld::fuse_block(causal, 0, 4, 0, 4, 4, 0));
+  // Window (2, 0): queries 4, 5 see keys 2..3 and 3; 6 and 7 see none of [0, 4). Cropped to rows
+  // 4..5 and keys 2..3, where j' >= i' (left bound 1: the query's own column counts).
+  la::options w{};
+  w.window = {2, 0};
+  b = ld::fuse_block(w, 4, 4, 0, 0, 4, 0);
+  REQUIRE(b);
+  CHECK(*b == ld::fused_block{0, 2, 2, 2, ld::block_kind::band, 1, -1, 0});
+  // A symmetric window (1, 1), not causal, on the diagonal block of 5: a band of width 3.
+  la::options sym{};
+  sym.causal = false;
+  sym.window = {1, 1};
+  b = ld::fuse_block(sym, 0, 5, 0, 0, 5, 0);
+  REQUIRE(b);
+  CHECK(*b == ld::fused_block{0, 5, 0, 5, ld::block_kind::band, 2, 1, 0});
+  // Empty pieces: no block.
+  CHECK(!ld::fuse_block(causal, 0, 0, 0, 0, 4, 0));
+  CHECK(!ld::fuse_block(causal, 0, 4, 0, 0, 0, 0));
+}
+
+TEST_CASE("fused blocks: every rank pair of every plan equals the coordinate mask", "[attention][fused]") {
+  const std::vector<std::vector<index_t>> corpora{{0, 1, 8, 138, 141, 300},  // lengths 1, 7, 130, 3, 159
+                                                  {0, 0, 5, 5, 42, 59},      // empty documents too
+                                                  {0, 97}};
+  std::vector<la::options> opts;
+  for (bool causal : {true, false})
+    for (la::window_size w :
+         {la::window_size{-1, -1}, la::window_size{0, 0}, la::window_size{7, 0}, la::window_size{31, 3},
+          la::window_size{5, 5}, la::window_size{-1, 4}, la::window_size{13, -1}}) {
+      la::options o{};
+      o.causal = causal;
+      o.window = w;
+      opts.push_back(o);
+    }
+  for (const auto& cu : corpora)
+    for (int p : {1, 2, 3, 5})
+      for (int strategy = 0; strategy < 3; ++strategy) {
+        const auto plan = strategy == 0   ? plan_of<shard::contiguous>(cu, p)
+                          : strategy == 1 ? plan_of<shard::zigzag>(cu, p)
+                                          : plan_of<shard::per_document>(cu, p);
+        for (const auto& o : opts)
+          for (int a = 0; a < p; ++a)
+            for (int c = 0; c < p; ++c) {
+              INFO("tokens " << cu.back() << " P " << p << " strategy " << strategy << " causal " << o.causal
+                             << " window (" << o.window.left << ", " << o.window.right << ") query rank " << a
+                             << " key rank " << c);
+              check_pair(plan.rank(a), plan.rank(c), o);
+            }
+      }
+}
+
+TEST_CASE("fused blocks: graph keys, batches and the graph cache", "[attention][fused]") {
+  const la::head_shape s{16, 4, 128, 128};
+  const std::vector<ld::fused_block> blocks{{0, 100, 0, 100, ld::block_kind::band, -1, 0, 0},
+                                            {100, 37, 100, 37, ld::block_kind::band, -1, 0, 1},
+                                            {137, 5, 0, 90, ld::block_kind::full, -1, -1, 1},
+                                            {142, 9, 90, 9, ld::block_kind::band, -1, 0, 2}};
+  const auto batches = ld::batches_of(blocks);
+  REQUIRE(batches.size() == 2);
+  CHECK(batches[0].size() == 3);
+  CHECK(batches[1].size() == 1);
+  CHECK(batches[1][0] == blocks[2]);
+
+  const auto k = ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, batches[0]);
+  CHECK(k.kind == ld::block_kind::band);
+  CHECK(k.batch == 64);
+  CHECK(k.max_q == 128);  // largest block 100, a power of two at least 64
+  CHECK(k.max_k == 128);
+  CHECK(k.right_bound == 0);
+  CHECK(k.left_bound == -1);
+  const ld::graph_key_hash h;
+  CHECK(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, batches[0]) == k);
+  CHECK(h(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, batches[0])) == h(k));
+  // Every field that changes the graph changes the key.
+  auto differs = [&](ld::graph_key other) {
+    CHECK(!(other == k));
+    CHECK(h(other) != h(k));
+  };
+  differs(ld::key_of(ld::fused_pass::backward, ld::fused_element::bf16, s, 0.088, batches[0]));
+  differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::fp16, s, 0.088, batches[0]));
+  differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, {16, 8, 128, 128}, 0.088, batches[0]));
+  differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, {16, 4, 64, 128}, 0.088, batches[0]));
+  differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.125, batches[0]));
+  differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, batches[1]));
+  {
+    auto longer = batches[0];
+    longer[0].q_count = 129;  // the next bucket
+    differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, longer));
+    longer = batches[0];
+    longer[0].q_count = 128;  // the same bucket: the same graph
+    CHECK(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, longer) == k);
+    auto wide = batches[0];
+    for (auto& b : wide) b.left_bound = 9;
+    differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, wide));
+  }
+  CHECK(ld::graph_bucket(0) == 64);
+  CHECK(ld::graph_bucket(64) == 64);
+  CHECK(ld::graph_bucket(65) == 128);
+  CHECK(ld::graph_bucket(1000) == 1024);
+  loom::test::require_loom_error([] { (void)ld::graph_bucket(-1); }, loom::errc::invalid_argument,
+                                 {"graph_bucket", "n must be >= 0"});
+  loom::test::require_loom_error(
+      [&] { (void)ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, {}); },
+      loom::errc::invalid_argument, {"fused graph key", "blocks must not be empty"});
+  loom::test::require_loom_error(
+      [&] { (void)ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, blocks); },
+      loom::errc::invalid_argument, {"fused graph key", "bounds of the first"});
+
+  // The cache: one build per key, shared by every caller and thread.
+  struct graph {
+    ld::graph_key key;
+  };
+  ld::graph_cache<graph> cache;
+  std::atomic<int> builds{0};
+  auto build = [&](const ld::graph_key& key) {
+    ++builds;
+    std::this_thread::yield();
+    return graph{key};
+  };
+  std::vector<std::shared_ptr<graph>> got(8);
+  {
+    std::vector<std::thread> threads;
+    for (std::size_t t = 0; t < got.size(); ++t) threads.emplace_back([&, t] { got[t] = cache.get(k, build); });
+    for (auto& t : threads) t.join();
+  }
+  CHECK(builds.load() == 1);
+  for (const auto& g : got) {
+    REQUIRE(g);
+    CHECK(g.get() == got[0].get());
+    CHECK(g->key == k);
+  }
+  const auto k2 = ld::key_of(ld::fused_pass::backward, ld::fused_element::bf16, s, 0.088, batches[0]);
+  CHECK(cache.get(k2, build).get() != got[0].get());
+  CHECK(builds.load() == 2);
+  CHECK(cache.get(k, build).get() == got[0].get());
+  CHECK(builds.load() == 2);
+  CHECK(cache.size() == 2);
+  // A build that throws leaves the key to be built by the next caller.
+  const auto k3 = ld::key_of(ld::fused_pass::forward, ld::fused_element::fp16, s, 0.088, batches[0]);
+  CHECK_THROWS_AS(cache.get(k3, [](const ld::graph_key&) -> graph { throw std::runtime_error("no plan"); }),
+                  std::runtime_error);
+  CHECK(cache.get(k3, build)->key == k3);
+  CHECK(builds.load() == 3);
+}
