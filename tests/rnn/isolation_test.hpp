@@ -156,12 +156,10 @@ auto make_rnn = [](const double* th, index_t d) { return lr::tanh_rnn<double>{th
 }  // namespace
 
 TEST_CASE("rnn isolation: a non-finite input of one sequence changes no other" LOOM_BACKEND_TAG, "[rnn][isolation]") {
-  if constexpr (space::host_accessible) {
-    isolation(make_gru, 4, 1.0, lr::method::newton, "para_gru, newton");
-    isolation(make_lstm, 2, 1.0, lr::method::newton, "para_lstm_cifg, newton");
-    isolation(make_rnn, 4, 0.4, lr::method::newton, "tanh_rnn, newton");
-    isolation(make_gru, 4, 1.0, lr::method::quasi_newton, "para_gru, quasi_newton");
-    isolation(make_gru, 4, 1.0, lr::method::damped, "para_gru, damped");
-    isolation(make_rnn, 4, 0.4, lr::method::picard, "tanh_rnn, picard");
-  }
+  isolation(make_gru, 4, 1.0, lr::method::newton, "para_gru, newton");
+  isolation(make_lstm, 2, 1.0, lr::method::newton, "para_lstm_cifg, newton");
+  isolation(make_rnn, 4, 0.4, lr::method::newton, "tanh_rnn, newton");
+  isolation(make_gru, 4, 1.0, lr::method::quasi_newton, "para_gru, quasi_newton");
+  isolation(make_gru, 4, 1.0, lr::method::damped, "para_gru, damped");
+  isolation(make_rnn, 4, 0.4, lr::method::picard, "tanh_rnn, picard");
 }

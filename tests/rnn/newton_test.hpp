@@ -626,3 +626,48 @@ TEST_CASE(
   lt::require_loom_error([&] { (void)lr::make_plan(b, c, -1, loom::segments<space>{}, opt); },
                          loom::errc::invalid_argument, {"rnn::make_plan: the number of time steps must be >= 0"});
 }
+
+#if defined(LOOM_TEST_BACKEND_STANDIN)
+// On a device the host steers the iterations: per iteration one device reduction and one host
+// read of the per-sequence norms, one write of the per-sequence flags, whatever the number of
+// sequences (not one reduction or launch per sequence). Counted as operations on the stand-in's
+// stream, for 1 and 61 sequences of the same problem; the solutions match the sequential loop.
+TEST_CASE("rnn on a device: stream operations per iteration do not grow with the sequences", "[rnn][standin]") {
+  const index_t len = 29, many = 61;
+  double per_iteration[2] = {0, 0};
+  for (int k = 0; k < 2; ++k) {
+    const index_t segs = k == 0 ? 1 : many;
+    problem p = make_problem(make_gru, len * segs, 4, true, 1.0, 91);
+    p.offsets.clear();
+    for (index_t s = 0; s <= segs; ++s) p.offsets.push_back(s * len);
+    p.segs = segs;
+    p.h0 = lt::uniform<double>(segs * p.d, -0.5, 0.5, 92);
+    buffer<double> theta(p.theta), x(p.x), h0(p.h0), h(static_cast<std::size_t>(p.n * p.d));
+    buffer<index_t> off(p.offsets);
+    const auto c = make_gru(static_cast<const double*>(theta.data()), 4);
+    const auto b = make_backend();
+    const loom::segments<space> docs(view<const index_t, 1>(off.data(), {segs + 1}));
+    lr::options opt;
+    opt.abs_tol = 1e-11;
+    opt.rel_tol = 0;
+    opt.on_failure = lr::fallback::none;
+    const auto plan = lr::make_plan(b, c, p.n, docs, opt);
+    const workspace ws(plan.workspace_bytes());
+    lr::report rep(plan);
+    loom::fence(b);
+    const std::uint64_t before = b.queue().last();
+    lr::forward(b, plan, c, view<const double, 2>(x.data(), {p.n, p.m}), view<const double, 2>(h0.data(), {segs, p.d}),
+                view<double, 2>(h.data(), {p.n, p.d}), rep, ws.span());
+    loom::fence(b);
+    const auto ops = static_cast<double>(b.queue().last() - before);
+    INFO("sequences " << segs << ": " << ops << " stream operations, " << rep.iterations << " iterations");
+    REQUIRE(rep.all_converged());
+    REQUIRE(rep.iterations >= 2);
+    per_iteration[k] = ops / (rep.iterations + 1);
+    lt::require_close(h.to_host(), sequential(c, p), tight, "gru, equal sequences");
+  }
+  INFO("operations per iteration: 1 sequence " << per_iteration[0] << ", " << many << " sequences "
+                                               << per_iteration[1]);
+  CHECK(per_iteration[1] <= per_iteration[0] + 4);
+}
+#endif

@@ -7,6 +7,7 @@
 //! fallback's hand-over between ranks. The control (norms, flags, report) runs on the host; the
 //! per-row work runs on the backend through the generic loops.
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/rnn/cells.hpp>
@@ -35,23 +36,37 @@ struct read_rows {
   LOOM_HD double operator()(index_t i) const { return p[i]; }
 };
 
-//! v.size() values from the backend's memory space to the host.
+//! The backend can copy between host and its memory in one transfer (loom::copy_bytes).
+template <class B>
+inline constexpr bool has_copy = requires(const B& b, void* d, const void* s, std::size_t n) {
+  backend_traits<B>::copy(b, d, s, n);
+};
+
+//! v.size() values from the backend's memory space to the host: one transfer and a fence (a
+//! backend without a copy: one reduction per value).
 template <backend B, class T>
 void read_back(const B& b, const T* p, std::span<T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
     std::copy(p, p + v.size(), v.begin());
+  } else if constexpr (has_copy<B>) {
+    copy_bytes(b, v.data(), p, v.size_bytes());
+    fence(b);
   } else {
     for (std::size_t i = 0; i < v.size(); ++i) v[i] = reduce(b, 1, T(0), plus_op<T>{}, read_one<T>{p + i});
   }
 }
 
-//! Host values into the backend's memory space.
+//! Host values into the backend's memory space: one transfer, fenced so that the host values may
+//! change on return (a backend without a copy: one stream-ordered store per value).
 template <backend B, class T>
 void write_to(const B& b, T* p, std::span<const T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
     std::copy(v.begin(), v.end(), p);
+  } else if constexpr (has_copy<B>) {
+    copy_bytes(b, p, v.data(), v.size_bytes());
+    fence(b);
   } else {
     for (std::size_t i = 0; i < v.size(); ++i) for_each_index(b, 1, store_step<T>{p + i, v[i]});
   }
