@@ -29,6 +29,7 @@
 #include <loom/core/precision.hpp>
 #include <loom/core/segments.hpp>
 #include <loom/core/workspace.hpp>
+#include <loom/scan/detail/affine_recurrence.hpp>
 #include <loom/scan/detail/engine.hpp>
 #include <loom/scan/detail/recurrence_kernel.hpp>
 #include <loom/scan/detail/validate.hpp>
@@ -97,6 +98,7 @@ class recurrence_plan {
   detail::blocking blk_{}, blk_float_{};  //!< blocks for the accumulation type (deduced: double, float)
   detail::cross_rank cr_{};
   std::size_t bytes_ = 0;
+  std::size_t vendor_at_ = 0, vendor_bytes_ = 0;  //!< the vendor scan's temporary storage (device, not reproducible)
 };
 
 namespace detail {
@@ -182,8 +184,21 @@ struct recurrence_access {
     workspace_layout lay;
     lay.add<std::byte>(static_cast<index_t>(eng));
     extra(p.cr_, lay, agg, d, sizeof(PA));
+    if constexpr (vendor_affine<B>::available && affine_structure<St> && !Across) {
+      if (!opt.reproducible) {
+        // the vendor's scan by key of T d affine pairs (deduced precision: room for either)
+        const index_t pairs = w.count * d;
+        p.vendor_bytes_ = std::max(vendor_affine<B>::template bytes<PA>(pairs),
+                                   std::is_void_v<Acc> ? vendor_affine<B>::template bytes<float>(pairs) : 0);
+        p.vendor_at_ = lay.add<std::byte>(static_cast<index_t>(p.vendor_bytes_));
+      }
+    }
     p.bytes_ = lay.bytes();
     return p;
+  }
+  template <class Plan>
+  static std::span<std::byte> vendor_part(const Plan& p, std::span<std::byte> ws) {
+    return ws.subspan(p.vendor_at_, p.vendor_bytes_);
   }
   template <class A, class Plan>
   static const blocking& blocks(const Plan& p) {
@@ -249,11 +264,39 @@ void fill_empty_segments(const B& b, const loom::segments<Space>& docs, InitV in
                                              fin.stride(0), d});
 }
 
+//! A scalar or diagonal recurrence of a single-rank plan as one scan by key of affine pairs
+//! (detail/affine_recurrence.hpp), run by `exec(map)`: the vendor's scan on a device, the sequential
+//! reference in the host tests; then the final values and the empty documents.
+template <backend B, class Plan, class AV, class XV, class YV, class InV, class OutV, class Exec>
+void run_affine_recurrence(const B& b, const Plan& p, AV a, XV x, YV y, InV in_states, OutV out_states, bool adjoint,
+                           std::span<std::byte> ws, Exec&& exec) {
+  using St = typename Plan::structure_type;
+  static_assert(affine_structure<St>, "run_affine_recurrence: scalar and diagonal recurrences only");
+  static_assert(!Plan::across_ranks, "run_affine_recurrence: a single-rank plan");
+  const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
+  with_recurrence_kernel<B>(p, a, x, y, in_states, out_states, adjoint, ws, call, [&](const auto& k, const auto&) {
+    using K = std::remove_cvref_t<decltype(k)>;
+    const affine_map<K, St> m{k};
+    if (m.count() > 0) exec(m);
+    if (k.fin != nullptr)
+      for_each_index(b, (k.hd.segments > 0 ? k.hd.segments : 1) * k.d, affine_finals_step<K, St>{m});
+  });
+  fill_empty_segments(b, p.docs(), in_states, out_states, p.state_size(), p.size());
+}
+
 template <backend B, class Plan, class AV, class XV, class YV, class InV, class OutV>
 void run_local_recurrence(const B& b, const Plan& p, AV a, XV x, YV y, InV in_states, OutV out_states, bool adjoint,
                           std::span<std::byte> ws) {
   static_assert(!Plan::across_ranks, "linear_recurrence: a cross-rank plan is taken by the calls with a communicator");
   const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
+  if constexpr (vendor_affine<B>::available && affine_structure<typename Plan::structure_type>) {
+    if (!p.opts().reproducible) {
+      run_affine_recurrence(b, p, a, x, y, in_states, out_states, adjoint, ws, [&](const auto& m) {
+        vendor_affine<B>::run(b, m, recurrence_access::vendor_part(p, ws), call);
+      });
+      return;
+    }
+  }
   with_recurrence_kernel<B>(p, a, x, y, in_states, out_states, adjoint, ws, call, [&](const auto& k, const auto& blk) {
     using A = typename std::remove_cvref_t<decltype(k)>::agg_type;
     run_scan(b, k, blk, workspace_carver(ws).at<A>(0));
@@ -470,3 +513,7 @@ void transition_gradient(const B& b, St st, LV lambda, HV h, DAV da) {
 }
 
 }  // namespace loom::scan
+
+#if defined(__CUDACC__)
+#include <loom/scan/detail/affine_recurrence_cuda.cuh>
+#endif

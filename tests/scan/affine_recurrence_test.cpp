@@ -1,0 +1,238 @@
+// Scalar and diagonal recurrences as one scan by key of affine pairs (the path a device runs
+// through its vendor's scan when options.reproducible is false), run on the host through the same
+// mapping functors with the sequential scan by key: forward and adjoint against the fp64 loop,
+// packed documents with empty ones, int32 and int64 offsets, initial and final states, in place,
+// against the blocked engine, and document isolation.
+
+#include <loom/backend/serial.hpp>
+#include <loom/scan/recurrence.hpp>
+
+#include <support/random.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+using loom::index_t;
+namespace ls = loom::scan;
+namespace sd = loom::scan::detail;
+namespace lt = loom::test;
+
+namespace {
+
+template <class T, std::size_t R>
+using view = loom::tensor_view<T, R>;
+
+struct problem {
+  index_t n = 0, d = 0;
+  bool scalar = false;
+  std::vector<std::int64_t> off;  // empty: one implicit document
+  std::vector<double> a, b, h0, g, dfin;
+  [[nodiscard]] index_t segs() const { return off.empty() ? 1 : static_cast<index_t>(off.size()) - 1; }
+  [[nodiscard]] double a_at(index_t t, index_t c) const { return scalar ? a[t] : a[t * d + c]; }
+  [[nodiscard]] index_t first(index_t s) const { return off.empty() ? 0 : off[s]; }
+  [[nodiscard]] index_t end(index_t s) const { return off.empty() ? n : off[s + 1]; }
+};
+
+problem make(index_t n, index_t d, bool scalar, std::vector<std::int64_t> off, std::uint64_t seed) {
+  problem p;
+  p.n = n, p.d = d, p.scalar = scalar, p.off = std::move(off);
+  p.a = lt::uniform<double>(scalar ? n : n * d, -0.99, 0.99, seed);
+  p.b = lt::uniform<double>(n * d, -1, 1, seed + 1);
+  p.g = lt::uniform<double>(n * d, -1, 1, seed + 2);
+  p.h0 = lt::uniform<double>(p.segs() * d, -0.5, 0.5, seed + 3);
+  p.dfin = lt::uniform<double>(p.segs() * d, -0.5, 0.5, seed + 4);
+  return p;
+}
+
+// The token-by-token loops in double.
+struct outputs {
+  std::vector<double> h, fin, lambda, dinit;
+};
+outputs oracle(const problem& p, bool states) {
+  outputs o;
+  o.h.assign(static_cast<std::size_t>(p.n * p.d), 0.0);
+  o.lambda = o.h;
+  o.fin.assign(static_cast<std::size_t>(p.segs() * p.d), 0.0);
+  o.dinit = o.fin;
+  for (index_t s = 0; s < p.segs(); ++s)
+    for (index_t c = 0; c < p.d; ++c) {
+      double x = states ? p.h0[s * p.d + c] : 0.0;
+      for (index_t t = p.first(s); t < p.end(s); ++t) o.h[t * p.d + c] = x = p.a_at(t, c) * x + p.b[t * p.d + c];
+      o.fin[s * p.d + c] = x;
+      double lam = states ? p.dfin[s * p.d + c] : 0.0;  // the gradient arriving at the final state
+      double carry = lam;
+      for (index_t t = p.end(s) - 1; t >= p.first(s); --t) {
+        lam = p.g[t * p.d + c] + carry;
+        o.lambda[t * p.d + c] = lam;
+        carry = p.a_at(t, c) * lam;
+      }
+      o.dinit[s * p.d + c] = carry;  // empty document: d_final itself
+    }
+  return o;
+}
+
+template <class T>
+std::vector<T> cast(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+std::vector<double> widen(const auto& v) { return std::vector<double>(v.begin(), v.end()); }
+
+// One run through the affine path (sequential scan by key) or the blocked engine.
+template <class T, class St, class Offset>
+outputs run(const problem& p, bool states, bool in_place, bool affine_path) {
+  const loom::serial b{};
+  std::vector<Offset> off(p.off.begin(), p.off.end());
+  const loom::segments<loom::host_memory> docs =
+      p.off.empty() ? loom::segments<loom::host_memory>{}
+                    : loom::segments<loom::host_memory>(std::span<const Offset>(off.data(), off.size()));
+  ls::options opt;
+  opt.reproducible = !affine_path;
+  const auto plan = ls::make_plan(b, St{}, p.n, p.d, docs, opt);
+  std::vector<std::byte> raw(plan.workspace_bytes() + loom::workspace_alignment);
+  void* base = raw.data();
+  std::size_t space = raw.size();
+  std::span<std::byte> ws(
+      static_cast<std::byte*>(std::align(loom::workspace_alignment, plan.workspace_bytes(), base, space)),
+      plan.workspace_bytes());
+  const auto a = cast<T>(p.a), g = cast<T>(p.g), h0 = cast<T>(p.h0), dfin = cast<T>(p.dfin);
+  auto bv = cast<T>(p.b);
+  std::vector<T> h(static_cast<std::size_t>(p.n * p.d)), lambda(h.size()),
+      fin(static_cast<std::size_t>(p.segs() * p.d)), dinit(fin.size());
+  const index_t s = p.segs(), n = p.n, d = p.d;
+  auto a_view = [&] {
+    if constexpr (std::is_same_v<St, ls::scalar>)
+      return view<const T, 1>(a.data(), {n});
+    else
+      return view<const T, 2>(a.data(), {n, d});
+  }();
+  const view<T, 2> hv(in_place ? bv.data() : h.data(), {n, d});
+  const ls::states<T> st{states ? view<const T, 2>(h0.data(), {s, d}) : view<const T, 2>{},
+                         view<T, 2>(fin.data(), {s, d})};
+  const ls::adjoint_states<T> ast{states ? view<const T, 2>(dfin.data(), {s, d}) : view<const T, 2>{},
+                                  view<T, 2>(dinit.data(), {s, d})};
+  const view<const T, 2> bc(bv.data(), {n, d}), gv(g.data(), {n, d});
+  const view<T, 2> lv(lambda.data(), {n, d});
+  auto sequential = [](const auto& m) { sd::scan_by_key_sequential(m); };
+  if (affine_path) {
+    sd::run_affine_recurrence(b, plan, a_view, bc, hv, st.initial, st.final_state, false, ws, sequential);
+    sd::run_affine_recurrence(b, plan, a_view, gv, lv, ast.d_final, ast.d_initial, true, ws, sequential);
+  } else {
+    ls::linear_recurrence(b, plan, a_view, bc, hv, st, ws);
+    ls::linear_recurrence_adjoint(b, plan, a_view, gv, lv, ast, ws);
+  }
+  outputs o;
+  o.h = widen(in_place ? bv : h);
+  o.fin = widen(fin);
+  o.lambda = widen(lambda);
+  o.dinit = widen(dinit);
+  return o;
+}
+
+void require_outputs(const outputs& got, const outputs& want, lt::tolerance tol, const std::string& what) {
+  lt::require_close(got.h, want.h, tol, what + ": h");
+  lt::require_close(got.fin, want.fin, tol, what + ": final states");
+  lt::require_close(got.lambda, want.lambda, tol, what + ": lambda");
+  lt::require_close(got.dinit, want.dinit, tol, what + ": d_initial");
+}
+
+template <class T, class St, class Offset = std::int64_t>
+void check(const problem& p, bool states, bool in_place, const std::string& what) {
+  const lt::tolerance tol = std::is_same_v<T, double> ? lt::tolerance{1e-12, 1e-12} : lt::tolerance{2e-5, 2e-5};
+  const auto got = run<T, St, Offset>(p, states, in_place, true);
+  INFO(what << " T = " << p.n << " d = " << p.d << " documents " << p.segs() << " states " << states << " in place "
+            << in_place);
+  require_outputs(got, oracle(p, states), tol, what + " vs fp64 loop");
+  require_outputs(got, run<T, St, Offset>(p, states, in_place, false), tol, what + " vs the blocked engine");
+}
+
+const std::vector<std::int64_t> packed{0, 0, 1, 8, 8, 138, 141, 1021};  // empty documents, lengths 1, 7, 130, 3, 880
+
+}  // namespace
+
+TEST_CASE("affine recurrences by key: scalar and diagonal, forward and adjoint, against the fp64 loop",
+          "[scan][affine]") {
+  for (bool scalar : {true, false}) {
+    for (bool states : {true, false}) {
+      const std::string what = scalar ? "scalar" : "diagonal";
+      const auto one = make(101, 5, scalar, {}, 10);
+      const auto docs = make(1021, 3, scalar, packed, 20);
+      if (scalar) {
+        check<double, ls::scalar>(one, states, false, what + ", one document");
+        check<double, ls::scalar>(docs, states, false, what + ", packed");
+        check<double, ls::scalar, std::int32_t>(docs, states, true, what + ", packed, int32 offsets");
+        check<float, ls::scalar>(docs, states, false, what + ", float");
+      } else {
+        check<double, ls::diagonal>(one, states, false, what + ", one document");
+        check<double, ls::diagonal>(docs, states, false, what + ", packed");
+        check<double, ls::diagonal, std::int32_t>(docs, states, true, what + ", packed, int32 offsets");
+        check<float, ls::diagonal>(docs, states, false, what + ", float");
+      }
+    }
+  }
+  // Every document empty, and an empty sequence: the final states are the initial ones.
+  check<double, ls::diagonal>(make(0, 4, false, {0, 0, 0}, 30), true, false, "only empty documents");
+  check<double, ls::diagonal>(make(0, 4, false, {}, 31), true, false, "empty sequence");
+}
+
+TEST_CASE("affine recurrences by key: a non-finite value in one document changes no other", "[scan][affine]") {
+  const auto clean = make(1021, 3, false, packed, 40);
+  const auto want = run<double, ls::diagonal, std::int64_t>(clean, true, false, true);
+  for (double poison : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity()}) {
+    auto p = clean;
+    p.b[static_cast<std::size_t>(100 * p.d + 1)] = poison;  // document 4 (rows 8..137), forward
+    p.g[static_cast<std::size_t>(9 * p.d + 2)] = poison;    // document 4, adjoint
+    p.a[static_cast<std::size_t>(120 * p.d)] = poison;      // and one of its transitions
+    const auto got = run<double, ls::diagonal, std::int64_t>(p, true, false, true);
+    std::size_t changed_elsewhere = 0, poisoned_here = 0;
+    for (index_t t = 0; t < p.n; ++t)
+      for (index_t c = 0; c < p.d; ++c) {
+        const auto i = static_cast<std::size_t>(t * p.d + c);
+        const bool inside = t >= 8 && t < 138;
+        for (auto v : {&outputs::h, &outputs::lambda}) {
+          const double x = (got.*v)[i], y = (want.*v)[i];
+          if (inside)
+            poisoned_here += std::isfinite(x) ? 0 : 1;
+          else if (std::memcmp(&x, &y, sizeof x) != 0)
+            ++changed_elsewhere;
+        }
+      }
+    for (index_t s = 0; s < p.segs(); ++s)
+      for (index_t c = 0; c < p.d; ++c) {
+        const auto i = static_cast<std::size_t>(s * p.d + c);
+        if (s == 4) continue;  // document 4 holds rows 8..137 (documents 0, 3 are empty)
+        if (std::memcmp(&got.fin[i], &want.fin[i], sizeof(double)) != 0) ++changed_elsewhere;
+        if (std::memcmp(&got.dinit[i], &want.dinit[i], sizeof(double)) != 0) ++changed_elsewhere;
+      }
+    CHECK(changed_elsewhere == 0);
+    CHECK(poisoned_here > 0);
+  }
+}
+
+TEST_CASE("affine recurrences by key: a non-finite value in one channel changes no other", "[scan][affine]") {
+  // One document: channels are separate keys, so channel 0's NaN never meets channel 1's first
+  // step (whose restart would multiply it by zero: 0 * NaN is NaN).
+  const auto clean = make(257, 4, false, {}, 50);
+  const auto want = run<double, ls::diagonal, std::int64_t>(clean, true, false, true);
+  auto p = clean;
+  p.b[static_cast<std::size_t>(256 * p.d)] = std::numeric_limits<double>::quiet_NaN();    // last row, channel 0
+  p.g[static_cast<std::size_t>(0 * p.d + 3)] = std::numeric_limits<double>::quiet_NaN();  // first row, channel 3
+  const auto got = run<double, ls::diagonal, std::int64_t>(p, true, false, true);
+  std::size_t changed = 0;
+  for (index_t t = 0; t < p.n; ++t)
+    for (index_t c = 1; c < p.d; ++c) {
+      const auto i = static_cast<std::size_t>(t * p.d + c);
+      if (std::memcmp(&got.h[i], &want.h[i], sizeof(double)) != 0) ++changed;
+      if (c != 3 && std::memcmp(&got.lambda[i], &want.lambda[i], sizeof(double)) != 0) ++changed;
+    }
+  CHECK(changed == 0);
+  CHECK(std::isnan(got.h[static_cast<std::size_t>(256 * p.d)]));
+  CHECK(std::isnan(got.lambda[3]));
+}
