@@ -96,12 +96,8 @@ outputs run(const problem& p, bool states, bool in_place, bool affine_path) {
   ls::options opt;
   opt.reproducible = !affine_path;
   const auto plan = ls::make_plan(b, St{}, p.n, p.d, docs, opt);
-  std::vector<std::byte> raw(plan.workspace_bytes() + loom::workspace_alignment);
-  void* base = raw.data();
-  std::size_t space = raw.size();
-  std::span<std::byte> ws(
-      static_cast<std::byte*>(std::align(loom::workspace_alignment, plan.workspace_bytes(), base, space)),
-      plan.workspace_bytes());
+  const loom::workspace_buffer buf(plan.workspace_bytes());
+  const std::span<std::byte> ws = buf.span();
   const auto a = cast<T>(p.a), g = cast<T>(p.g), h0 = cast<T>(p.h0), dfin = cast<T>(p.dfin);
   auto bv = cast<T>(p.b);
   std::vector<T> h(static_cast<std::size_t>(p.n * p.d)), lambda(h.size()),

@@ -19,10 +19,16 @@ namespace loom {
 //! Copies `bytes` bytes from src to dst, either side host or the backend's memory: stream-ordered
 //! on device backends (host memory must stay valid until the copy has run; fence to observe it),
 //! complete on return on host backends.
+//! The backend names a copy between host memory and its own (backend_traits<B>::copy).
+template <class B>
+inline constexpr bool has_copy = requires(const B& b, void* d, const void* s, std::size_t n) {
+  backend_traits<B>::copy(b, d, s, n);
+};
+
 template <backend B>
 void copy_bytes(const B& b, void* dst, const void* src, std::size_t bytes) {
   if (bytes == 0) return;
-  if constexpr (requires { backend_traits<B>::copy(b, dst, src, bytes); }) {
+  if constexpr (has_copy<B>) {
     backend_traits<B>::copy(b, dst, src, bytes);
   } else {
     static_assert(backend_traits<B>::memory_space::host_accessible,

@@ -36,12 +36,6 @@ struct read_rows {
   LOOM_HD double operator()(index_t i) const { return p[i]; }
 };
 
-//! The backend can copy between host and its memory in one transfer (loom::copy_bytes).
-template <class B>
-inline constexpr bool has_copy = requires(const B& b, void* d, const void* s, std::size_t n) {
-  backend_traits<B>::copy(b, d, s, n);
-};
-
 //! v.size() values from the backend's memory space to the host: one transfer and a fence (a
 //! backend without a copy: one reduction per value).
 template <backend B, class T>
@@ -49,7 +43,7 @@ void read_back(const B& b, const T* p, std::span<T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
     std::copy(p, p + v.size(), v.begin());
-  } else if constexpr (has_copy<B>) {
+  } else if constexpr (loom::has_copy<B>) {
     copy_bytes(b, v.data(), p, v.size_bytes());
     fence(b);
   } else {
@@ -64,7 +58,7 @@ void write_to(const B& b, T* p, std::span<const T> v) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
     fence(b);
     std::copy(v.begin(), v.end(), p);
-  } else if constexpr (has_copy<B>) {
+  } else if constexpr (loom::has_copy<B>) {
     copy_bytes(b, p, v.data(), v.size_bytes());
     fence(b);
   } else {

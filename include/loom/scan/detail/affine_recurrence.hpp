@@ -49,11 +49,6 @@ struct affine_map {
   LOOM_HD index_t position(index_t j) const { return j % k.hd.count; }
   //! Head index (processing order) of the segment holding processing position p; -1: none.
   LOOM_HD index_t head_of(index_t p) const { return k.hd.segments == 0 ? -1 : k.hd.last_at_or_before(p); }
-  LOOM_HD bool is_head(index_t p) const {
-    if (k.hd.segments == 0) return p == 0;
-    const index_t s = k.hd.last_at_or_before(p);
-    return s >= 0 && k.hd.at(s) == p;
-  }
   LOOM_HD index_t key(index_t j) const {
     const index_t s = head_of(position(j));
     const index_t per_channel = k.hd.segments > 0 ? k.hd.segments : 1;
@@ -68,10 +63,11 @@ struct affine_map {
   LOOM_HD value_type element(index_t j) const {
     const index_t c = channel(j), p = position(j), t = k.row(p);
     const accum_type v = static_cast<accum_type>(k.b[t * k.b_stride + c]);
-    if (is_head(p)) {
+    const index_t hs = head_of(p);
+    if (hs < 0 ? p == 0 : k.hd.at(hs) == p) {  // a segment head
       // The scan restarts here: a is never read (nothing comes before in this key's run).
       if (k.init == nullptr) return {accum_type(0), v};
-      const index_t s = k.hd.segments == 0 ? 0 : k.hd.segment(k.hd.last_at_or_before(p));
+      const index_t s = hs < 0 ? 0 : k.hd.segment(hs);
       const auto x0 = static_cast<accum_type>(k.init[s * k.init_stride + c]);
       return {accum_type(0), k.adjoint ? v + x0 : a_at(t, c) * x0 + v};
     }
