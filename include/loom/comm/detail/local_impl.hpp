@@ -250,7 +250,9 @@ auto run_local(int ranks, F&& fn, local_options options) {
     } catch (...) {
       std::lock_guard lk(w->m);
       out->errors[ur] = std::current_exception();
-      out->primary[ur] = !w->aborted;
+      // Primary: the first failure, whether this rank raised it here or inside a call that aborted
+      // the world before throwing (a timeout); errors raised because of another rank's abort follow.
+      out->primary[ur] = !w->aborted || w->aborted_by == std::this_thread::get_id();
       w->finished[ur] = 1;
       out->exited[ur] = 1;
       w->abort("rank " + std::to_string(r) + " failed: " + detail::what_of(out->errors[ur]));

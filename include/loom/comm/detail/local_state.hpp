@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -34,6 +35,7 @@ struct world {
   bool aborted = false;
   std::string abort_reason;
   clock::time_point aborted_at{};  // when the first failure happened: run_local's wait is bounded from it
+  std::thread::id aborted_by{};    // the thread that raised it: its error is the cause, the others' follow
   std::vector<char> finished;      // by global rank: its function has returned
   std::vector<int> outstanding;    // by global rank: requests posted and not yet waited on
 
@@ -42,6 +44,7 @@ struct world {
       aborted = true;
       abort_reason = std::move(reason);
       aborted_at = clock::now();
+      aborted_by = std::this_thread::get_id();
     }
     cv.notify_all();
   }
