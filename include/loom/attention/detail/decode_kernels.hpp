@@ -6,10 +6,11 @@
 //! the keys. A work item is (document, group of kv heads, key split): every query row of the
 //! document that reads those kv heads (its query tokens times the heads of each GQA group) against
 //! one contiguous split of the document's keys, read once in their storage layout (no prepared
-//! copies: the pass is bound by the K/V bytes). On the host a group is every kv head, so an item
-//! reads its keys' rows in address order (key tiles outer, heads inner), which the hardware
-//! prefetchers follow (one kv head at a time, rows a kv-head stride apart, measured 2x slower);
-//! on a device a group is one kv head (more items). Each split gives a partial (out, lse); a
+//! copies: the pass is bound by the K/V bytes). On the host a group is every kv head, and the
+//! scores of a key tile run key by key over every head, so an item reads its K rows in address
+//! order, a stream the hardware prefetchers follow (head by head, rows a kv-head stride apart, was
+//! measured 2x slower; head by head within a tile, 1.14x slower); on a device a group is one kv
+//! head (more items). Each split gives a partial (out, lse); a
 //! second pass merges a document's partials in split order with the stable log-sum-exp. The
 //! split size depends on the shapes only (not on the thread count), so the bits do too.
 //!
@@ -29,31 +30,33 @@ inline constexpr index_t decode_lanes = 16;
 //! The most query tokens per document for which a plan takes the split-KV path.
 inline constexpr index_t decode_max_queries = 16;
 
-//! s[r][j] = q_r . k_j for decode_rows rows (q row-major, row stride dk) and keys j < nk (row
-//! stride ldk, converted from the storage type). Per (row, key), decode_lanes partial sums over
-//! the dimension, added in a fixed tree: the bits depend on nothing but the operands. (The
-//! portable form: one row at a time, so compilers vectorise the lanes, not the rows.) Prefetches
-//! as x86::decode_scores: K rows `prefetch_keys` ahead (`ahead` keys readable), and each key's V row
-//! (`v_bytes` at v + j ldv) for the P V product after it.
+//! The scores of every register block of a key tile (lay: the layout), key by key as
+//! x86::decode_scores: s[(x * blocks + b) * decode_rows * tile_k + r * tile_k + j] = q . k_j for
+//! query row 4 b + r of kv head x (row-major, row stride dk) and key j < nk (row stride ldk,
+//! converted from the storage type). Per (row, key), decode_lanes partial sums over the dimension,
+//! added in a fixed tree: the bits depend on nothing but the operands. (The portable form: one row
+//! at a time, so compilers vectorise the lanes, not the rows.) Prefetches as x86::decode_scores:
+//! each key's V rows (`v_bytes` each).
 template <class Acc, class TK, class TV>
-LOOM_HD void decode_scores(const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s, index_t ahead,
-                           const TV* v, index_t ldv, std::size_t v_bytes) {
+LOOM_HD void decode_scores(const Acc* q, const decode_blocks& lay, const TK* k, index_t ldk, index_t nk, index_t dk,
+                           Acc* s, const TV* v, index_t ldv, std::size_t v_bytes) {
   constexpr index_t W = decode_lanes;
   const index_t full = dk - dk % W;
   for (index_t j = 0; j < nk; ++j) {
-    const TK* kr = k + j * ldk;
-    if (j + prefetch_keys < ahead) prefetch_row(kr + prefetch_keys * ldk, dk * sizeof(TK));
-    prefetch_row(v + j * ldv, v_bytes);
-    for (index_t r = 0; r < decode_rows; ++r) {
-      const Acc* qr = q + r * dk;
-      Acc part[W];
-      for (index_t u = 0; u < W; ++u) part[u] = Acc(0);
-      for (index_t c0 = 0; c0 < full; c0 += W)
-        for (index_t u = 0; u < W; ++u) part[u] += qr[c0 + u] * static_cast<Acc>(kr[c0 + u]);
-      for (index_t c = full; c < dk; ++c) part[c - full] += qr[c] * static_cast<Acc>(kr[c]);
-      for (index_t w = W / 2; w > 0; w /= 2)
-        for (index_t u = 0; u < w; ++u) part[u] += part[u + w];
-      s[r * tile_k + j] = part[0];
+    for (index_t x = 0; x < lay.heads; ++x) prefetch_row(v + j * ldv + x * lay.v_head, v_bytes);
+    for (index_t x = 0; x < lay.heads; ++x) {
+      const TK* kr = k + j * ldk + x * lay.k_head;
+      for (index_t rb = 0; rb < lay.blocks * decode_rows; ++rb) {
+        const Acc* qr = q + x * lay.q_head + rb * dk;
+        Acc part[W];
+        for (index_t u = 0; u < W; ++u) part[u] = Acc(0);
+        for (index_t c0 = 0; c0 < full; c0 += W)
+          for (index_t u = 0; u < W; ++u) part[u] += qr[c0 + u] * static_cast<Acc>(kr[c0 + u]);
+        for (index_t c = full; c < dk; ++c) part[c - full] += qr[c] * static_cast<Acc>(kr[c]);
+        for (index_t w = W / 2; w > 0; w /= 2)
+          for (index_t u = 0; u < w; ++u) part[u] += part[u + w];
+        s[(x * lay.blocks * decode_rows + rb) * tile_k + j] = part[0];
+      }
     }
   }
 }
@@ -148,7 +151,7 @@ struct decode_kernel {
   }
   LOOM_HD static index_t scratch(index_t max_q, index_t group, index_t heads, index_t dk, index_t dv) {
     const index_t r = heads * rows(max_q, group);
-    return r * dk + r * dv + 2 * r + decode_rows * tile_k;
+    return r * dk + r * dv + 2 * r + r * tile_k;
   }
   LOOM_HD index_t items() const { return g.docs * (pb.hkv / g.heads) * g.splits; }
 
@@ -180,41 +183,49 @@ struct decode_kernel {
       }
     const bool vec = vectorised();
     const index_t kb = sp * g.chunk, ke = lk < kb + g.chunk ? lk : kb + g.chunk;  // positions [kb, ke)
-    // Key tiles outer, kv heads inner: the item reads its keys' rows in address order.
+    // Key tiles outer; within a tile the scores go key by key over every kv head and row block,
+    // so the item reads its K rows in address order, then each (head, block) runs its softmax and
+    // P V over the tile (the V rows were asked for with the scores).
+    const decode_blocks lay{g.heads, Rh / decode_rows, Rh * dk, k.sh, v.sh};
     for (index_t k0 = kb; k0 < ke; k0 += tile_k) {
       const index_t nk = ke - k0 < tile_k ? ke - k0 : tile_k;
       const tile_bounds kbd{d, d, k0, k0 + nk - 1};
+      auto kind_of = [&](index_t r0) {
+        const index_t rn = R - r0 < decode_rows ? R - r0 : decode_rows;
+        return classify(tile_bounds{d, d, pos0 + r0 / G, pos0 + (r0 + rn - 1) / G}, kbd, pb.causal, pb.left, pb.right);
+      };
+      bool any = false;
+      for (index_t r0 = 0; r0 < R && !any; r0 += decode_rows) any = kind_of(r0) != tile_kind::skip;
+      if (!any) continue;  // the kinds depend on the rows, not on the head
+      const TK* kt = k.at(k_first + k0, hk0);
+      const TV* vt0 = v.at(k_first + k0, hk0);
+      scores(vec, qr, lay, kt, k.st, nk, dk, s, vt0, v.st, static_cast<std::size_t>(dv) * sizeof(TV));
       for (index_t x = 0; x < g.heads; ++x) {
-        const TK* kt = k.at(k_first + k0, hk0 + x);
         const TV* vt = v.at(k_first + k0, hk0 + x);
         bool v_finite = true, v_checked = false;
         for (index_t r0 = 0; r0 < R; r0 += decode_rows) {
           const index_t rn = R - r0 < decode_rows ? R - r0 : decode_rows, row0 = x * Rh + r0;
-          const tile_bounds qbd{d, d, pos0 + r0 / G, pos0 + (r0 + rn - 1) / G};
-          const tile_kind kind = classify(qbd, kbd, pb.causal, pb.left, pb.right);
+          const tile_kind kind = kind_of(r0);
           if (kind == tile_kind::skip) continue;
-          const index_t ahead = r0 == 0 ? ke - k0 : nk;  // rows to prefetch: once per tile
-          // The V rows are asked for once per tile, with its first block of rows.
-          scores(vec, qr + row0 * dk, kt, k.st, nk, dk, s, ahead, vt, v.st,
-                 r0 == 0 ? static_cast<std::size_t>(dv) * sizeof(TV) : 0);
+          Acc* sb = s + row0 * tile_k;  // this block's scores
           auto seen = [&](index_t r, index_t j) {
             return r < rn && visible(d, pos0 + (r0 + r) / G, d, k0 + j, pb.causal, pb.left, pb.right);
           };
           if (kind == tile_kind::partial)
             for (index_t r = 0; r < decode_rows; ++r)
               for (index_t j = 0; j < nk; ++j)
-                s[r * tile_k + j] = seen(r, j) ? finite_or_nan(s[r * tile_k + j]) : neg_inf<Acc>();
-          softmax_update(rn, nk, kind == tile_kind::full, s, m + row0, l + row0, acc + row0 * dv, dv);
+                sb[r * tile_k + j] = seen(r, j) ? finite_or_nan(sb[r * tile_k + j]) : neg_inf<Acc>();
+          softmax_update(rn, nk, kind == tile_kind::full, sb, m + row0, l + row0, acc + row0 * dv, dv);
           for (index_t r = rn; r < decode_rows; ++r)  // rows past R: no probabilities
-            for (index_t j = 0; j < tile_k; ++j) s[r * tile_k + j] = Acc(0);
+            for (index_t j = 0; j < tile_k; ++j) sb[r * tile_k + j] = Acc(0);
           if (kind == tile_kind::partial && !v_checked) {
             v_finite = all_finite(vt, nk, dv, v.st);
             v_checked = true;
           }
           if (kind == tile_kind::partial && !v_finite)
-            decode_pv_visible(s, vt, v.st, nk, dv, acc + row0 * dv, seen);
+            decode_pv_visible(sb, vt, v.st, nk, dv, acc + row0 * dv, seen);
           else
-            pv(vec, s, vt, v.st, nk, dv, acc + row0 * dv);
+            pv(vec, sb, vt, v.st, nk, dv, acc + row0 * dv);
         }
       }
     }
@@ -240,16 +251,16 @@ struct decode_kernel {
     return false;
 #endif
   }
-  //! The products: `ahead` keys readable from k (the rest of the split: rows to prefetch), and
-  //! `v_bytes` of each of the nk V rows at v asked for the P V product after the scores (0: none).
-  LOOM_HD static void scores(bool vec, const Acc* q, const TK* k, index_t ldk, index_t nk, index_t dk, Acc* s,
-                             index_t ahead, const TV* v, index_t ldv, std::size_t v_bytes) {
+  //! The products: every block of `lay` against nk keys, and `v_bytes` of each key's V rows at v
+  //! asked for the P V products after the scores.
+  LOOM_HD static void scores(bool vec, const Acc* q, const decode_blocks& lay, const TK* k, index_t ldk, index_t nk,
+                             index_t dk, Acc* s, const TV* v, index_t ldv, std::size_t v_bytes) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TK>)
-      if (vec) return x86::decode_scores(q, k, ldk, nk, dk, s, tile_k, ahead, v, ldv, v_bytes);
+      if (vec) return x86::decode_scores(q, lay, k, ldk, nk, dk, s, tile_k, v, ldv, v_bytes);
 #endif
     (void)vec;
-    decode_scores(q, k, ldk, nk, dk, s, ahead, v, ldv, v_bytes);
+    decode_scores(q, lay, k, ldk, nk, dk, s, v, ldv, v_bytes);
   }
   LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
