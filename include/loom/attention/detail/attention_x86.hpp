@@ -40,6 +40,26 @@ LOOM_HD inline void prefetch_row(const void* p, std::size_t bytes) {
 #endif
 }
 
+//! Asks for the cache lines of `keys` x `heads` rows of `row_bytes` each (key k, head x at
+//! base + k key_stride + x head_stride bytes), one line per step(), keys outer: the split-KV P V
+//! products walk the next key tile's K rows with it, so the memory keeps streaming while they
+//! compute from the cache (the scores pass streams K and V; the P V pass reads neither).
+struct prefetch_cursor {
+  const char* base = nullptr;
+  index_t key_stride = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
+  index_t key = 0, head = 0, off = 0;
+  LOOM_HD bool pending() const { return key < keys; }
+  LOOM_HD void step() {
+    if (key >= keys) return;
+    prefetch_row(base + key * key_stride + head * head_stride + off, 1);
+    if ((off += 64) < row_bytes) return;
+    off = 0;
+    if (++head < heads) return;
+    head = 0;
+    ++key;
+  }
+};
+
 //! The register blocks of a split-KV work item that one key tile's scores cover: `heads` kv heads
 //! of `blocks` blocks of four query rows each. Block b of head x reads the query rows at
 //! q + x q_head + 4 b dk and the K rows at k + x k_head; each key's V rows are at v + x v_head.
@@ -122,10 +142,11 @@ LOOM_X86_AVX2 inline void decode_scores(const float* q, const decode_blocks& lay
 }
 
 //! acc[r * dv + c] += sum_{j < nk} p[r * ld_p + j] v_j[c] for rows r < 4 (dv a multiple of 8, v
-//! rows of stride ldv), keys j ascending (decode_scores asked for the rows).
+//! rows of stride ldv), keys j ascending (decode_scores asked for the rows); one line of `ahead`
+//! asked for per key and 16 columns.
 template <class TV>
 LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, index_t ldv, index_t nk, index_t dv,
-                                    float* acc) {
+                                    float* acc, prefetch_cursor& ahead) {
   index_t c0 = 0;
   for (; c0 + 16 <= dv; c0 += 16) {
     __m256 a[4][2];
@@ -134,6 +155,7 @@ LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, i
       a[r][1] = _mm256_loadu_ps(acc + r * dv + c0 + 8);
     }
     for (index_t j = 0; j < nk; ++j) {
+      ahead.step();
       const TV* vr = v + j * ldv + c0;
       const __m256 v0 = load8(vr), v1 = load8(vr + 8);
       for (int r = 0; r < 4; ++r) {

@@ -64,9 +64,10 @@ LOOM_HD void decode_scores(const Acc* q, const decode_blocks& lay, const TK* k, 
 //! acc[r][:] += sum_{j < nk} p[r][j] v_j for decode_rows rows (p row stride tile_k, acc row stride
 //! dv), keys j ascending; v rows of stride ldv converted from the storage type (decode_scores asked
 //! for them). A column block of decode_lanes sums stays in registers over the keys (no conditions
-//! inside it, so compilers keep it there).
+//! inside it, so compilers keep it there). One line of `ahead` is asked for per key and column block.
 template <class Acc, class TV>
-LOOM_HD void decode_pv(const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc) {
+LOOM_HD void decode_pv(const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc,
+                       prefetch_cursor& ahead) {
   constexpr index_t W = decode_lanes;
   const index_t full = dv - dv % W;
   for (index_t r = 0; r < decode_rows; ++r) {
@@ -76,6 +77,7 @@ LOOM_HD void decode_pv(const Acc* p, const TV* v, index_t ldv, index_t nk, index
       Acc a[W];
       for (index_t u = 0; u < W; ++u) a[u] = ar[c0 + u];
       for (index_t j = 0; j < nk; ++j) {
+        ahead.step();
         const TV* vr = v + j * ldv + c0;
         for (index_t u = 0; u < W; ++u) a[u] += pr[j] * static_cast<Acc>(vr[u]);
       }
@@ -200,6 +202,16 @@ struct decode_kernel {
       const TK* kt = k.at(k_first + k0, hk0);
       const TV* vt0 = v.at(k_first + k0, hk0);
       scores(vec, qr, lay, kt, k.st, nk, dk, s, vt0, v.st, static_cast<std::size_t>(dv) * sizeof(TV));
+      // The next tile's K rows, asked for while the P V products compute from the cache.
+      const index_t k1 = k0 + tile_k, nk1 = ke - k1 < tile_k ? ke - k1 : tile_k;
+      prefetch_cursor ahead;
+      if (nk1 > 0)
+        ahead = {reinterpret_cast<const char*>(k.at(k_first + k1, hk0)),
+                 k.st * index_t{sizeof(TK)},
+                 k.sh * index_t{sizeof(TK)},
+                 nk1,
+                 g.heads,
+                 dk * index_t{sizeof(TK)}};
       for (index_t x = 0; x < g.heads; ++x) {
         const TV* vt = v.at(k_first + k0, hk0 + x);
         bool v_finite = true, v_checked = false;
@@ -225,9 +237,10 @@ struct decode_kernel {
           if (kind == tile_kind::partial && !v_finite)
             decode_pv_visible(sb, vt, v.st, nk, dv, acc + row0 * dv, seen);
           else
-            pv(vec, sb, vt, v.st, nk, dv, acc + row0 * dv);
+            pv(vec, sb, vt, v.st, nk, dv, acc + row0 * dv, ahead);
         }
       }
+      while (ahead.pending()) ahead.step();
     }
     const bool one = g.splits_of(d) == 1;
     for (index_t x = 0; x < g.heads; ++x)
@@ -262,13 +275,14 @@ struct decode_kernel {
     (void)vec;
     decode_scores(q, lay, k, ldk, nk, dk, s, v, ldv, v_bytes);
   }
-  LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc) {
+  LOOM_HD static void pv(bool vec, const Acc* p, const TV* v, index_t ldv, index_t nk, index_t dv, Acc* acc,
+                         prefetch_cursor& ahead) {
 #if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (std::is_same_v<Acc, float> && x86::vector_storage<TV>)
-      if (vec) return x86::decode_pv(p, tile_k, v, ldv, nk, dv, acc);
+      if (vec) return x86::decode_pv(p, tile_k, v, ldv, nk, dv, acc, ahead);
 #endif
     (void)vec;
-    decode_pv(p, v, ldv, nk, dv, acc);
+    decode_pv(p, v, ldv, nk, dv, acc, ahead);
   }
 };
 
