@@ -201,6 +201,77 @@ TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKE
   check_packed<loom::fp32>({0, 0, 2, 2, 24, 43, false, {29, 3}}, {0, 131, 257}, 46);
 }
 
+TEST_CASE(
+    "attention: the fused backward (dQ summed by key stripes) and the two-pass one give the same bits" LOOM_BACKEND_TAG,
+    "[attention][local][backward]") {
+  // Few slots take the fused schedule (one pass over key tiles, dQ summed per stripe, then over
+  // stripes); many take the two-pass one, which sums dQ in the same order. Both against the
+  // oracle, then bit for bit, overwriting and accumulating, with a NaN in one document's K.
+  using T = float;
+  const vector_switch switched(GENERATE(true, false));
+  const bool poisoned = GENERATE(false, true);
+  const std::vector<index_t> cu{0, 5, 300, 301, 557};  // 557 tokens: 9 key tiles, 4 stripes
+  lt::attn_shape s{557, 557, 6, 2, 40, 24, true, {200, 0}};
+  auto in = make_inputs<T>(s, 140);
+  if (poisoned) in.k[(10 * s.hkv + 1) * s.dk + 3] = std::numeric_limits<double>::quiet_NaN();  // document 1
+  const auto c = lt::packed(cu);
+  const auto b = make_backend();
+  buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v)), dout(cast<T>(in.dout)),
+      out(static_cast<std::size_t>(s.tq * s.hq * s.dv));
+  buffer<float> lse(static_cast<std::size_t>(s.tq * s.hq));
+  buffer<index_t> doc(c.doc), pos(c.pos);
+  const la::coords<space> cv{view_of<const index_t, 1>(doc, {s.tq}), view_of<const index_t, 1>(pos, {s.tq})};
+  const la::options opt{s.causal, s.window, s.scale};
+  la::forward(b, view_of<const T, 3>(q, {s.tq, s.hq, s.dk}), view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}),
+              view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}), cv, cv, view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+              view_of<float, 2>(lse, {s.tq, s.hq}), opt);
+  const la::detail::problem pb{s.tq, s.tk, s.hq, s.hkv, s.dk, s.dv, s.causal, s.window.left, s.window.right};
+  REQUIRE(la::detail::stripes_of(pb) == 4);
+  auto run = [&](index_t cap, bool accumulate) {
+    const auto l = la::detail::layout_of<float>(pb, true, cap);
+    buffer<T> dq(std::vector<T>(static_cast<std::size_t>(s.tq * s.hq * s.dk), T(0.5))),
+        dk(std::vector<T>(static_cast<std::size_t>(s.tk * s.hkv * s.dk), T(0.25))),
+        dv(std::vector<T>(static_cast<std::size_t>(s.tk * s.hkv * s.dv), T(-1)));
+    const loom::temporary_buffer<backend_under_test, std::byte> ws(b, static_cast<index_t>(l.bytes));
+    la::detail::backward_on<float>(
+        b, pb, static_cast<float>(1.0 / std::sqrt(double(s.dk))), view_of<const T, 3>(q, {s.tq, s.hq, s.dk}),
+        view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}), view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}),
+        la::detail::coords_of(cv), la::detail::coords_of(cv), view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
+        view_of<const float, 2>(lse, {s.tq, s.hq}), view_of<const T, 3>(dout, {s.tq, s.hq, s.dv}),
+        view_of<T, 3>(dq, {s.tq, s.hq, s.dk}), view_of<T, 3>(dk, {s.tk, s.hkv, s.dk}),
+        view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), accumulate, ws.bytes(), cap);
+    loom::fence(b);
+    return std::make_pair(l.fused, std::array<std::vector<T>, 3>{dq.to_host(), dk.to_host(), dv.to_host()});
+  };
+  for (bool accumulate : {false, true}) {
+    INFO("accumulate " << accumulate << " poisoned " << poisoned);
+    const auto [fused, a] = run(1, accumulate);
+    const auto [two_pass, z] = run(index_t{1} << 20, accumulate);
+    REQUIRE(fused);
+    REQUIRE(!two_pass);
+    for (int g = 0; g < 3; ++g) {
+      REQUIRE(a[g].size() == z[g].size());
+      CHECK(std::memcmp(a[g].data(), z[g].data(), a[g].size() * sizeof(T)) == 0);
+    }
+    if (poisoned) {  // the NaN stays in document 1 (tokens [5, 300)) of every gradient
+      const auto outside = [&](const std::vector<T>& x, index_t row, index_t t0, index_t t1) {
+        for (index_t t = 0; t < s.tq; ++t)
+          if (t < t0 || t >= t1)
+            for (index_t e = 0; e < row; ++e) REQUIRE(std::isfinite(x[static_cast<std::size_t>(t * row + e)]));
+      };
+      outside(a[0], s.hq * s.dk, 5, 300);
+      outside(a[1], s.hkv * s.dk, 5, 300);
+      outside(a[2], s.hkv * s.dv, 5, 300);
+    } else if (!accumulate) {
+      const auto want = lt::attention_oracle(s, widen(cast<T>(in.q)), widen(cast<T>(in.k)), widen(cast<T>(in.v)), c, c,
+                                             widen(cast<T>(in.dout)));
+      lt::require_close(widen(a[0]), want.dq, {2e-5, 2e-5}, "dq");
+      lt::require_close(widen(a[1]), want.dk, {2e-5, 2e-5}, "dk");
+      lt::require_close(widen(a[2]), want.dv, {2e-5, 2e-5}, "dv");
+    }
+  }
+}
+
 TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND_TAG, "[attention][merge]") {
   if constexpr (space::host_accessible) {
     const auto b = make_backend();

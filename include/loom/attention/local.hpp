@@ -184,9 +184,13 @@ inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (ite
 //! slot cap. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
 //! workspace and carves it per call; nothing is allocated.
 struct local_layout {
-  std::size_t kv = 0, scratch = 0, delta = 0, bytes = 0;
+  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
+  bool fused = false;               //!< backward: one pass over key tiles that also sums dQ by stripes
 };
+
+//! The most bytes of per-stripe dQ sums the fused backward takes; above, the two-pass one runs.
+inline constexpr std::size_t fused_backward_max_bytes = std::size_t{512} << 20;
 
 template <class Acc>
 local_layout layout_of(const problem& pb, bool backward, index_t cap) {
@@ -201,10 +205,18 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
     l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv));
   } else {
-    l.kv_slots = slots_for(cap, pb.k_tiles() * pb.hkv);
+    // Fused (5 tile products per tile pair instead of 7) on the host when its (stripe, kv head)
+    // items keep every slot busy and its dQ sums fit the bound; both schedules give the same bits.
+    const index_t stripes = stripes_of(pb), part = stripes * pb.tq * pb.hq * pb.dk;
+    l.fused = pb.tk > 0 && pb.tq > 0 && cap <= stripes * pb.hkv / 2 &&
+              static_cast<double>(part) * sizeof(Acc) <= static_cast<double>(fused_backward_max_bytes);
+    l.kv_slots = slots_for(cap, (l.fused ? stripes : pb.k_tiles()) * pb.hkv);
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
-    l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
+    l.scratch =
+        w.add<Acc>(l.fused ? l.kv_slots * KV::scratch(pb.dk, pb.dv)
+                           : std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
+    if (l.fused) l.dq_part = w.add<Acc>(part);
   }
   l.bytes = w.bytes();
   return l;
@@ -316,6 +328,15 @@ void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const 
   using KV = backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
   using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc>;
   Acc* scratch = w.at<Acc>(l.scratch);
+  if (l.fused) {
+    const index_t stripes = stripes_of(pb);
+    Acc* part = w.at<Acc>(l.dq_part);
+    loom::detail::fill(b, part, stripes * pb.tq * pb.hq * pb.dk, Acc(0));
+    for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots, part});
+    for_each_index(b, pb.tq * pb.hq,
+                   dq_reduce_kernel<TG, Acc>{part, rows_of(dq), pb.tq, pb.hq, pb.dk, stripes, scale, accumulate});
+    return;
+  }
   if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots});
   if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots});
 }

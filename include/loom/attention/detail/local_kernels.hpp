@@ -370,24 +370,54 @@ struct backward_args {
   }
 };
 
-//! dK and dV: one item per (key tile, kv head), over every query head of its group.
+//! dQ += dS K for one (query tile, key tile) pair into rows of stride ldq; masked entries of dS
+//! are skipped where K is not finite. Both schedules call it, so their products agree bit for bit.
+template <class Acc>
+LOOM_HD void dq_product(const problem& pb, const token_coords& qc, const token_coords& kc, tile_kind kind,
+                        bool k_finite, index_t q0, index_t nq, index_t k0, index_t nk, const Acc* ds, const Acc* kr,
+                        Acc* gq, index_t ldq) {
+  if (kind == tile_kind::partial && !k_finite)
+    gemm_visible<false>(nq, pb.dk, nk, ds, tile_k, kr, pb.dk, gq, ldq, true, pair_visible{pb, qc, kc, q0, k0});
+  else
+    gemm<false>(nq, pb.dk, nk, ds, tile_k, kr, pb.dk, gq, ldq, true);
+}
+
+//! Stripes of key tiles that dQ is summed over: key tile t is in stripe t % stripes, dQ of a query
+//! row is (((sum over stripe 0) + sum over stripe 1) + ...), each stripe's sum taken over its key
+//! tiles in ascending order. Both backward schedules sum in this order, so their bits agree. The
+//! count depends on the key tiles only.
+inline constexpr index_t backward_stripes = 4;
+LOOM_HD inline index_t stripes_of(const problem& pb) {
+  const index_t t = pb.k_tiles();
+  return t < backward_stripes ? (t > 0 ? t : 1) : backward_stripes;
+}
+
+//! dK and dV: one item per (key tile, kv head), over every query head of its group and every
+//! query tile. With dq_part (the fused schedule), one item per (stripe, kv head) instead, over the
+//! stripe's key tiles in ascending order, also adding dS K into dq_part[stripe][t][h][:] (zeros
+//! before the call), which dq_reduce_kernel sums over the stripes.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc>
 struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
   index_t slots;
+  Acc* dq_part = nullptr;  //!< [stripes][tq][hq][dk], or null: the two-pass schedule
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
     return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv + 2 * tile_q;
   }
-  LOOM_HD index_t items() const { return a.pb.k_tiles() * a.pb.hkv; }
+  LOOM_HD index_t items() const { return (dq_part ? stripes_of(a.pb) : a.pb.k_tiles()) * a.pb.hkv; }
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
     for (index_t item = slot; item < items(); item += slots) run(item, w);
   }
   LOOM_HD void run(index_t item, Acc* w) const {
+    if (!dq_part) return key_tile(item / a.pb.k_tiles(), item % a.pb.k_tiles(), w, 0);
+    const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes;
+    for (index_t ktile = stripe; ktile < a.pb.k_tiles(); ktile += stripes) key_tile(hk, ktile, w, stripe);
+  }
+  LOOM_HD void key_tile(index_t hk, index_t ktile, Acc* w, index_t stripe) const {
     const problem& pb = a.pb;
-    const index_t hk = item / pb.k_tiles(), ktile = item % pb.k_tiles();
     const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
     const index_t dk = pb.dk, dv = pb.dv;
     Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k,
@@ -396,6 +426,7 @@ struct backward_kv_kernel {
     for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
     for (index_t e = 0; e < tile_k * dv; ++e) gv[e] = Acc(0);
     const tile_bounds kb = a.kc.bounds(k0, nk);
+    const bool k_finite = !dq_part || all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk);
     for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
@@ -413,13 +444,17 @@ struct backward_kv_kernel {
           gemm_visible<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true, vis);
         else
           gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
+        if (dq_part)
+          dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, a.kv.kr_tile(hk, k0),
+                     dq_part + ((stripe * pb.tq + q0) * pb.hq + h) * dk, pb.hq * dk);
       }
     store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
     store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
   }
 };
 
-//! dQ: one item per (query tile, head).
+//! dQ: one item per (query tile, head), the key tiles stripe by stripe (stripes_of): each stripe's
+//! sum in a tile of its own, added to the total in stripe order.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc>
 struct backward_q_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
@@ -427,7 +462,7 @@ struct backward_q_kernel {
   index_t slots;
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_q * dk + 2 * tile_q;
+    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + 2 * tile_q * dk + 2 * tile_q;
   }
   LOOM_HD index_t items() const { return a.pb.q_tiles() * a.pb.hq; }
   LOOM_HD void operator()(index_t slot) const {
@@ -440,23 +475,46 @@ struct backward_q_kernel {
     const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
     const index_t dk = pb.dk, dv = pb.dv;
     Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k,
-        *lrow = gq + tile_q * dk, *drow = lrow + tile_q;
+        *part = gq + tile_q * dk, *lrow = part + tile_q * dk, *drow = lrow + tile_q;
     a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
-    for (index_t e = 0; e < tile_q * dk; ++e) gq[e] = Acc(0);
     const tile_bounds qb = a.qc.bounds(q0, nq);
-    for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
-      const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
-      const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
-      if (kind == tile_kind::skip) continue;
-      backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
-                      a.kv.ld_t(), lrow, drow, s, dp);
-      if (kind == tile_kind::partial && !all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk))
-        gemm_visible<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true,
-                            pair_visible{pb, a.qc, a.kc, q0, k0});
-      else
-        gemm<false>(nq, dk, nk, dp, tile_k, a.kv.kr_tile(hk, k0), dk, gq, dk, true);  // dQ += dS K
+    const index_t stripes = stripes_of(pb);
+    for (index_t stripe = 0; stripe < stripes; ++stripe) {
+      for (index_t e = 0; e < tile_q * dk; ++e) part[e] = Acc(0);
+      for (index_t ktile = stripe; ktile < pb.k_tiles(); ktile += stripes) {
+        const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
+        const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
+        if (kind == tile_kind::skip) continue;
+        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
+                        a.kv.ld_t(), lrow, drow, s, dp);
+        const Acc* kr = a.kv.kr_tile(hk, k0);
+        const bool k_finite = kind != tile_kind::partial || all_finite(kr, nk, dk, dk);
+        dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, kr, part, dk);
+      }
+      for (index_t e = 0; e < nq * dk; ++e) gq[e] = stripe == 0 ? part[e] : gq[e] + part[e];
     }
     store_rows(a.dq, q0, nq, h, dk, gq, a.scale, a.accumulate);
+  }
+};
+
+//! dQ of the fused schedule: row (t, h) = (((dq_part[0] + dq_part[1]) + ...) * scale, added to dq
+//! with `accumulate`; the same operations as backward_q_kernel's. One item per (t, h).
+template <class TG, class Acc>
+struct dq_reduce_kernel {
+  const Acc* dq_part;
+  rows3<TG> dq;
+  index_t tq, hq, dk, stripes;
+  Acc scale;
+  bool accumulate;
+  LOOM_HD void operator()(index_t e) const {
+    const index_t t = e / hq, h = e % hq;
+    TG* row = dq.at(t, h);
+    for (index_t c = 0; c < dk; ++c) {
+      Acc x = dq_part[e * dk + c];
+      for (index_t s = 1; s < stripes; ++s) x = x + dq_part[(s * tq * hq + e) * dk + c];
+      const Acc val = x * scale;
+      row[c] = static_cast<TG>(accumulate ? static_cast<Acc>(row[c]) + val : val);
+    }
   }
 };
 
