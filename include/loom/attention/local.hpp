@@ -52,8 +52,9 @@
 //! Completion: host backends are complete on return; on device backends the plan forms are
 //! stream-ordered on the backend's stream and return without a sync; the convenience forms fence.
 //! Work: 2 (Dqk + Dv) flops per visible (query, key) pair forward; the backward recomputes the
-//! scores (about 2.5x the forward). Deterministic: every output element is computed by one work
-//! item in a fixed order.
+//! scores: 5 tile products per tile pair on host backends with few threads (the fused schedule,
+//! which sums dQ in per-stripe buffers of the workspace), else 7 (docs/attention.md). Deterministic:
+//! every output element is summed in a fixed order that depends on the shapes only.
 
 #include <loom/attention/detail/decode_kernels.hpp>
 #include <loom/attention/detail/local_kernels.hpp>
@@ -212,9 +213,7 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
               static_cast<double>(part) * sizeof(Acc) <= static_cast<double>(fused_backward_max_bytes);
     l.kv_slots = slots_for(cap, (l.fused ? stripes : pb.k_tiles()) * pb.hkv);
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
-    l.scratch =
-        w.add<Acc>(l.fused ? l.kv_slots * KV::scratch(pb.dk, pb.dv)
-                           : std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
+    l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
     if (l.fused) l.dq_part = w.add<Acc>(part);
   }
@@ -325,18 +324,22 @@ void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const 
   const backward_args<TQ, TK, TV, TD, TG, Acc> args{
       pb,          rows_of(q),  rows_of(k), rows_of(v), rows_of(dout), rows2_of(lse), delta, rows_of(dq),
       rows_of(dk), rows_of(dv), qc,         kc,         scale,         accumulate,    kv};
+  // The fused schedule and the striped dQ order exist on host backends only (layout_of never picks
+  // fused for a device's unbounded slot cap); device kernels keep the plain order.
+  constexpr bool host = backend_traits<B>::memory_space::host_accessible;
   using KV = backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
-  using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc>;
+  using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc, host>;
   Acc* scratch = w.at<Acc>(l.scratch);
-  if (l.fused) {
-    const index_t stripes = stripes_of(pb);
-    Acc* part = w.at<Acc>(l.dq_part);
-    loom::detail::fill(b, part, stripes * pb.tq * pb.hq * pb.dk, Acc(0));
-    for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots, part});
-    for_each_index(b, pb.tq * pb.hq,
-                   dq_reduce_kernel<TG, Acc>{part, rows_of(dq), pb.tq, pb.hq, pb.dk, stripes, scale, accumulate});
-    return;
-  }
+  if constexpr (host)
+    if (l.fused) {
+      const index_t stripes = stripes_of(pb);
+      Acc* part = w.at<Acc>(l.dq_part);
+      loom::detail::fill(b, part, stripes * pb.tq * pb.hq * pb.dk, Acc(0));
+      for_each_index(b, l.kv_slots, backward_kv_kernel<TQ, TK, TV, TD, TG, Acc, true>{args, scratch, l.kv_slots, part});
+      for_each_index(b, pb.tq * pb.hq,
+                     dq_reduce_kernel<TG, Acc>{part, rows_of(dq), pb.tq, pb.hq, pb.dk, stripes, scale, accumulate});
+      return;
+    }
   if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots});
   if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots});
 }
@@ -409,7 +412,8 @@ class plan : public precision_types<P> {
   //! Workspace bytes of forward.
   [[nodiscard]] std::size_t workspace_bytes() const noexcept { return fwd_bytes_; }
   //! Workspace bytes of backward (at least workspace_bytes() is not implied: size a buffer for
-  //! both with the max of the two).
+  //! both with the max of the two). On host backends with few threads this includes the fused
+  //! schedule's per-stripe dQ sums, up to 4 Tq Hq Dqk accumulation values (at most 512 MiB).
   [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return bwd_bytes_; }
 
   //! The kernels' problem and scale (for loom's own callers).

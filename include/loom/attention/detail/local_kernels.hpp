@@ -396,25 +396,28 @@ LOOM_HD inline index_t stripes_of(const problem& pb) {
 //! query tile. With dq_part (the fused schedule), one item per (stripe, kv head) instead, over the
 //! stripe's key tiles in ascending order, also adding dS K into dq_part[stripe][t][h][:] (zeros
 //! before the call), which dq_reduce_kernel sums over the stripes.
-template <class TQ, class TK, class TV, class TD, class TG, class Acc>
+template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Fused = false>
 struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
   index_t slots;
-  Acc* dq_part = nullptr;  //!< [stripes][tq][hq][dk], or null: the two-pass schedule
+  Acc* dq_part = nullptr;  //!< Fused: [stripes][tq][hq][dk]
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
     return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv + 2 * tile_q;
   }
-  LOOM_HD index_t items() const { return (dq_part ? stripes_of(a.pb) : a.pb.k_tiles()) * a.pb.hkv; }
+  LOOM_HD index_t items() const { return (Fused ? stripes_of(a.pb) : a.pb.k_tiles()) * a.pb.hkv; }
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
     for (index_t item = slot; item < items(); item += slots) run(item, w);
   }
   LOOM_HD void run(index_t item, Acc* w) const {
-    if (!dq_part) return key_tile(item / a.pb.k_tiles(), item % a.pb.k_tiles(), w, 0);
-    const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes;
-    for (index_t ktile = stripe; ktile < a.pb.k_tiles(); ktile += stripes) key_tile(hk, ktile, w, stripe);
+    if constexpr (!Fused) {
+      key_tile(item / a.pb.k_tiles(), item % a.pb.k_tiles(), w, 0);
+    } else {
+      const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes;
+      for (index_t ktile = stripe; ktile < a.pb.k_tiles(); ktile += stripes) key_tile(hk, ktile, w, stripe);
+    }
   }
   LOOM_HD void key_tile(index_t hk, index_t ktile, Acc* w, index_t stripe) const {
     const problem& pb = a.pb;
@@ -426,7 +429,8 @@ struct backward_kv_kernel {
     for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
     for (index_t e = 0; e < tile_k * dv; ++e) gv[e] = Acc(0);
     const tile_bounds kb = a.kc.bounds(k0, nk);
-    const bool k_finite = !dq_part || all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk);
+    bool k_finite = true;
+    if constexpr (Fused) k_finite = all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk);
     for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
@@ -444,7 +448,7 @@ struct backward_kv_kernel {
           gemm_visible<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true, vis);
         else
           gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
-        if (dq_part)
+        if constexpr (Fused)
           dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, a.kv.kr_tile(hk, k0),
                      dq_part + ((stripe * pb.tq + q0) * pb.hq + h) * dk, pb.hq * dk);
       }
@@ -453,9 +457,10 @@ struct backward_kv_kernel {
   }
 };
 
-//! dQ: one item per (query tile, head), the key tiles stripe by stripe (stripes_of): each stripe's
-//! sum in a tile of its own, added to the total in stripe order.
-template <class TQ, class TK, class TV, class TD, class TG, class Acc>
+//! dQ: one item per (query tile, head). Striped (host backends, where the fused schedule may run
+//! instead): the key tiles stripe by stripe (stripes_of), each stripe's sum in a tile of its own,
+//! added to the total in stripe order; else every key tile in ascending order into one sum.
+template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Striped = true>
 struct backward_q_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
@@ -478,9 +483,13 @@ struct backward_q_kernel {
         *part = gq + tile_q * dk, *lrow = part + tile_q * dk, *drow = lrow + tile_q;
     a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
     const tile_bounds qb = a.qc.bounds(q0, nq);
-    const index_t stripes = stripes_of(pb);
+    const index_t stripes = Striped ? stripes_of(pb) : 1;
+    Acc* sum = Striped ? part : gq;  // a stripe's sum
+    if constexpr (!Striped)
+      for (index_t e = 0; e < tile_q * dk; ++e) gq[e] = Acc(0);
     for (index_t stripe = 0; stripe < stripes; ++stripe) {
-      for (index_t e = 0; e < tile_q * dk; ++e) part[e] = Acc(0);
+      if constexpr (Striped)
+        for (index_t e = 0; e < tile_q * dk; ++e) part[e] = Acc(0);
       for (index_t ktile = stripe; ktile < pb.k_tiles(); ktile += stripes) {
         const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
         const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
@@ -489,9 +498,10 @@ struct backward_q_kernel {
                         a.kv.ld_t(), lrow, drow, s, dp);
         const Acc* kr = a.kv.kr_tile(hk, k0);
         const bool k_finite = kind != tile_kind::partial || all_finite(kr, nk, dk, dk);
-        dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, kr, part, dk);
+        dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, kr, sum, dk);
       }
-      for (index_t e = 0; e < nq * dk; ++e) gq[e] = stripe == 0 ? part[e] : gq[e] + part[e];
+      if constexpr (Striped)
+        for (index_t e = 0; e < nq * dk; ++e) gq[e] = stripe == 0 ? part[e] : gq[e] + part[e];
     }
     store_rows(a.dq, q0, nq, h, dk, gq, a.scale, a.accumulate);
   }
