@@ -281,6 +281,35 @@ TEST_CASE("sparse choose: the cost model's times, monotone in sparsity, consiste
   CHECK(ls::choose(x - 0.005, 4096, 4096, 64, 4, fast_gemm).pick == ls::choice::path::dense_gemm);
 }
 
+TEST_CASE("sparse choose: the H100 model reproduces the measured times and picks", "[sparse][chooser][gpu]") {
+  // docs/gpu.md, the H100 run of 2026-11-23: cublasSgemm and loom's bitmap kernel (fp32), times
+  // in microseconds, for M = 4096, K, N and 50 / 90 % zeros.
+  namespace ls = loom::sparse;
+  struct cell {
+    index_t k, n;
+    double sgemm, bitmap50, bitmap90;
+  };
+  const cell cells[] = {{4096, 1, 36.2, 210, 209},  {4096, 16, 55.1, 279, 277},  {4096, 64, 72.6, 282, 280},
+                        {11008, 1, 73.4, 655, 546}, {11008, 16, 111, 1169, 727}, {11008, 64, 152, 1245, 731}};
+  const auto& model = ls::h100_fp32_model;
+  for (const cell& c : cells)
+    for (const auto& [sparsity, measured] : {std::pair{0.5, c.bitmap50}, std::pair{0.9, c.bitmap90}}) {
+      INFO("K " << c.k << " N " << c.n << " sparsity " << sparsity);
+      const auto got = ls::choose(sparsity, 4096, c.k, c.n, 4, model);
+      CHECK(got.pick == ls::choice::path::dense_gemm);  // as measured: cublasSgemm 3.8-11x faster
+      const double dense = got.dense_seconds * 1e6 / c.sgemm, sparse = got.sparse_seconds * 1e6 / measured;
+      CHECK(dense >= 0.55);
+      CHECK(dense <= 1.15);
+      CHECK(sparse >= 0.55);
+      CHECK(sparse <= 1.15);
+    }
+  // 64 columns per pass: N = 16 and N = 64 cost the bitmap kernel the same, as measured.
+  CHECK(ls::choose(0.9, 4096, 4096, 16, 4, model).sparse_seconds ==
+        Approx(ls::choose(0.9, 4096, 4096, 64, 4, model).sparse_seconds));
+  // The bitmap kernel would need almost every tile empty to win there.
+  CHECK(ls::crossover_sparsity(4096, 11008, 16, 4, model) > 0.99);
+}
+
 TEST_CASE("sparse choose rejects bad arguments", "[sparse][chooser][reject]") {
   namespace ls = loom::sparse;
   CHECK_THROWS_WITH(ls::choose(-0.1, 8, 8, 1, 4), Catch::Contains("sparsity must be in [0, 1]"));
@@ -293,6 +322,9 @@ TEST_CASE("sparse choose rejects bad arguments", "[sparse][chooser][reject]") {
   bad.bandwidth_gbs = 0;
   CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 1, 4, bad), Catch::Contains("cost_model bandwidths"));
   CHECK_THROWS_AS(ls::crossover_sparsity(8, 8, 1, 4, bad), loom::error);
+  ls::cost_model no_columns;
+  no_columns.columns_per_pass = 0;
+  CHECK_THROWS_WITH(ls::choose(0.5, 8, 8, 1, 4, no_columns), Catch::Contains("columns_per_pass >= 1"));
 }
 
 TEST_CASE("sparse formats and conversions reject sizes whose products overflow, naming them",

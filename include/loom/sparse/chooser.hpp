@@ -6,12 +6,13 @@
 //! two-term cost model of each path. Both paths are bound by the larger of two times:
 //!
 //!   dense:  max(e M K / dense_bandwidth,                 2 M K N / gemm_rate)
-//!   bitmap: max((e (1 - s) + 9/64) M K / bandwidth,      tiles ceil(N / 32) (tile + cols(s, N) column))
+//!   bitmap: max((e (1 - s) + 9/64) M K / bandwidth,      tiles ceil(N / c) (tile + cols(s, N) column))
 //!
 //! e is the element size, s the sparsity, tiles = (1 - s^512) M K / 512 (the tiles holding a
 //! nonzero, for randomly placed zeros). The bitmap kernel expands each nonempty 8 x 64
 //! tile (a fixed cost per tile, whatever its sparsity) and, for N >= 2, multiplies every column of
-//! the tile that holds a nonzero in any of its 8 rows by a row of B, 32 output columns at a time:
+//! the tile that holds a nonzero in any of its 8 rows by a row of B, c = columns_per_pass output
+//! columns at a time (32 on the host, 64 on loom::cuda):
 //! cols(s, N) = 64 (1 - s^8) for randomly placed zeros, 0 for N = 1. The defaults are calibrated on
 //! the benchmark machine of docs/performance.md (2 cores, openmp 2 threads, AVX-512 kernels,
 //! OpenBLAS sgemm; see docs/sparse.md); pass a cost_model measured on yours.
@@ -47,8 +48,21 @@ struct cost_model {
   double dense_bandwidth_gbs = 18.7;  //!< read bandwidth of the dense GEMM at N = 1 (GB/s)
   double gemm_gflops = 180.0;         //!< dense GEMM rate at large N (GFLOP/s)
   double tile_ns = 21.0;              //!< expanding one 8 x 64 tile (ns)
-  double column_ns = 0.9;             //!< one tile column times up to 32 columns of B, 8 rows (ns)
+  double column_ns = 0.9;             //!< one tile column times up to `columns_per_pass` columns of B, 8 rows (ns)
+  double columns_per_pass = 32.0;     //!< columns of B one pass over a tile multiplies (host 32, cuda 64)
 };
+
+//! The model fitted to the H100 run of 2026-11-23 (docs/gpu.md): fp32, cublasSgemm as the dense
+//! path, loom's bitmap kernel on loom::cuda (one block per 8-row band and 64 columns of B), M = 4096,
+//! K = 4096 and 11008, N = 1, 16, 64, 50 and 90 % zeros. It predicts those 18 measured times
+//! within 0.55x-1.12x (the 6 GEMMs) and 0.69x-1.15x (the 12 bitmap products), tested, and picks the
+//! dense GEMM in every cell, as measured (the bitmap kernel ran at 0.09-0.26x cublasSgemm there).
+inline constexpr cost_model h100_fp32_model{.bandwidth_gbs = 2500.0,
+                                            .dense_bandwidth_gbs = 2200.0,
+                                            .gemm_gflops = 35000.0,
+                                            .tile_ns = 6.6,
+                                            .column_ns = 0.05,
+                                            .columns_per_pass = 64.0};
 
 //! What choose() picked, with both predicted times (seconds) for M x K x N.
 struct choice {
@@ -68,11 +82,12 @@ inline choice choose(double sparsity, index_t m, index_t k, index_t n, std::size
                n);
   LOOM_EXPECTS(element_bytes > 0, errc::invalid_argument, "choose: element_bytes must be > 0");
   LOOM_EXPECTS(model.bandwidth_gbs > 0 && model.dense_bandwidth_gbs > 0 && model.gemm_gflops > 0 &&
-                   model.tile_ns >= 0 && model.column_ns >= 0,
+                   model.tile_ns >= 0 && model.column_ns >= 0 && model.columns_per_pass >= 1,
                errc::invalid_argument,
-               "choose: cost_model bandwidths and GEMM rate must be > 0 and the kernel times >= 0");
+               "choose: cost_model bandwidths and GEMM rate must be > 0, the kernel times >= 0 and "
+               "columns_per_pass >= 1");
   const double mk = static_cast<double>(m) * static_cast<double>(k), e = static_cast<double>(element_bytes);
-  const double nn = static_cast<double>(n), groups = std::ceil(nn / 32.0);
+  const double nn = static_cast<double>(n), groups = std::ceil(nn / model.columns_per_pass);
   const double tiles = mk / 512.0 * (1.0 - std::pow(sparsity, 512.0));  // empty tiles are skipped
   const double cols = n == 1 ? 0.0 : 64.0 * (1.0 - std::pow(sparsity, 8.0));
   const double dense = std::max(e * mk / (model.dense_bandwidth_gbs * 1e9), 2.0 * mk * nn / (model.gemm_gflops * 1e9));
