@@ -393,9 +393,9 @@ LOOM_HD inline index_t stripes_of(const problem& pb) {
 }
 
 //! dK and dV: one item per (key tile, kv head), over every query head of its group and every
-//! query tile. With dq_part (the fused schedule), one item per (stripe, kv head) instead, over the
-//! stripe's key tiles in ascending order, also adding dS K into dq_part[stripe][t][h][:] (zeros
-//! before the call), which dq_reduce_kernel sums over the stripes.
+//! query tile. Fused: one item per (stripe, kv head) instead, over the stripe's key tiles in
+//! ascending order, also adding dS K into dq_part[stripe][t][h][:] (zeros before the call), which
+//! dq_reduce_kernel sums over the stripes.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Fused = false>
 struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
