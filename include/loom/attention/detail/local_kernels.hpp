@@ -4,8 +4,10 @@
 //! The tiled exact-attention kernels (online softmax, never the full score matrix): the forward
 //! over (query tile, head) work items, and the backward in two passes, one over (key tile, kv
 //! head) items for dK and dV and one over (query tile, head) items for dQ, so that no two items
-//! write the same output (deterministic, no atomics). Items are dealt round-robin to `slots`
-//! (one per thread on the host), each with its own scratch.
+//! write the same output (deterministic, no atomics); or, on host backends, fused: one pass over
+//! (key stripe, kv head) items that also sums dQ per stripe, then a sum over the stripes, in the
+//! same order as the two-pass dQ. Items are dealt round-robin to `slots` (one per thread on the
+//! host), each with its own scratch.
 
 #include <loom/attention/detail/tile.hpp>
 
