@@ -282,8 +282,8 @@ TEST_CASE("sparse choose: the cost model's times, monotone in sparsity, consiste
 }
 
 TEST_CASE("sparse choose: the H100 model reproduces the measured times and picks", "[sparse][chooser][gpu]") {
-  // docs/gpu.md, the H100 run of 2026-11-23: cublasSgemm and loom's bitmap kernel (fp32), times
-  // in microseconds, for M = 4096, K, N and 50 / 90 % zeros.
+  // docs/gpu.md, the H100 run of 2026-11-23 (commits 47efad8, d6dcb58): cublasSgemm and loom's bitmap kernel (fp32),
+  // times in microseconds, for M = 4096, K, N and 50 / 90 % zeros.
   namespace ls = loom::sparse;
   struct cell {
     index_t k, n;

@@ -52,11 +52,12 @@ struct cost_model {
   double columns_per_pass = 32.0;     //!< columns of B one pass over a tile multiplies (host 32, cuda 64)
 };
 
-//! The model fitted to the H100 run of 2026-11-23 (docs/gpu.md): fp32, cublasSgemm as the dense
-//! path, loom's bitmap kernel on loom::cuda (one block per 8-row band and 64 columns of B), M = 4096,
-//! K = 4096 and 11008, N = 1, 16, 64, 50 and 90 % zeros. It predicts those 18 measured times
-//! within 0.55x-1.12x (the 6 GEMMs) and 0.69x-1.15x (the 12 bitmap products), tested, and picks the
-//! dense GEMM in every cell, as measured (the bitmap kernel ran at 0.09-0.26x cublasSgemm there).
+//! The model fitted to the H100 run of 2026-11-23 (docs/gpu.md, its Bitmap SpMM table; commits
+//! 47efad8, d6dcb58): fp32, cublasSgemm as the dense path, loom's bitmap kernel on loom::cuda (one
+//! block per 8-row band and 64 columns of B), M = 4096, K = 4096 and 11008, N = 1, 16, 64, 50 and
+//! 90 % zeros. It predicts those 18 measured times within 0.55x-1.12x (the 6 GEMMs) and
+//! 0.69x-1.15x (the 12 bitmap products), tested, and picks the dense GEMM in every cell, as
+//! measured (the bitmap kernel ran at 0.09-0.26x cublasSgemm there).
 inline constexpr cost_model h100_fp32_model{.bandwidth_gbs = 2500.0,
                                             .dense_bandwidth_gbs = 2200.0,
                                             .gemm_gflops = 35000.0,

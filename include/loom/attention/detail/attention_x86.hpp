@@ -48,9 +48,10 @@ struct prefetch_cursor {
   const char* base = nullptr;
   index_t key_stride = 0, head_stride = 0, keys = 0, heads = 0, row_bytes = 0;
   index_t key = 0, head = 0, off = 0;
-  LOOM_HD bool pending() const { return key < keys; }
+  // Device code has no prefetch: the cursor is empty there, so its steps cost nothing.
+  LOOM_HD bool pending() const { return !LOOM_IN_DEVICE_CODE && key < keys; }
   LOOM_HD void step() {
-    if (key >= keys) return;
+    if (!pending()) return;
     prefetch_row(base + key * key_stride + head * head_stride + off, 1);
     if ((off += 64) < row_bytes) return;
     off = 0;
