@@ -276,6 +276,69 @@ TEST_CASE(
   }
 }
 
+TEST_CASE(
+    "attention: the forward gives the same bits with one query head per item and with a group per "
+    "item" LOOM_BACKEND_TAG,
+    "[attention][local]") {
+  // Few slots put the query heads of one kv head into one item (each key tile read once for
+  // them); many slots keep one head per item. Both against the oracle, then bit for bit, with a
+  // NaN in one document's K and an infinite score in a fully visible tile of another.
+  if constexpr (!space::host_accessible) {
+    SUCCEED("device backends take one query head per item only");
+    return;
+  }
+  using T = float;
+  const vector_switch switched(GENERATE(true, false));
+  const bool poisoned = GENERATE(false, true);
+  const std::vector<index_t> cu{0, 5, 300, 301, 557};  // 557 tokens: 9 query tiles
+  lt::attn_shape s{557, 557, 6, 2, 40, 24, true, {200, 0}};
+  auto in = make_inputs<T>(s, 141);
+  if (poisoned) {
+    in.k[(10 * s.hkv + 1) * s.dk + 3] = std::numeric_limits<double>::quiet_NaN();  // document 1
+    in.q[(500 * s.hq + 4) * s.dk] = std::numeric_limits<double>::infinity();       // document 3, head 4
+  }
+  const auto c = lt::packed(cu);
+  const auto b = make_backend();
+  buffer<T> q(cast<T>(in.q)), k(cast<T>(in.k)), v(cast<T>(in.v));
+  buffer<index_t> doc(c.doc), pos(c.pos);
+  const la::coords<space> cv{view_of<const index_t, 1>(doc, {s.tq}), view_of<const index_t, 1>(pos, {s.tq})};
+  const la::detail::problem pb{s.tq, s.tk, s.hq, s.hkv, s.dk, s.dv, s.causal, s.window.left, s.window.right};
+  auto run = [&](index_t cap) {
+    const auto l = la::detail::layout_of<float>(pb, false, cap);
+    buffer<T> out(std::vector<T>(static_cast<std::size_t>(s.tq * s.hq * s.dv), T(7)));
+    buffer<float> lse(std::vector<float>(static_cast<std::size_t>(s.tq * s.hq), 7.0f));
+    const loom::temporary_buffer<backend_under_test, std::byte> ws(b, static_cast<index_t>(l.bytes));
+    la::detail::forward_on<float>(
+        b, pb, static_cast<float>(1.0 / std::sqrt(double(s.dk))), view_of<const T, 3>(q, {s.tq, s.hq, s.dk}),
+        view_of<const T, 3>(k, {s.tk, s.hkv, s.dk}), view_of<const T, 3>(v, {s.tk, s.hkv, s.dv}),
+        la::detail::coords_of(cv), la::detail::coords_of(cv), view_of<T, 3>(out, {s.tq, s.hq, s.dv}),
+        view_of<float, 2>(lse, {s.tq, s.hq}), ws.bytes(), cap);
+    loom::fence(b);
+    return std::make_tuple(l.heads, out.to_host(), lse.to_host());
+  };
+  const auto [grouped, a_out, a_lse] = run(1);
+  const auto [single, z_out, z_lse] = run(index_t{1} << 20);
+  REQUIRE(grouped == 3);
+  REQUIRE(single == 1);
+  CHECK(std::memcmp(a_out.data(), z_out.data(), a_out.size() * sizeof(T)) == 0);
+  CHECK(std::memcmp(a_lse.data(), z_lse.data(), a_lse.size() * sizeof(float)) == 0);
+  if (poisoned) {
+    // The queries that see token 10 (document 1, window 200: tokens 10..210) in the heads of kv
+    // head 1 are NaN, and so is row 500 of head 4; every other row is finite.
+    for (index_t t = 0; t < s.tq; ++t)
+      for (index_t h = 0; h < s.hq; ++h) {
+        const bool nan = (t >= 10 && t <= 210 && h >= 3) || (t == 500 && h == 4);
+        INFO("token " << t << " head " << h);
+        REQUIRE(std::isnan(a_lse[static_cast<std::size_t>(t * s.hq + h)]) == nan);
+        REQUIRE(std::isfinite(a_lse[static_cast<std::size_t>(t * s.hq + h)]) == !nan);
+      }
+  } else {
+    const auto want = lt::attention_oracle(s, widen(cast<T>(in.q)), widen(cast<T>(in.k)), widen(cast<T>(in.v)), c, c);
+    lt::require_close(widen(a_out), want.out, {2e-5, 2e-5}, "out");
+    lt::require_close(widen(a_lse), want.lse, {2e-5, 2e-5}, "lse");
+  }
+}
+
 TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND_TAG, "[attention][merge]") {
   if constexpr (space::host_accessible) {
     const auto b = make_backend();

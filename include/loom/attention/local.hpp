@@ -187,8 +187,13 @@ inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (ite
 struct local_layout {
   std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
+  index_t heads = 1;                //!< forward: query heads per work item (forward_kernel)
   bool fused = false;               //!< backward: one pass over key tiles that also sums dQ by stripes
 };
+
+//! The most query heads a forward work item takes (their tiles and sums, 64 KiB each at d = 128,
+//! stay in a core's L2 cache beside the key tile they share).
+inline constexpr index_t forward_max_heads = 4;
 
 //! The most bytes of per-stripe dQ sums the fused backward takes; above, the two-pass one runs.
 inline constexpr std::size_t fused_backward_max_bytes = std::size_t{512} << 20;
@@ -203,8 +208,16 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
   const index_t pad = pb.k_tiles() * tile_k;
   l.slots = slots_for(cap, pb.q_tiles() * pb.hq);
   if (!backward) {
+    // Query heads of one kv head share an item (each key tile read once for all of them) while
+    // the items still number at least 4 per slot; device backends (cap unbounded) keep one.
+    for (index_t g = forward_max_heads; g > 1; --g)
+      if (pb.group() % g == 0 && pb.q_tiles() * (pb.hq / g) / 4 >= cap) {
+        l.heads = g;
+        break;
+      }
+    l.slots = slots_for(cap, pb.q_tiles() * (pb.hq / l.heads));
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
-    l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv));
+    l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv, l.heads));
   } else {
     // Fused (5 tile products per tile pair instead of 7) on the host when its (stripe, kv head)
     // items keep every slot busy and its dQ sums fit the bound; both schedules give the same bits.
@@ -293,13 +306,16 @@ template <class Acc, backend B, class Q, class K, class V, class O, class L>
 void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc, const token_coords& kc,
                 O out, L lse, std::span<std::byte> ws, index_t cap) {
   if (pb.tq == 0) return;
+  // Items of several query heads exist on host backends only (layout_of never groups on a device).
+  constexpr bool host = backend_traits<B>::memory_space::host_accessible;
   using Kn = forward_kernel<typename Q::value_type, typename K::value_type, typename V::value_type,
-                            typename O::value_type, Acc>;
+                            typename O::value_type, Acc, host>;
   const local_layout l = layout_of<Acc>(pb, false, cap);
   const workspace_carver w(ws);
   const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, false, false, true);
-  for_each_index(b, l.slots,
-                 Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots});
+  for_each_index(
+      b, l.slots,
+      Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots, l.heads});
 }
 
 //! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes.

@@ -181,6 +181,33 @@ LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, i
   }
 }
 
+//! max(init, row[0..width)) (width a multiple of 16), where a NaN element is passed over
+//! (local_kernels.hpp's row_max: each step keeps x > m ? x : m, which is what maxps computes).
+LOOM_X86_AVX2 inline float row_max(const float* row, index_t width, float init) {
+  __m256 a = _mm256_set1_ps(init), b = a;
+  for (index_t j = 0; j < width; j += 16) {
+    a = _mm256_max_ps(_mm256_loadu_ps(row + j), a);
+    b = _mm256_max_ps(_mm256_loadu_ps(row + j + 8), b);
+  }
+  a = _mm256_max_ps(b, a);
+  __m128 h = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+  h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+  return _mm_cvtss_f32(_mm_max_ss(_mm_shuffle_ps(h, h, 1), h));
+}
+
+//! Whether row[0..n) holds only finite values (local_kernels.hpp's finite_prefix).
+LOOM_X86_AVX2 inline bool finite_prefix(const float* row, index_t n) {
+  __m256 bad = _mm256_setzero_ps();
+  index_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(row + j), t = _mm256_sub_ps(x, x);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
+  }
+  bool finite = _mm256_movemask_ps(bad) == 0;
+  for (; j < n; ++j) finite &= row[j] - row[j] == 0.0f;
+  return finite;
+}
+
 //! e^x in 8 lanes: tile.hpp's fast_exp (the same range reduction and polynomial, relative error
 //! below 3e-7 on (-87, 88.37); 0 at and below -87, +inf above 88.37, NaN for NaN).
 LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {

@@ -11,6 +11,10 @@
 
 #include <loom/attention/detail/tile.hpp>
 
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
 namespace loom::attention::detail {
 
 //! A rank-3 [T, H, D] operand as pointer and strides (unit stride inside a row).
@@ -119,6 +123,10 @@ struct prepare_kv_kernel {
 inline constexpr index_t lanes = 16;
 template <class Acc>
 LOOM_HD Acc row_max(const Acc* row, Acc init) {
+#if defined(LOOM_ATTENTION_X86_TILES)
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx2_available()) return x86::row_max(row, tile_k, init);
+#endif
   Acc part[lanes];
   for (index_t u = 0; u < lanes; ++u) part[u] = init;
   for (index_t j0 = 0; j0 < tile_k; j0 += lanes)
@@ -135,6 +143,26 @@ LOOM_HD Acc row_sum(const Acc* row) {
   Acc sum = Acc(0);
   for (index_t u = 0; u < lanes; ++u) sum += part[u];
   return sum;
+}
+
+//! Whether row[0..n) holds only finite values: no element has every exponent bit set (an or of
+//! integer compares, which vectorises).
+template <class Acc>
+LOOM_HD bool finite_prefix(const Acc* row, index_t n) {
+#if defined(LOOM_ATTENTION_X86_TILES)
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx2_available()) return x86::finite_prefix(row, n);
+#endif
+  static_assert(sizeof(Acc) == 4 || sizeof(Acc) == 8, "finite_prefix: float or double");
+  using U = std::conditional_t<sizeof(Acc) == 4, std::uint32_t, std::uint64_t>;
+  constexpr U ones = sizeof(Acc) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
+  for (index_t j = 0; j < n; ++j) {
+    U u;
+    std::memcpy(&u, row + j, sizeof u);
+    bad |= (u & ones) == ones ? U(1) : U(0);
+  }
+  return bad == 0;
 }
 
 //! row[j] = e^(row[j] - mx) over a tile row (masked scores are -inf: 0); where `full` (every key
@@ -163,6 +191,14 @@ template <class Acc>
 LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, Acc* l, Acc* acc, index_t dv) {
   for (index_t i = 0; i < nq; ++i) {
     Acc* row = s + i * tile_k;
+    // Where every key is visible, a score of +-inf or NaN must make its entry NaN (exp_row's full
+    // form). On the host a row of finite scores takes the plain form, which with -inf past nk
+    // gives the same bits for less work; device code keeps the full form (no extra pass).
+#if LOOM_IN_DEVICE_CODE
+    const bool poison = full;
+#else
+    const bool poison = full && !finite_prefix(row, nk);
+#endif
     for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
     const Acc mx = row_max(row, m[i]);
     if (mx == neg_inf<Acc>()) {
@@ -177,9 +213,12 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
       continue;
     }
     const Acc alpha = fast_exp(m[i] - mx);
-    const Acc sum = exp_row(row, nk, full, mx);
+    const Acc sum = exp_row(row, nk, poison, mx);
     l[i] = l[i] * alpha + sum;
     m[i] = mx;
+#if !LOOM_IN_DEVICE_CODE
+    if (alpha == Acc(1)) continue;  // the max held: the accumulators stay (x * 1 is x)
+#endif
     Acc* arow = acc + i * dv;
     for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
   }
@@ -225,7 +264,11 @@ LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_c
   }
 }
 
-template <class TQ, class TK, class TV, class TO, class Acc>
+//! The forward: one item per (query tile, head), or on host backends (Grouped) per (query tile,
+//! `heads` query heads of one kv head): each key tile is then read from memory once for all of
+//! them and reused from the cache (the heads' tiles and sums take `heads` times the scratch).
+//! Each head's arithmetic is the same either way, so the bits do not depend on the grouping.
+template <class TQ, class TK, class TV, class TO, class Acc, bool Grouped = false>
 struct forward_kernel {
   problem pb;
   rows3<const TQ> q;
@@ -236,49 +279,71 @@ struct forward_kernel {
   Acc scale;
   Acc* ws;
   index_t slots;
+  index_t heads = 1;  //!< query heads per item (Grouped only; divides pb.group())
 
-  LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + tile_q * tile_k + tile_q * dv + 2 * tile_q;
+  //! Scratch elements of one slot for `heads` query heads per item: the scores of one tile, then
+  //! each head's query tile, accumulators and running max and sum.
+  LOOM_HD static index_t scratch(index_t dk, index_t dv, index_t heads = 1) {
+    return tile_q * tile_k + heads * (tile_q * dk + tile_q * dv + 2 * tile_q);
   }
-  LOOM_HD index_t items() const { return pb.q_tiles() * pb.hq; }
+  LOOM_HD index_t per_item() const {
+    if constexpr (Grouped)
+      return heads;
+    else
+      return 1;
+  }
+  LOOM_HD index_t items() const { return pb.q_tiles() * (pb.hq / per_item()); }
 
   LOOM_HD void operator()(index_t slot) const {
-    Acc* w = ws + slot * scratch(pb.dk, pb.dv);
+    Acc* w = ws + slot * scratch(pb.dk, pb.dv, per_item());
     for (index_t item = slot; item < items(); item += slots) run(item, w);
   }
 
   LOOM_HD void run(index_t item, Acc* w) const {
-    const index_t h = item / pb.q_tiles(), qt = item % pb.q_tiles(), hk = h / pb.group();
+    const index_t g = per_item(), h0 = (item / pb.q_tiles()) * g, qt = item % pb.q_tiles(), hk = h0 / pb.group();
     const index_t q0 = qt * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
-    const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *s = qs + tile_q * dk, *acc = s + tile_q * tile_k, *m = acc + tile_q * dv, *l = m + tile_q;
-    load_rows(q, q0, nq, h, dk, scale, qs);
-    for (index_t i = 0; i < nq; ++i) {
-      m[i] = neg_inf<Acc>();
-      l[i] = Acc(0);
+    const index_t dk = pb.dk, dv = pb.dv, head_size = tile_q * dk + tile_q * dv + 2 * tile_q;
+    Acc* s = w;
+    // Head u's query tile, accumulators, running max and sum.
+    auto qs_of = [&](index_t u) { return s + tile_q * tile_k + u * head_size; };
+    auto acc_of = [&](index_t u) { return qs_of(u) + tile_q * dk; };
+    auto m_of = [&](index_t u) { return acc_of(u) + tile_q * dv; };
+    auto l_of = [&](index_t u) { return m_of(u) + tile_q; };
+    for (index_t u = 0; u < g; ++u) {
+      load_rows(q, q0, nq, h0 + u, dk, scale, qs_of(u));
+      Acc *m = m_of(u), *l = l_of(u), *acc = acc_of(u);
+      for (index_t i = 0; i < nq; ++i) {
+        m[i] = neg_inf<Acc>();
+        l[i] = Acc(0);
+      }
+      for (index_t e = 0; e < nq * dv; ++e) acc[e] = Acc(0);
     }
-    for (index_t e = 0; e < nq * dv; ++e) acc[e] = Acc(0);
     const tile_bounds qb = qc.bounds(q0, nq);
     for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
       const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
-      gemm<false>(nq, tile_k, dk, qs, dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
       const bool full = kind == tile_kind::full;
-      if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
-      softmax_update(nq, nk, full, s, m, l, acc, dv);
       // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
       // not multiplied (0 * inf = NaN would cross into another document's rows).
-      if (kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv))
-        gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
-                            pair_visible{pb, qc, kc, q0, k0});
-      else
-        gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
+      const bool skip_masked = kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv);
+      for (index_t u = 0; u < g; ++u) {
+        Acc* acc = acc_of(u);
+        gemm<false>(nq, tile_k, dk, qs_of(u), dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
+        if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
+        softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
+        if (skip_masked)
+          gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
+                              pair_visible{pb, qc, kc, q0, k0});
+        else
+          gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
+      }
     }
-    for (index_t i = 0; i < nq; ++i) {
-      TO* orow = o.at(q0 + i, h);
-      lse.at(q0 + i, h) = finish_row(m[i], l[i], acc + i * dv, dv, orow);
-    }
+    for (index_t u = 0; u < g; ++u)
+      for (index_t i = 0; i < nq; ++i) {
+        TO* orow = o.at(q0 + i, h0 + u);
+        lse.at(q0 + i, h0 + u) = finish_row(m_of(u)[i], l_of(u)[i], acc_of(u) + i * dv, dv, orow);
+      }
   }
 };
 
