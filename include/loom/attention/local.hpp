@@ -51,7 +51,9 @@
 //!
 //! Completion: host backends are complete on return; on device backends the plan forms are
 //! stream-ordered on the backend's stream and return without a sync; the convenience forms fence.
-//! Work: 2 (Dqk + Dv) flops per visible (query, key) pair forward; the backward recomputes the
+//! Work: 2 (Dqk + Dv) flops per visible (query, key) pair forward (on host backends each work
+//! item takes up to 4 query heads of one kv head, which share its key tiles in the cache: the
+//! workspace holds their tiles per thread); the backward recomputes the
 //! scores: 5 tile products per tile pair on host backends with few threads (the fused schedule,
 //! which sums dQ in per-stripe buffers of the workspace), else 7 (docs/attention.md). Deterministic:
 //! every output element is summed in a fixed order that depends on the shapes only.

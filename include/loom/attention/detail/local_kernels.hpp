@@ -2,7 +2,8 @@
 
 //! @file
 //! The tiled exact-attention kernels (online softmax, never the full score matrix): the forward
-//! over (query tile, head) work items, and the backward in two passes, one over (key tile, kv
+//! over (query tile, head) work items (on host backends, (query tile, query heads of one kv head),
+//! each key tile read once for them), and the backward in two passes, one over (key tile, kv
 //! head) items for dK and dV and one over (query tile, head) items for dQ, so that no two items
 //! write the same output (deterministic, no atomics); or, on host backends, fused: one pass over
 //! (key stripe, kv head) items that also sums dQ per stripe, then a sum over the stripes, in the
