@@ -208,7 +208,6 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
   local_layout l;
   workspace_layout w;
   const index_t pad = pb.k_tiles() * tile_k;
-  l.slots = slots_for(cap, pb.q_tiles() * pb.hq);
   if (!backward) {
     // Query heads of one kv head share an item (each key tile read once for all of them) while
     // the items still number at least 4 per slot; device backends (cap unbounded) keep one.
@@ -226,6 +225,7 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
     const index_t stripes = stripes_of(pb), part = stripes * pb.tq * pb.hq * pb.dk;
     l.fused = pb.tk > 0 && pb.tq > 0 && cap <= stripes * pb.hkv / 2 &&
               static_cast<double>(part) * sizeof(Acc) <= static_cast<double>(fused_backward_max_bytes);
+    l.slots = slots_for(cap, pb.q_tiles() * pb.hq);
     l.kv_slots = slots_for(cap, (l.fused ? stripes : pb.k_tiles()) * pb.hkv);
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
     l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));

@@ -195,19 +195,6 @@ LOOM_X86_AVX2 inline float row_max(const float* row, index_t width, float init) 
   return _mm_cvtss_f32(_mm_max_ss(_mm_shuffle_ps(h, h, 1), h));
 }
 
-//! Whether row[0..n) holds only finite values (local_kernels.hpp's finite_prefix).
-LOOM_X86_AVX2 inline bool finite_prefix(const float* row, index_t n) {
-  __m256 bad = _mm256_setzero_ps();
-  index_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 x = _mm256_loadu_ps(row + j), t = _mm256_sub_ps(x, x);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(t, t, _CMP_UNORD_Q));
-  }
-  bool finite = _mm256_movemask_ps(bad) == 0;
-  for (; j < n; ++j) finite &= row[j] - row[j] == 0.0f;
-  return finite;
-}
-
 //! e^x in 8 lanes: tile.hpp's fast_exp (the same range reduction and polynomial, relative error
 //! below 3e-7 on (-87, 88.37); 0 at and below -87, +inf above 88.37, NaN for NaN).
 LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {

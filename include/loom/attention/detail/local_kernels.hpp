@@ -12,8 +12,6 @@
 
 #include <loom/attention/detail/tile.hpp>
 
-#include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 namespace loom::attention::detail {
@@ -146,26 +144,6 @@ LOOM_HD Acc row_sum(const Acc* row) {
   return sum;
 }
 
-//! Whether row[0..n) holds only finite values: no element has every exponent bit set (an or of
-//! integer compares, which vectorises).
-template <class Acc>
-LOOM_HD bool finite_prefix(const Acc* row, index_t n) {
-#if defined(LOOM_ATTENTION_X86_TILES)
-  if constexpr (std::is_same_v<Acc, float>)
-    if (loom::detail::x86::avx2_available()) return x86::finite_prefix(row, n);
-#endif
-  static_assert(sizeof(Acc) == 4 || sizeof(Acc) == 8, "finite_prefix: float or double");
-  using U = std::conditional_t<sizeof(Acc) == 4, std::uint32_t, std::uint64_t>;
-  constexpr U ones = sizeof(Acc) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
-  U bad = 0;
-  for (index_t j = 0; j < n; ++j) {
-    U u;
-    std::memcpy(&u, row + j, sizeof u);
-    bad |= (u & ones) == ones ? U(1) : U(0);
-  }
-  return bad == 0;
-}
-
 //! row[j] = e^(row[j] - mx) over a tile row (masked scores are -inf: 0); where `full` (every key
 //! visible) a score of +-inf or NaN makes its entry NaN and entries past nk are 0. Returns the
 //! row's sum. x86 hosts with AVX2 take the 8-lane form (float; its own fixed order; see
@@ -198,7 +176,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
 #if LOOM_IN_DEVICE_CODE
     const bool poison = full;
 #else
-    const bool poison = full && !finite_prefix(row, nk);
+    const bool poison = full && !all_finite(row, 1, nk, tile_k);
 #endif
     for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
     const Acc mx = row_max(row, m[i]);

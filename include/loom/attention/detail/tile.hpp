@@ -78,16 +78,23 @@ LOOM_HD Acc finite_or_nan(Acc s) {
   return s - s == Acc(0) ? s : std::numeric_limits<Acc>::quiet_NaN();
 }
 
-//! True when the n x d block (leading dimension ld) holds only finite values: sum(x * 0) is 0
-//! exactly then and NaN otherwise (vectorises; no branch per element). T is the accumulation type
-//! or a storage type (converted to float or double first).
+//! True when the n x d block (leading dimension ld) holds only finite values: no element, converted
+//! to float or double, has every exponent bit set (an or of integer compares, which vectorises; no
+//! branch per element). T is the accumulation type or a storage type.
 template <class T>
 LOOM_HD bool all_finite(const T* x, index_t n, index_t d, index_t ld) {
   using A = std::conditional_t<std::is_same_v<std::remove_cv_t<T>, double>, double, float>;
-  A z = A(0);
+  using U = std::conditional_t<sizeof(A) == 4, std::uint32_t, std::uint64_t>;
+  constexpr U ones = sizeof(A) == 4 ? U(0x7f800000u) : U(0x7ff0000000000000ull);
+  U bad = 0;
   for (index_t i = 0; i < n; ++i)
-    for (index_t c = 0; c < d; ++c) z += static_cast<A>(x[i * ld + c]) * A(0);
-  return z == A(0);
+    for (index_t c = 0; c < d; ++c) {
+      const A a = static_cast<A>(x[i * ld + c]);
+      U u;
+      std::memcpy(&u, &a, sizeof u);
+      bad |= (u & ones) == ones ? U(1) : U(0);
+    }
+  return bad == 0;
 }
 
 //! C[i][j] (+)= sum_l A(i, l) B[l][j] for i < m, j < n, l < kd. A(i, l) = a[i * lda + l], or
