@@ -1,0 +1,513 @@
+#pragma once
+
+//! @file
+//! Local attention over packed documents on loom::cuda through cuDNN's fused attention (the cuDNN
+//! frontend's SDPA graphs: tensor cores, flash-style tiling), with loom's call shape:
+//!
+//!   auto plan = loom::attention::cudnn::make_plan(b, docs, {tokens, heads_q, heads_kv, dim_qk, dim_v}, opts);
+//!   loom::workspace_buffer<loom::cuda_memory> ws(...)  // max(plan.workspace_bytes(), plan.backward_workspace_bytes())
+//!   loom::attention::cudnn::forward(b, plan, q, k, v, out, lse, ws.span());       allocates nothing
+//!   loom::attention::cudnn::backward(b, plan, q, k, v, out, lse, dout, dq, dk, dv, ws.span());
+//!   loom::attention::cudnn::forward(b, docs, q, k, v, out, lse, opts);            convenience
+//!
+//! Link loom::cudnn (present when CMake finds cuDNN and the cuDNN frontend's headers, e.g. from
+//! the Python-registry package nvidia-cudnn-frontend). The inputs and results are those of
+//! loom::attention::forward / backward on a segments plan (options.hpp: packed THD layout,
+//! GQA/MQA, causal, FlashAttention's (left, right) window, lse = m + log l per row and head),
+//! for bfloat16 or half storage with float lse; every view must be dense ([T, H, D] with strides
+//! (H D, D, 1), lse (H, 1)).
+//!
+//! How it runs: make_plan derives from the document offsets (read to the host once, at plan time)
+//! the fused blocks of detail/fused_blocks.hpp, one per document (its rows cropped to those that
+//! see a key, its mask as cuDNN's top-left diagonal band), and groups blocks with the same bounds
+//! into ragged batches. Each batch is one cuDNN graph (Q, K, V, O and lse addressed through
+//! per-document ragged offsets and sequence lengths that the plan keeps in device memory), built
+//! once when the plan is made and reused by every call; a call runs one graph per batch on the
+//! backend's stream. A causal or unmasked layer over any documents is one batch; a window that
+//! is shorter than some documents and longer than others gives two.
+//!
+//! Plans: make_plan checks the arguments before touching the device (dims multiples of 8 and at
+//! most 256, bfloat16 or half precision, window values >= -1, a finite scale > 0, offsets that
+//! fit the token count), then creates a cuDNN handle, the tables and the graphs; a configuration
+//! cuDNN does not support on this device is loom::error(unsupported) naming cuDNN's reason (for
+//! the backward alone, e.g. packed lse on sm_8x: raised by backward, the forward still runs). A
+//! plan is immutable and may be shared by threads (calls on one plan are serialised on its handle
+//! while they are enqueued). The plan owns its device tables and graphs; the offsets need not
+//! outlive make_plan.
+//!
+//! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
+//! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
+//! Results: within the tolerances of bfloat16/half inputs of loom's tile kernels (cuDNN's order
+//! of summation is its own). The backward requests cuDNN's deterministic algorithm.
+
+#include <loom/attention/detail/fused_blocks.hpp>
+#include <loom/attention/local.hpp>
+#include <loom/backend/copy.hpp>
+#include <loom/backend/cuda.hpp>
+#include <loom/core/error.hpp>
+#include <loom/core/float16.hpp>
+#include <loom/core/precision.hpp>
+#include <loom/core/segments.hpp>
+#include <loom/core/workspace.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cudnn.h>
+#include <cudnn_frontend.h>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+namespace loom::attention::cudnn {
+
+namespace detail {
+
+using attention::detail::block_kind;
+using attention::detail::fused_block;
+using attention::detail::fused_element;
+using attention::detail::fused_pass;
+using attention::detail::graph_key;
+
+template <class T>
+inline constexpr bool storable = std::is_same_v<T, bfloat16> || std::is_same_v<T, half>;
+
+template <class T>
+constexpr fused_element element_of() {
+  return std::is_same_v<T, bfloat16> ? fused_element::bf16 : fused_element::fp16;
+}
+
+//! The checks make_plan makes before it touches the device (host-testable).
+inline attention::detail::problem check_arguments(const shape& s, const options& opt, std::string_view call) {
+  const attention::detail::problem pb = attention::detail::check_problem(s, opt, call);
+  LOOM_EXPECTS(s.tokens_k < 0 || s.tokens_k == s.tokens, errc::invalid_argument, call,
+               ": queries and keys are the same tokens (shape.tokens_k -1 or ", s.tokens, "), got ", s.tokens_k);
+  for (const auto& [name, d] : {std::pair<std::string_view, index_t>{"dim_qk", s.dim_qk}, {"dim_v", s.dim_v}})
+    LOOM_EXPECTS(d % 8 == 0 && d <= 256, errc::unsupported, call, ": cuDNN's fused attention needs shape.", name,
+                 " a multiple of 8 and at most 256, got ", d, " (use loom::attention::forward for other dims)");
+  return pb;
+}
+
+//! The blocks of self-attention over packed documents `cu` (host offsets, checked): one per
+//! non-empty document (every row sees at least itself, so nothing is cropped away).
+inline std::vector<fused_block> document_blocks(const segments<host_memory>& cu, const options& opt) {
+  std::vector<fused_block> out;
+  for (index_t d = 0; d < cu.count(); ++d) {
+    const index_t n = cu.length(d);
+    if (auto b = attention::detail::fuse_block(opt, 0, n, cu[d], 0, n, cu[d])) {
+      b->document = d;
+      out.push_back(*b);
+    }
+  }
+  return out;
+}
+
+//! Device tables of one ragged batch, in 64-bit words: element offsets (batch + 1 each) of q, k,
+//! v, out and lse rows, then the sequence lengths of queries and keys (batch int32 each, packed
+//! two per word). Padding entries of a bucketed batch have length 0 and offset 0.
+struct tables {
+  index_t batch = 0;  // entries the graph was built for (graph_key::batch)
+  std::vector<std::int64_t> words;
+  [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which * (batch + 1)); }
+  [[nodiscard]] std::size_t lengths() const { return ragged(5); }
+  static std::size_t size_of(index_t batch) { return static_cast<std::size_t>(5 * (batch + 1) + batch); }
+};
+
+inline tables tables_of(const std::vector<fused_block>& blocks, index_t batch, const shape& s) {
+  tables t;
+  t.batch = batch;
+  t.words.assign(tables::size_of(batch), 0);
+  const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
+                                     s.heads_q * s.dim_v, s.heads_q};
+  auto* len = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths());
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const fused_block& b = blocks[i];
+    const std::int64_t row[5] = {b.q_begin, b.k_begin, b.k_begin, b.q_begin, b.q_begin};
+    for (int w = 0; w < 5; ++w) t.words[t.ragged(w) + i] = row[w] * per_token[w];
+    len[i] = static_cast<std::int32_t>(b.q_count);
+    len[batch + static_cast<index_t>(i)] = static_cast<std::int32_t>(b.k_count);
+  }
+  // The end offsets: past the last real block (cuDNN reads batch + 1 offsets).
+  for (int w = 0; w < 5; ++w) {
+    std::int64_t end = 0;
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      end = std::max(end, t.words[t.ragged(w) + i] +
+                              (w == 0 || w == 3 || w == 4 ? blocks[i].q_count : blocks[i].k_count) * per_token[w]);
+    t.words[t.ragged(w) + static_cast<std::size_t>(batch)] = end;
+  }
+  return t;
+}
+
+namespace fe = cudnn_frontend;
+
+enum uid : std::int64_t {
+  u_q = 1,
+  u_k,
+  u_v,
+  u_o,
+  u_lse,
+  u_do,
+  u_dq,
+  u_dk,
+  u_dv,
+  u_rq,
+  u_rk,
+  u_rv,
+  u_ro,
+  u_rlse,
+  u_len_q,
+  u_len_k,
+};
+
+inline void check_fe(fe::error_t e, std::string_view call, std::string_view what) {
+  if (e.is_bad())
+    loom::detail::fail(errc::unsupported, loom::detail::concat(call, ": cuDNN ", what, ": ", e.get_message()), __FILE__,
+                       __LINE__);
+}
+inline void check_cudnn(cudnnStatus_t st, std::string_view call, std::string_view what) {
+  if (st != CUDNN_STATUS_SUCCESS)
+    loom::detail::fail(errc::internal, loom::detail::concat(call, ": ", what, " failed: ", cudnnGetErrorString(st)),
+                       __FILE__, __LINE__);
+}
+
+//! A built graph and its workspace bytes.
+struct built {
+  std::shared_ptr<fe::graph::Graph> graph;
+  std::int64_t workspace = 0;
+};
+
+//! The graph of one ragged batch named by `key` (dims from the key, masks from its bounds).
+inline built build_graph(cudnnHandle_t handle, const graph_key& key, std::string_view call) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  const auto io = key.element == fused_element::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+  g->set_io_data_type(io)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const std::int64_t b = key.batch, hq = key.heads_q, hk = key.heads_kv, dk = key.dim_qk, dv = key.dim_v;
+  const std::int64_t sq = key.max_q, sk = key.max_k;
+  auto offsets = [&](std::int64_t id, const char* name) {
+    return g->tensor(fe::graph::Tensor_attributes()
+                         .set_name(name)
+                         .set_uid(id)
+                         .set_dim({b + 1, 1, 1, 1})
+                         .set_stride({1, 1, 1, 1})
+                         .set_data_type(fe::DataType_t::INT64));
+  };
+  auto lengths = [&](std::int64_t id, const char* name) {
+    return g->tensor(fe::graph::Tensor_attributes()
+                         .set_name(name)
+                         .set_uid(id)
+                         .set_dim({b, 1, 1, 1})
+                         .set_stride({1, 1, 1, 1})
+                         .set_data_type(fe::DataType_t::INT32));
+  };
+  // THD rows: [batch, heads, tokens, dim] with strides (-, dim, heads * dim, 1), each document
+  // starting at its ragged offset.
+  auto thd = [&](std::int64_t id, const char* name, std::int64_t h, std::int64_t s, std::int64_t d,
+                 const std::shared_ptr<fe::graph::Tensor_attributes>& ragged) {
+    return g->tensor(fe::graph::Tensor_attributes()
+                         .set_name(name)
+                         .set_uid(id)
+                         .set_dim({b, h, s, d})
+                         .set_stride({s * h * d, d, h * d, 1})
+                         .set_ragged_offset(ragged));
+  };
+  const auto rq = offsets(u_rq, "ragged_q"), rk = offsets(u_rk, "ragged_k"), rv = offsets(u_rv, "ragged_v");
+  const auto ro = offsets(u_ro, "ragged_o"), rl = offsets(u_rlse, "ragged_lse");
+  const auto len_q = lengths(u_len_q, "seq_len_q"), len_k = lengths(u_len_k, "seq_len_kv");
+  const auto q = thd(u_q, "q", hq, sq, dk, rq), k = thd(u_k, "k", hk, sk, dk, rk), v = thd(u_v, "v", hk, sk, dv, rv);
+  const float scale = static_cast<float>(std::bit_cast<double>(key.scale_bits));
+  auto band = [&](auto& a) {
+    a.set_attn_scale(scale).set_padding_mask(true).set_seq_len_q(len_q).set_seq_len_kv(len_k);
+    a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+    if (key.left_bound >= 0) a.set_diagonal_band_left_bound(static_cast<int>(key.left_bound));
+    if (key.right_bound >= 0) a.set_diagonal_band_right_bound(static_cast<int>(key.right_bound));
+  };
+  if (key.pass == fused_pass::forward) {
+    auto a = fe::graph::SDPA_attributes().set_name("loom_sdpa").set_generate_stats(true);
+    band(a);
+    auto [o, lse] = g->sdpa(q, k, v, a);
+    o->set_output(true).set_uid(u_o).set_dim({b, hq, sq, dv}).set_stride({sq * hq * dv, dv, hq * dv, 1});
+    o->set_ragged_offset(ro);
+    lse->set_output(true)
+        .set_uid(u_lse)
+        .set_data_type(fe::DataType_t::FLOAT)
+        .set_dim({b, hq, sq, 1})
+        .set_stride({sq * hq, 1, hq, 1});
+    lse->set_ragged_offset(rl);
+  } else {
+    const auto o = thd(u_o, "o", hq, sq, dv, ro), dout = thd(u_do, "dout", hq, sq, dv, ro);
+    const auto lse = g->tensor(fe::graph::Tensor_attributes()
+                                   .set_name("lse")
+                                   .set_uid(u_lse)
+                                   .set_dim({b, hq, sq, 1})
+                                   .set_stride({sq * hq, 1, hq, 1})
+                                   .set_data_type(fe::DataType_t::FLOAT)
+                                   .set_ragged_offset(rl));
+    auto a = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward").set_deterministic_algorithm(true);
+    band(a);
+    auto [dq, dk_, dv_] = g->sdpa_backward(q, k, v, o, dout, lse, a);
+    dq->set_output(true).set_uid(u_dq).set_dim({b, hq, sq, dk}).set_stride({sq * hq * dk, dk, hq * dk, 1});
+    dq->set_ragged_offset(rq);
+    dk_->set_output(true).set_uid(u_dk).set_dim({b, hk, sk, dk}).set_stride({sk * hk * dk, dk, hk * dk, 1});
+    dk_->set_ragged_offset(rk);
+    dv_->set_output(true).set_uid(u_dv).set_dim({b, hk, sk, dv}).set_stride({sk * hk * dv, dv, hk * dv, 1});
+    dv_->set_ragged_offset(rv);
+  }
+  check_fe(g->validate(), call, "graph validation");
+  check_fe(g->build_operation_graph(handle), call, "operation graph");
+  check_fe(g->create_execution_plans({fe::HeurMode_t::A}), call, "execution plans");
+  check_fe(g->check_support(handle), call, "support check");
+  check_fe(g->build_plans(handle), call, "plan build");
+  built out{g, 0};
+  check_fe(g->get_workspace_size(out.workspace), call, "workspace size");
+  return out;
+}
+
+//! The forward and backward graph keys of one ragged batch.
+struct key_pair {
+  graph_key forward, backward;
+};
+
+//! One ragged batch: its graphs and the byte offset of its tables in the plan's device buffer.
+struct batch {
+  std::shared_ptr<built> forward, backward;
+  std::size_t table_words = 0;  // offset of its tables in words
+  index_t batch = 0;
+};
+
+//! What a plan owns on the device: the cuDNN handle, the tables, the graphs.
+struct state {
+  cudnnHandle_t handle = nullptr;
+  std::int64_t* device_tables = nullptr;
+  std::vector<batch> batches;
+  attention::detail::graph_cache<built> cache;
+  std::mutex enqueue;                // cudnnSetStream + execute on the shared handle
+  std::string backward_unsupported;  // why cuDNN cannot run the backward here (empty: it can)
+  state() = default;
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+  ~state() {
+    if (device_tables) cudaFree(device_tables);
+    if (handle) cudnnDestroy(handle);
+  }
+};
+
+}  // namespace detail
+
+//! A plan of cuDNN fused attention over packed documents (see the file comment). P: loom::bf16
+//! or loom::fp16.
+template <precision_policy P>
+class plan : public precision_types<P> {
+  static_assert(detail::storable<typename P::storage_type>,
+                "attention::cudnn: the fused kernels take bfloat16 or half storage (loom::bf16, loom::fp16)");
+
+ public:
+  using backend_type = loom::cuda;
+  [[nodiscard]] const shape& dims() const noexcept { return shape_; }
+  [[nodiscard]] const options& opts() const noexcept { return opt_; }
+  [[nodiscard]] float scale() const noexcept { return scale_; }
+  //! The checked problem (extents and mask) for loom's own callers.
+  [[nodiscard]] const attention::detail::problem& problem() const noexcept { return pb_; }
+  //! False when cuDNN cannot run this plan's backward on this device (backward says why).
+  [[nodiscard]] bool backward_supported() const noexcept { return !st_ || st_->backward_unsupported.empty(); }
+  //! Ragged batches (cuDNN graph runs) per call.
+  [[nodiscard]] std::size_t batches() const noexcept { return st_ ? st_->batches.size() : 0; }
+  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return fwd_bytes_; }
+  [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return bwd_bytes_; }
+  //! The state (handle, tables, graphs) for loom's own callers.
+  [[nodiscard]] detail::state& device_state() const noexcept { return *st_; }
+
+ private:
+  shape shape_{};
+  options opt_{};
+  attention::detail::problem pb_{};
+  float scale_ = 0;
+  std::shared_ptr<detail::state> st_;
+  std::size_t fwd_bytes_ = 0, bwd_bytes_ = 0;
+
+  template <precision_policy Q, memory_space S>
+  friend plan<Q> make_plan(const loom::cuda&, const segments<S>&, const shape&, const options&);
+};
+
+//! Plans fused attention over the documents `docs` (int32 or int64 offsets, device or host
+//! memory, bound to shape.tokens). @throws loom::error(invalid_argument / shape_mismatch) for the
+//! shape, options or offsets (as attention::make_plan); (unsupported) for dims cuDNN's fused
+//! kernels do not take, and for a configuration cuDNN rejects on this device (its reason
+//! quoted); (internal) for a failing CUDA or cuDNN call.
+template <precision_policy P = bf16, memory_space Space>
+plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape& s, const options& opt = {}) {
+  constexpr std::string_view call = "attention::cudnn::make_plan";
+  const attention::detail::problem pb = detail::check_arguments(s, opt, call);
+  const std::vector<detail::fused_block> blocks =
+      loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
+        return detail::document_blocks(check_segments(h, s.tokens, call, "segments"), opt);
+      });
+  plan<P> p;
+  p.shape_ = s;
+  p.opt_ = opt;
+  p.pb_ = pb;
+  p.scale_ = attention::detail::scale_of<float>(opt, s.dim_qk);
+  p.st_ = std::make_shared<detail::state>();
+  detail::state& st = *p.st_;
+  const auto groups = attention::detail::batches_of(blocks);
+  std::vector<std::int64_t> host;
+  std::vector<detail::key_pair> keys;
+  const head_shape hs{s.heads_q, s.heads_kv, s.dim_qk, s.dim_v};
+  constexpr auto element = detail::element_of<typename P::storage_type>();
+  for (const auto& g : groups) {
+    const auto fk =
+        attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
+    auto bk = fk;
+    bk.pass = detail::fused_pass::backward;
+    const detail::tables t = detail::tables_of(g, fk.batch, s);
+    st.batches.push_back({nullptr, nullptr, host.size(), fk.batch});
+    host.insert(host.end(), t.words.begin(), t.words.end());
+    keys.push_back({fk, bk});
+  }
+  if (groups.empty()) return p;  // no tokens: nothing to run
+  detail::check_cudnn(cudnnCreate(&st.handle), call, "cudnnCreate");
+  LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&st.device_tables), host.size() * sizeof(std::int64_t)));
+  LOOM_CUDA_TRY(cudaMemcpy(st.device_tables, host.data(), host.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+  std::int64_t fwd = 0, bwd = 0;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    auto build = [&](const attention::detail::graph_key& k) { return detail::build_graph(st.handle, k, call); };
+    st.batches[i].forward = st.cache.get(keys[i].forward, build);
+    fwd = std::max(fwd, st.batches[i].forward->workspace);
+    if (!st.backward_unsupported.empty()) continue;
+    try {  // a device without the backward (packed lse on sm_8x, for one) still runs the forward
+      st.batches[i].backward = st.cache.get(keys[i].backward, build);
+      bwd = std::max(bwd, st.batches[i].backward->workspace);
+    } catch (const loom::error& e) {
+      if (e.code() != errc::unsupported) throw;
+      st.backward_unsupported = e.what();
+    }
+  }
+  p.fwd_bytes_ = workspace_round(static_cast<std::size_t>(fwd));
+  p.bwd_bytes_ = workspace_round(static_cast<std::size_t>(bwd));
+  return p;
+}
+
+namespace detail {
+
+template <class V>
+void expect_dense(const V& v, std::string_view call, std::string_view name) {
+  if constexpr (V::rank == 3)
+    LOOM_EXPECTS(v.stride(2) == 1 && v.stride(1) == v.extent(2) && v.stride(0) == v.extent(1) * v.extent(2),
+                 errc::invalid_argument, call, ": ", name, " must be dense [tokens, heads, dim] (strides ",
+                 v.extent(1) * v.extent(2), ", ", v.extent(2), ", 1), got strides ", v.stride(0), ", ", v.stride(1),
+                 ", ", v.stride(2));
+  else
+    LOOM_EXPECTS(v.stride(1) == 1 && v.stride(0) == v.extent(1), errc::invalid_argument, call, ": ", name,
+                 " must be dense [tokens, heads] (strides ", v.extent(1), ", 1), got strides ", v.stride(0), ", ",
+                 v.stride(1));
+}
+
+template <class P, class V>
+void expect_storage(std::string_view) {
+  static_assert(std::is_same_v<std::remove_cv_t<typename V::value_type>, typename P::storage_type>,
+                "attention::cudnn: q, k, v, out and the gradients hold the plan's storage type");
+}
+
+inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g, const std::int64_t* tables,
+                index_t batch, std::unordered_map<std::int64_t, void*> pack, std::span<std::byte> ws,
+                std::string_view call) {
+  auto* t = const_cast<std::int64_t*>(tables);
+  for (int w = 0; w < 5; ++w) pack[u_rq + w] = t + w * (batch + 1);
+  auto* len = reinterpret_cast<std::int32_t*>(t + 5 * (batch + 1));
+  pack[u_len_q] = len;
+  pack[u_len_k] = len + batch;
+  check_cudnn(cudnnSetStream(st.handle, b.stream), call, "cudnnSetStream");
+  check_fe(g->graph->execute(st.handle, pack, ws.data()), call, "execute");
+}
+
+}  // namespace detail
+
+//! Forward: out [T, Hq, Dv] and lse [T, Hq] (float) of the plan's documents. Stream-ordered,
+//! allocates nothing. `workspace`: plan.workspace_bytes() of device memory, aligned.
+//! @throws loom::error(shape_mismatch) views not of the plan's extents; (invalid_argument) views
+//! not dense, a short or misaligned workspace; (unsupported) cuDNN failing to run a graph.
+template <precision_policy P, class Q, class K, class V, class O, class L>
+void forward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::cudnn::forward";
+  detail::expect_storage<P, Q>(call), detail::expect_storage<P, K>(call), detail::expect_storage<P, V>(call);
+  detail::expect_storage<P, O>(call);
+  attention::detail::check_lse<P, L>();
+  const attention::detail::problem& pb = p.problem();
+  attention::detail::check_views(pb, q, k, v, out, lse, call);
+  detail::expect_dense(q, call, "q"), detail::expect_dense(k, call, "k"), detail::expect_dense(v, call, "v");
+  detail::expect_dense(out, call, "out"), detail::expect_dense(lse, call, "lse");
+  check_workspace(workspace, p.workspace_bytes(), call);
+  detail::state& st = p.device_state();
+  std::lock_guard lock(st.enqueue);
+  for (const auto& bt : st.batches)
+    detail::run(st, b, bt.forward, st.device_tables + bt.table_words, bt.batch,
+                {{detail::u_q, const_cast<void*>(static_cast<const void*>(q.data()))},
+                 {detail::u_k, const_cast<void*>(static_cast<const void*>(k.data()))},
+                 {detail::u_v, const_cast<void*>(static_cast<const void*>(v.data()))},
+                 {detail::u_o, out.data()},
+                 {detail::u_lse, lse.data()}},
+                workspace, call);
+}
+
+//! Backward: dq, dk, dv (overwritten) from the forward's out and lse and dout. Stream-ordered,
+//! allocates nothing. `workspace`: plan.backward_workspace_bytes(). @throws as forward.
+template <precision_policy P, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
+void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
+              std::span<std::byte> workspace) {
+  constexpr std::string_view call = "attention::cudnn::backward";
+  detail::expect_storage<P, Q>(call), detail::expect_storage<P, K>(call), detail::expect_storage<P, V>(call);
+  detail::expect_storage<P, O>(call), detail::expect_storage<P, DO>(call), detail::expect_storage<P, DQ>(call);
+  attention::detail::check_lse<P, L>();
+  const attention::detail::problem& pb = p.problem();
+  attention::detail::check_views(pb, q, k, v, out, lse, call);
+  attention::detail::check_gradients(pb, dout, dq, dk, dv, call);
+  detail::expect_dense(q, call, "q"), detail::expect_dense(k, call, "k"), detail::expect_dense(v, call, "v");
+  detail::expect_dense(out, call, "out"), detail::expect_dense(lse, call, "lse");
+  detail::expect_dense(dout, call, "dout"), detail::expect_dense(dq, call, "dq");
+  detail::expect_dense(dk, call, "dk"), detail::expect_dense(dv, call, "dv");
+  detail::state& st = p.device_state();
+  LOOM_EXPECTS(st.backward_unsupported.empty(), errc::unsupported, call,
+               ": cuDNN has no backward for this plan on this device (", st.backward_unsupported,
+               "); loom::attention::backward runs it");
+  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  std::lock_guard lock(st.enqueue);
+  for (const auto& bt : st.batches)
+    detail::run(st, b, bt.backward, st.device_tables + bt.table_words, bt.batch,
+                {{detail::u_q, const_cast<void*>(static_cast<const void*>(q.data()))},
+                 {detail::u_k, const_cast<void*>(static_cast<const void*>(k.data()))},
+                 {detail::u_v, const_cast<void*>(static_cast<const void*>(v.data()))},
+                 {detail::u_o, const_cast<void*>(static_cast<const void*>(out.data()))},
+                 {detail::u_lse, const_cast<void*>(static_cast<const void*>(lse.data()))},
+                 {detail::u_do, const_cast<void*>(static_cast<const void*>(dout.data()))},
+                 {detail::u_dq, dq.data()},
+                 {detail::u_dk, dk.data()},
+                 {detail::u_dv, dv.data()}},
+                workspace, call);
+}
+
+//! Convenience forward: make_plan (precision from q), a temporary workspace, the plan form, fence.
+template <memory_space Space, class Q, class K, class V, class O, class L>
+void forward(const loom::cuda& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, const options& opt = {}) {
+  const auto p = make_plan<default_precision<std::remove_cv_t<typename Q::value_type>>>(
+      b, docs, attention::detail::shape_of(q, k, v), opt);
+  loom::detail::with_temporary_workspace(b, p.workspace_bytes(),
+                                         [&](std::span<std::byte> ws) { forward(b, p, q, k, v, out, lse, ws); });
+}
+
+//! Convenience backward.
+template <memory_space Space, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
+void backward(const loom::cuda& b, const segments<Space>& docs, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
+              DV dv, const options& opt = {}) {
+  const auto p = make_plan<default_precision<std::remove_cv_t<typename Q::value_type>>>(
+      b, docs, attention::detail::shape_of(q, k, v), opt);
+  loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, ws);
+  });
+}
+
+}  // namespace loom::attention::cudnn
