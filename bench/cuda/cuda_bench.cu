@@ -31,9 +31,12 @@
 #include <random>
 #include <vector>
 
+#include "timing.hpp"
+
 namespace {
 
 using loom::index_t;
+using loom::bench::median_ms;
 
 //! Device memory from loom's stream-ordered scratch (default stream), optionally filled from the host.
 template <class T>
@@ -44,30 +47,6 @@ struct device_array : loom::temporary_buffer<loom::cuda, T> {
     LOOM_CUDA_TRY(cudaMemcpy(this->data(), h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
   }
 };
-
-//! Median milliseconds of `reps` calls of f after `warm` untimed ones.
-template <class F>
-double median_ms(F&& f, int warm = 3, int reps = 15) {
-  for (int i = 0; i < warm; ++i) f();
-  LOOM_CUDA_TRY(cudaDeviceSynchronize());
-  cudaEvent_t a, b;
-  LOOM_CUDA_TRY(cudaEventCreate(&a));
-  LOOM_CUDA_TRY(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    LOOM_CUDA_TRY(cudaEventRecord(a));
-    f();
-    LOOM_CUDA_TRY(cudaEventRecord(b));
-    LOOM_CUDA_TRY(cudaEventSynchronize(b));
-    float t = 0;
-    LOOM_CUDA_TRY(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 void check_cublas(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {

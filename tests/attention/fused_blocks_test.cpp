@@ -91,6 +91,23 @@ void check_pair(const shard::rank_plan& qr, const shard::rank_plan& kr, const la
     }
   CHECK(twice == 0);
   CHECK(wrong == 0);
+  // The batches: every block in exactly one, one pair of bounds per batch, and no query row or
+  // key row in two blocks of one batch (no two entries of a graph run write the same rows).
+  const auto batches = ld::batches_of(blocks);
+  std::size_t in_batches = 0, shared_rows = 0, mixed_bounds = 0;
+  for (const auto& g : batches) {
+    REQUIRE(!g.empty());
+    in_batches += g.size();
+    std::vector<int> qrow(qs.size(), 0), krow(ks.size(), 0);
+    for (const auto& b : g) {
+      if (b.left_bound != g.front().left_bound || b.right_bound != g.front().right_bound) ++mixed_bounds;
+      for (index_t i = 0; i < b.q_count; ++i) shared_rows += qrow[static_cast<std::size_t>(b.q_begin + i)]++ > 0;
+      for (index_t j = 0; j < b.k_count; ++j) shared_rows += krow[static_cast<std::size_t>(b.k_begin + j)]++ > 0;
+    }
+  }
+  CHECK(in_batches == blocks.size());
+  CHECK(mixed_bounds == 0);
+  CHECK(shared_rows == 0);
 }
 
 template <class S>
@@ -162,12 +179,30 @@ TEST_CASE("fused blocks: every rank pair of every plan equals the coordinate mas
       }
 }
 
+TEST_CASE("fused blocks: a zigzag ring step whose query chunk sees both key chunks gives two batches",
+          "[attention][fused]") {
+  // One causal document of 60 tokens over P = 3, zigzag: rank 0 holds chunks 0 and 5 (positions
+  // [0, 10) and [50, 60)), rank 1 chunks 1 and 4 ([10, 20), [40, 50)). Rank 0's queries against
+  // rank 1's keys: chunk 5 sees both key chunks fully (two blocks on the same query rows).
+  const std::vector<index_t> cu{0, 60};
+  const auto plan = plan_of<shard::zigzag>(cu, 3);
+  la::options o{};
+  const auto blocks = ld::fused_blocks(plan.rank(0), plan.rank(1), o);
+  REQUIRE(blocks.size() == 2);
+  CHECK(blocks[0] == ld::fused_block{10, 10, 0, 10, ld::block_kind::full, -1, -1, 0});
+  CHECK(blocks[1] == ld::fused_block{10, 10, 10, 10, ld::block_kind::full, -1, -1, 0});
+  const auto batches = ld::batches_of(blocks);
+  REQUIRE(batches.size() == 2);  // same bounds, but the same query rows
+  CHECK(batches[0] == std::vector<ld::fused_block>{blocks[0]});
+  CHECK(batches[1] == std::vector<ld::fused_block>{blocks[1]});
+}
+
 TEST_CASE("fused blocks: graph keys, batches and the graph cache", "[attention][fused]") {
   const la::head_shape s{16, 4, 128, 128};
   const std::vector<ld::fused_block> blocks{{0, 100, 0, 100, ld::block_kind::band, -1, 0, 0},
                                             {100, 37, 100, 37, ld::block_kind::band, -1, 0, 1},
                                             {137, 5, 0, 90, ld::block_kind::full, -1, -1, 1},
-                                            {142, 9, 90, 9, ld::block_kind::band, -1, 0, 2}};
+                                            {142, 9, 190, 9, ld::block_kind::band, -1, 0, 2}};
   const auto batches = ld::batches_of(blocks);
   REQUIRE(batches.size() == 2);
   CHECK(batches[0].size() == 3);

@@ -25,8 +25,8 @@
 //!   - kind full when neither bound is needed (every pair visible): the unmasked graph.
 //!
 //! Pairs where no query sees any key (a key piece after a causal query piece, beyond a window,
-//! another document) give no block. Blocks with the same bounds run as one ragged batch; a
-//! graph_key names the graph such a batch needs.
+//! another document) give no block. Blocks with the same bounds and disjoint rows run as one
+//! ragged batch (batches_of); a graph_key names the graph such a batch needs.
 
 #include <loom/attention/options.hpp>
 #include <loom/core/error.hpp>
@@ -193,13 +193,22 @@ struct graph_key_hash {
   }
 };
 
-//! Blocks grouped into ragged batches: one batch per distinct (left_bound, right_bound), in the
-//! order the bounds first appear.
+//! Blocks grouped into ragged batches: blocks of one batch have the same (left_bound, right_bound)
+//! and pairwise disjoint query rows and key rows, so no two entries of a batch write the same
+//! out / lse rows (forward) or dK / dV rows (backward). A query piece that sees two key pieces of
+//! its document in one step (a zigzag ring step) thus gives two batches, whose partial results the
+//! caller merges like any two key blocks. Batches are in the order their first block appears;
+//! each block goes to the first batch it fits.
 inline std::vector<std::vector<fused_block>> batches_of(std::span<const fused_block> blocks) {
+  const auto apart = [](index_t b0, index_t n0, index_t b1, index_t n1) { return b0 + n0 <= b1 || b1 + n1 <= b0; };
   std::vector<std::vector<fused_block>> out;
   for (const auto& b : blocks) {
     auto it = std::find_if(out.begin(), out.end(), [&](const auto& g) {
-      return g.front().left_bound == b.left_bound && g.front().right_bound == b.right_bound;
+      return g.front().left_bound == b.left_bound && g.front().right_bound == b.right_bound &&
+             std::all_of(g.begin(), g.end(), [&](const fused_block& o) {
+               return apart(o.q_begin, o.q_count, b.q_begin, b.q_count) &&
+                      apart(o.k_begin, o.k_count, b.k_begin, b.k_count);
+             });
     });
     if (it == out.end())
       out.push_back({b});
