@@ -44,7 +44,8 @@ void check(const fe::error_t& e, const char* what) {
 
 enum : std::int64_t { u_q = 1, u_k, u_v, u_o, u_lse, u_do, u_dq, u_dk, u_dv };
 
-// The direct graph: one sequence of n tokens in the THD layout, causal (top-left), lse out.
+// The direct graph: one sequence of n tokens in the THD layout, causal (top-left), lse out in the
+// packed [batch, heads, tokens] layout cuDNN's backward reads on every version.
 std::shared_ptr<fe::graph::Graph> direct_graph(cudnnHandle_t h, bool backward, index_t n, index_t hq, index_t hk,
                                                index_t d, float scale) {
   auto g = std::make_shared<fe::graph::Graph>();
@@ -69,14 +70,14 @@ std::shared_ptr<fe::graph::Graph> direct_graph(cudnnHandle_t h, bool backward, i
         .set_uid(u_lse)
         .set_data_type(fe::DataType_t::FLOAT)
         .set_dim({1, hq, n, 1})
-        .set_stride({n * hq, 1, hq, 1});
+        .set_stride({hq * n, n, 1, 1});
   } else {
     auto o = thd(u_o, "o", hq), dout = thd(u_do, "dout", hq);
     auto lse = g->tensor(fe::graph::Tensor_attributes()
                              .set_name("lse")
                              .set_uid(u_lse)
                              .set_dim({1, hq, n, 1})
-                             .set_stride({n * hq, 1, hq, 1})
+                             .set_stride({hq * n, n, 1, 1})
                              .set_data_type(fe::DataType_t::FLOAT));
     auto a = fe::graph::SDPA_backward_attributes()
                  .set_name("direct_backward")

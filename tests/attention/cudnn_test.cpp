@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "oracle.hpp"
@@ -111,20 +112,20 @@ TEST_CASE("attention::cudnn: the ragged tables of a plan address exactly the row
     for (const auto& g : groups) {
       const graph_key key =
           key_of(fused_pass::forward, fused_element::bf16, {s.heads_q, s.heads_kv, s.dim_qk, s.dim_v}, 0.125, g);
-      const tables t = cd::tables_of(g, key.batch, s);
-      REQUIRE(t.words.size() == tables::size_of(key.batch));
+      const tables t = cd::tables_of(g, s);
+      REQUIRE(t.batch == static_cast<index_t>(g.size()));
+      REQUIRE(t.words.size() == tables::size_of(t.batch));
+      for (int w = 0; w < 5; ++w) CHECK(t.ragged(w) % 32 == 0);  // 256-byte regions
+      CHECK(t.lengths(0) % 32 == 0);
+      CHECK(t.lengths(1) % 32 == 0);
       const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
                                          s.heads_q * s.dim_v, s.heads_q};
-      const auto* len = reinterpret_cast<const std::int32_t*>(t.words.data() + t.lengths());
-      for (index_t e = 0; e < key.batch; ++e) {
-        const index_t nq = len[e], nk = len[key.batch + e];
-        if (e >= static_cast<index_t>(g.size())) {  // padding entries run nothing
-          CHECK(nq == 0);
-          CHECK(nk == 0);
-          continue;
-        }
-        REQUIRE(nq <= key.max_q);
-        REQUIRE(nk <= key.max_k);
+      const auto* len_q = reinterpret_cast<const std::int32_t*>(t.words.data() + t.lengths(0));
+      const auto* len_k = reinterpret_cast<const std::int32_t*>(t.words.data() + t.lengths(1));
+      for (index_t e = 0; e < t.batch; ++e) {
+        const index_t nq = len_q[e], nk = len_k[e];
+        REQUIRE(nq >= 1);
+        REQUIRE(nk >= 1);
         // Every table of an entry names the same first row: q, out, lse the query row; k, v the key.
         std::int64_t row[5];
         for (int w = 0; w < 5; ++w) {
@@ -145,10 +146,15 @@ TEST_CASE("attention::cudnn: the ragged tables of a plan address exactly the row
           }
         }
       }
-      // The end offsets lie past every entry's rows.
-      for (int w = 0; w < 5; ++w)
-        for (std::size_t e = 0; e < g.size(); ++e)
-          CHECK(t.words[t.ragged(w) + static_cast<std::size_t>(key.batch)] >= t.words[t.ragged(w) + e]);
+      // The last offset of each table: the end of the furthest entry.
+      for (int w = 0; w < 5; ++w) {
+        std::int64_t end = 0;
+        for (const auto& blk : g) {
+          const bool query_rows = w == 0 || w == 3 || w == 4;
+          end = std::max(end, (query_rows ? blk.q_begin + blk.q_count : blk.k_begin + blk.k_count) * per_token[w]);
+        }
+        CHECK(t.words[t.ragged(w) + g.size()] == end);
+      }
     }
     for (index_t i = 0; i < s.tokens; ++i) {
       // Every query row is computed by exactly one entry (the graphs write each row once).
@@ -213,7 +219,26 @@ TEST_CASE("attention::cudnn: forward and backward agree with the fp64 oracle", "
     return y;
   };
   const auto qh = to_bf16(q0), kh = to_bf16(k0), vh = to_bf16(v0), gh = to_bf16(g0);
-  test::buffer<bfloat16> q(qh), k(kh), v(vh), dout(gh);
+  // Every buffer holds `tail` rows past the T tokens: NaN in the inputs (a read past the documents
+  // would poison rows), a sentinel in the outputs (a write past them would change it).
+  constexpr index_t tail = 64;
+  const bfloat16 nan(std::numeric_limits<float>::quiet_NaN()), sentinel(7.0f);
+  auto padded = [&](std::vector<bfloat16> x, bfloat16 fill) {
+    x.resize(x.size() + static_cast<std::size_t>(tail) * (x.size() / static_cast<std::size_t>(T)), fill);
+    return x;
+  };
+  auto outputs = [&](index_t per_row) {
+    return padded(std::vector<bfloat16>(static_cast<std::size_t>(T * per_row), bfloat16(0.0f)), sentinel);
+  };
+  // The first n values widened, after checking that the rest still hold the sentinel.
+  auto body = [&](const std::vector<bfloat16>& x, std::size_t n, const char* what) {
+    std::size_t changed = 0;
+    for (std::size_t i = n; i < x.size(); ++i) changed += static_cast<float>(x[i]) != 7.0f;
+    INFO(what << ": values written past the last token");
+    CHECK(changed == 0);
+    return widen(std::vector<bfloat16>(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n)));
+  };
+  test::buffer<bfloat16> q(padded(qh, nan)), k(padded(kh, nan)), v(padded(vh, nan)), dout(padded(gh, nan));
   test::buffer<std::int64_t> offsets(cu);
   const segments<cuda_memory> docs(
       tensor_view<const std::int64_t, 1, cuda_memory>(offsets.data(), {static_cast<index_t>(cu.size())}));
@@ -232,15 +257,17 @@ TEST_CASE("attention::cudnn: forward and backward agree with the fp64 oracle", "
 
     const auto p = attention::cudnn::make_plan<loom::bf16>(b, docs, s, opt);
     test::workspace ws(std::max(p.workspace_bytes(), p.backward_workspace_bytes()));
-    test::buffer<bfloat16> out(static_cast<std::size_t>(T * s.heads_q * s.dim_v));
-    test::buffer<float> lse(static_cast<std::size_t>(T * s.heads_q));
-    test::buffer<bfloat16> dq(q.size()), dk(k.size()), dv(v.size());
+    test::buffer<bfloat16> out(outputs(s.heads_q * s.dim_v));
+    test::buffer<float> lse(std::vector<float>(static_cast<std::size_t>((T + tail) * s.heads_q), 7.0f));
+    test::buffer<bfloat16> dq(outputs(s.heads_q * s.dim_qk)), dk(outputs(s.heads_kv * s.dim_qk)),
+        dv(outputs(s.heads_kv * s.dim_v));
     attention::cudnn::forward(b, p, cview3(q, T, s.heads_q, s.dim_qk), cview3(k, T, s.heads_kv, s.dim_qk),
                               cview3(v, T, s.heads_kv, s.dim_v), view3(out, T, s.heads_q, s.dim_v),
                               test::view_of<float, 2>(lse, {T, s.heads_q}), ws.span());
-    const auto out_h = widen(out.to_host());
+    const auto out_h = body(out.to_host(), static_cast<std::size_t>(T * s.heads_q * s.dim_v), "out");
     const auto lse_f = lse.to_host();
-    const std::vector<double> lse_h(lse_f.begin(), lse_f.end());
+    const std::vector<double> lse_h(lse_f.begin(), lse_f.begin() + T * s.heads_q);
+    CHECK(std::count(lse_f.begin() + T * s.heads_q, lse_f.end(), 7.0f) == tail * s.heads_q);
     require_close(out_h, want.out, 1e-2, 1e-2, "out vs fp64");
     require_close(lse_h, want.lse, 1e-3, 2e-3, "lse vs fp64");
     if (!p.backward_supported()) {
@@ -262,7 +289,8 @@ TEST_CASE("attention::cudnn: forward and backward agree with the fp64 oracle", "
                                test::view_of<const float, 2>(lse, {T, s.heads_q}), cview3(dout, T, s.heads_q, s.dim_v),
                                view3(dq, T, s.heads_q, s.dim_qk), view3(dk, T, s.heads_kv, s.dim_qk),
                                view3(dv, T, s.heads_kv, s.dim_v), ws.span());
-    const auto dq_h = widen(dq.to_host()), dk_h = widen(dk.to_host()), dv_h = widen(dv.to_host());
+    const auto dq_h = body(dq.to_host(), qh.size(), "dq"), dk_h = body(dk.to_host(), kh.size(), "dk"),
+               dv_h = body(dv.to_host(), vh.size(), "dv");
     require_close(dq_h, want.dq, 1e-2, 2e-2, "dq vs fp64");
     require_close(dk_h, want.dk, 1e-2, 2e-2, "dk vs fp64");
     require_close(dv_h, want.dv, 1e-2, 2e-2, "dv vs fp64");

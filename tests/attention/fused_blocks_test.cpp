@@ -229,6 +229,14 @@ TEST_CASE("fused blocks: graph keys, batches and the graph cache", "[attention][
   differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, {16, 8, 128, 128}, 0.088, batches[0]));
   differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, {16, 4, 64, 128}, 0.088, batches[0]));
   differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.125, batches[0]));
+  {
+    auto totals = k;
+    totals.total_q = 4096;
+    differs(totals);
+    totals = k;
+    totals.total_k = 4096;
+    differs(totals);
+  }
   differs(ld::key_of(ld::fused_pass::forward, ld::fused_element::bf16, s, 0.088, batches[1]));
   {
     auto longer = batches[0];

@@ -38,7 +38,9 @@
 //! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
 //! Results: within the tolerances of bfloat16/half inputs of loom's tile kernels (cuDNN's order
-//! of summation is its own). The backward requests cuDNN's deterministic algorithm.
+//! of summation is its own). The backward's order is cuDNN's too: its deterministic algorithm is not
+//! requested (on sm_90 before cuDNN 9.25 it needs a workspace of batch x heads x Lq x Lk bytes x 2,
+//! 34 GB for one document of 32768 tokens and 16 heads), so dQ need not repeat bit for bit.
 
 #include <loom/attention/detail/fused_blocks.hpp>
 #include <loom/attention/local.hpp>
@@ -106,38 +108,42 @@ inline std::vector<fused_block> document_blocks(const segments<host_memory>& cu,
   return out;
 }
 
-//! Device tables of one ragged batch, in 64-bit words: element offsets (batch + 1 each) of q, k,
-//! v, out and lse rows, then the sequence lengths of queries and keys (batch int32 each, packed
-//! two per word). Padding entries of a bucketed batch have length 0 and offset 0.
+//! Device tables of one ragged batch, in 64-bit words: the element offsets (batch + 1 each, int64)
+//! of the q, k, v, out and lse rows of each entry, then the query counts and the key counts
+//! (batch int32 each). Each of the seven regions starts on a 256-byte boundary.
 struct tables {
-  index_t batch = 0;  // entries the graph was built for (graph_key::batch)
+  index_t batch = 0;
   std::vector<std::int64_t> words;
-  [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which * (batch + 1)); }
-  [[nodiscard]] std::size_t lengths() const { return ragged(5); }
-  static std::size_t size_of(index_t batch) { return static_cast<std::size_t>(5 * (batch + 1) + batch); }
+  //! Words per region: batch + 1 rounded up to 32.
+  static constexpr std::size_t region(index_t batch) { return (static_cast<std::size_t>(batch) + 1 + 31) / 32 * 32; }
+  static constexpr std::size_t size_of(index_t batch) { return 7 * region(batch); }
+  //! Word offset of the offsets of q (0), k, v, out, lse (4).
+  [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which) * region(batch); }
+  //! Word offset of the query (0) or key (1) counts.
+  [[nodiscard]] std::size_t lengths(int which) const { return static_cast<std::size_t>(5 + which) * region(batch); }
 };
 
-inline tables tables_of(const std::vector<fused_block>& blocks, index_t batch, const shape& s) {
+//! The tables of `blocks` as one batch (every entry a block: the graph is built for this batch).
+inline tables tables_of(const std::vector<fused_block>& blocks, const shape& s) {
   tables t;
-  t.batch = batch;
-  t.words.assign(tables::size_of(batch), 0);
+  t.batch = static_cast<index_t>(blocks.size());
+  t.words.assign(tables::size_of(t.batch), 0);
   const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
                                      s.heads_q * s.dim_v, s.heads_q};
-  auto* len = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths());
+  auto* len_q = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths(0));
+  auto* len_k = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths(1));
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const fused_block& b = blocks[i];
     const std::int64_t row[5] = {b.q_begin, b.k_begin, b.k_begin, b.q_begin, b.q_begin};
-    for (int w = 0; w < 5; ++w) t.words[t.ragged(w) + i] = row[w] * per_token[w];
-    len[i] = static_cast<std::int32_t>(b.q_count);
-    len[batch + static_cast<index_t>(i)] = static_cast<std::int32_t>(b.k_count);
-  }
-  // The end offsets: past the last real block (cuDNN reads batch + 1 offsets).
-  for (int w = 0; w < 5; ++w) {
-    std::int64_t end = 0;
-    for (std::size_t i = 0; i < blocks.size(); ++i)
-      end = std::max(end, t.words[t.ragged(w) + i] +
-                              (w == 0 || w == 3 || w == 4 ? blocks[i].q_count : blocks[i].k_count) * per_token[w]);
-    t.words[t.ragged(w) + static_cast<std::size_t>(batch)] = end;
+    const std::int64_t count[5] = {b.q_count, b.k_count, b.k_count, b.q_count, b.q_count};
+    for (int w = 0; w < 5; ++w) {
+      t.words[t.ragged(w) + i] = row[w] * per_token[w];
+      // The last offset: the end of the furthest entry.
+      auto& end = t.words[t.ragged(w) + blocks.size()];
+      end = std::max(end, (row[w] + count[w]) * per_token[w]);
+    }
+    len_q[i] = static_cast<std::int32_t>(b.q_count);
+    len_k[i] = static_cast<std::int32_t>(b.k_count);
   }
   return t;
 }
@@ -181,7 +187,8 @@ struct built {
 };
 
 //! The graph of one ragged batch named by `key` (dims from the key, masks from its bounds).
-inline built build_graph(cudnnHandle_t handle, const graph_key& key, std::string_view call) {
+inline built build_graph(cudnnHandle_t handle, const graph_key& key, fe::AttentionImplementation_t impl,
+                         std::string_view call) {
   auto g = std::make_shared<fe::graph::Graph>();
   const auto io = key.element == fused_element::bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
   g->set_io_data_type(io)
@@ -223,12 +230,13 @@ inline built build_graph(cudnnHandle_t handle, const graph_key& key, std::string
   const float scale = static_cast<float>(std::bit_cast<double>(key.scale_bits));
   auto band = [&](auto& a) {
     a.set_attn_scale(scale).set_padding_mask(true).set_seq_len_q(len_q).set_seq_len_kv(len_k);
+    a.set_max_total_seq_len_q(key.total_q).set_max_total_seq_len_kv(key.total_k);
     a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
     if (key.left_bound >= 0) a.set_diagonal_band_left_bound(static_cast<int>(key.left_bound));
     if (key.right_bound >= 0) a.set_diagonal_band_right_bound(static_cast<int>(key.right_bound));
   };
   if (key.pass == fused_pass::forward) {
-    auto a = fe::graph::SDPA_attributes().set_name("loom_sdpa").set_generate_stats(true);
+    auto a = fe::graph::SDPA_attributes().set_name("loom_sdpa").set_generate_stats(true).set_implementation(impl);
     band(a);
     auto [o, lse] = g->sdpa(q, k, v, a);
     o->set_output(true).set_uid(u_o).set_dim({b, hq, sq, dv}).set_stride({sq * hq * dv, dv, hq * dv, 1});
@@ -248,7 +256,7 @@ inline built build_graph(cudnnHandle_t handle, const graph_key& key, std::string
                                    .set_stride({sq * hq, 1, hq, 1})
                                    .set_data_type(fe::DataType_t::FLOAT)
                                    .set_ragged_offset(rl));
-    auto a = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward").set_deterministic_algorithm(true);
+    auto a = fe::graph::SDPA_backward_attributes().set_name("loom_sdpa_backward");
     band(a);
     auto [dq, dk_, dv_] = g->sdpa_backward(q, k, v, o, dout, lse, a);
     dq->set_output(true).set_uid(u_dq).set_dim({b, hq, sq, dk}).set_stride({sq * hq * dk, dk, hq * dk, 1});
@@ -260,12 +268,31 @@ inline built build_graph(cudnnHandle_t handle, const graph_key& key, std::string
   }
   check_fe(g->validate(), call, "graph validation");
   check_fe(g->build_operation_graph(handle), call, "operation graph");
-  check_fe(g->create_execution_plans({fe::HeurMode_t::A}), call, "execution plans");
+  check_fe(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), call, "execution plans");
   check_fe(g->check_support(handle), call, "support check");
   check_fe(g->build_plans(handle), call, "plan build");
   built out{g, 0};
   check_fe(g->get_workspace_size(out.workspace), call, "workspace size");
   return out;
+}
+
+//! build_graph with cuDNN's own choice of implementation; a forward it rejects is tried again
+//! with the composite implementation before the plan gives up (both reasons quoted).
+inline built build_any(cudnnHandle_t handle, const graph_key& key, std::string_view call) {
+  if (key.pass == fused_pass::backward) return build_graph(handle, key, fe::AttentionImplementation_t::AUTO, call);
+  try {
+    return build_graph(handle, key, fe::AttentionImplementation_t::AUTO, call);
+  } catch (const loom::error& first) {
+    if (first.code() != errc::unsupported) throw;
+    try {
+      return build_graph(handle, key, fe::AttentionImplementation_t::COMPOSITE, call);
+    } catch (const loom::error& second) {
+      if (second.code() != errc::unsupported) throw;
+      loom::detail::fail(errc::unsupported,
+                         loom::detail::concat(first.what(), "; with the composite implementation: ", second.what()),
+                         __FILE__, __LINE__);
+    }
+  }
 }
 
 //! The forward and backward graph keys of one ragged batch.
@@ -360,11 +387,16 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
   const head_shape hs{s.heads_q, s.heads_kv, s.dim_qk, s.dim_v};
   constexpr auto element = detail::element_of<typename P::storage_type>();
   for (const auto& g : groups) {
-    const auto fk =
-        attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
+    auto fk = attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
+    // Built for this plan's batch exactly (no padding entries; cuDNN sizes its workspace from the
+    // dims) and for the plan's token count (the bound of the packed token axis).
+    fk.batch = static_cast<index_t>(g.size());
+    fk.max_q = fk.max_k = 0;
+    for (const auto& blk : g) fk.max_q = std::max(fk.max_q, blk.q_count), fk.max_k = std::max(fk.max_k, blk.k_count);
+    fk.total_q = fk.total_k = s.tokens;
     auto bk = fk;
     bk.pass = detail::fused_pass::backward;
-    const detail::tables t = detail::tables_of(g, fk.batch, s);
+    const detail::tables t = detail::tables_of(g, s);
     st.batches.push_back({nullptr, nullptr, host.size(), fk.batch});
     host.insert(host.end(), t.words.begin(), t.words.end());
     keys.push_back({fk, bk});
@@ -375,7 +407,7 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
   LOOM_CUDA_TRY(cudaMemcpy(st.device_tables, host.data(), host.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
   std::int64_t fwd = 0, bwd = 0;
   for (std::size_t i = 0; i < groups.size(); ++i) {
-    auto build = [&](const attention::detail::graph_key& k) { return detail::build_graph(st.handle, k, call); };
+    auto build = [&](const attention::detail::graph_key& k) { return detail::build_any(st.handle, k, call); };
     st.batches[i].forward = st.cache.get(keys[i].forward, build);
     fwd = std::max(fwd, st.batches[i].forward->workspace);
     if (!st.backward_unsupported.empty()) continue;
@@ -407,20 +439,39 @@ void expect_dense(const V& v, std::string_view call, std::string_view name) {
                  v.stride(1));
 }
 
-template <class P, class V>
-void expect_storage(std::string_view) {
-  static_assert(std::is_same_v<std::remove_cv_t<typename V::value_type>, typename P::storage_type>,
+template <class P, class... V>
+constexpr void expect_storage() {
+  static_assert((std::is_same_v<std::remove_cv_t<typename V::value_type>, typename P::storage_type> && ...),
                 "attention::cudnn: q, k, v, out and the gradients hold the plan's storage type");
 }
 
-inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g, const std::int64_t* tables,
+//! The checks forward and backward share: element types, then extents and dense strides of q, k,
+//! v, out and lse.
+template <class P, class Q, class K, class V, class O, class L>
+void check_inputs(const attention::detail::problem& pb, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                  std::string_view call) {
+  expect_storage<P, Q, K, V, O>();
+  attention::detail::check_lse<P, L>();
+  attention::detail::check_views(pb, q, k, v, out, lse, call);
+  expect_dense(q, call, "q"), expect_dense(k, call, "k"), expect_dense(v, call, "v");
+  expect_dense(out, call, "out"), expect_dense(lse, call, "lse");
+}
+
+//! A view's data as the untyped pointer of cuDNN's variant pack.
+template <class V>
+void* address(const V& v) {
+  return const_cast<void*>(static_cast<const void*>(v.data()));
+}
+
+//! Executes one batch's graph on b.stream: the views in `pack`, the batch's device tables at `words`.
+inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g, const std::int64_t* words,
                 index_t batch, std::unordered_map<std::int64_t, void*> pack, std::span<std::byte> ws,
                 std::string_view call) {
-  auto* t = const_cast<std::int64_t*>(tables);
-  for (int w = 0; w < 5; ++w) pack[u_rq + w] = t + w * (batch + 1);
-  auto* len = reinterpret_cast<std::int32_t*>(t + 5 * (batch + 1));
-  pack[u_len_q] = len;
-  pack[u_len_k] = len + batch;
+  auto* t = const_cast<std::int64_t*>(words);
+  const tables layout{batch, {}};
+  for (int w = 0; w < 5; ++w) pack[u_rq + w] = t + layout.ragged(w);
+  pack[u_len_q] = t + layout.lengths(0);
+  pack[u_len_k] = t + layout.lengths(1);
   check_cudnn(cudnnSetStream(st.handle, b.stream), call, "cudnnSetStream");
   check_fe(g->graph->execute(st.handle, pack, ws.data()), call, "execute");
 }
@@ -434,23 +485,17 @@ inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g,
 template <precision_policy P, class Q, class K, class V, class O, class L>
 void forward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::cudnn::forward";
-  detail::expect_storage<P, Q>(call), detail::expect_storage<P, K>(call), detail::expect_storage<P, V>(call);
-  detail::expect_storage<P, O>(call);
-  attention::detail::check_lse<P, L>();
-  const attention::detail::problem& pb = p.problem();
-  attention::detail::check_views(pb, q, k, v, out, lse, call);
-  detail::expect_dense(q, call, "q"), detail::expect_dense(k, call, "k"), detail::expect_dense(v, call, "v");
-  detail::expect_dense(out, call, "out"), detail::expect_dense(lse, call, "lse");
+  detail::check_inputs<P>(p.problem(), q, k, v, out, lse, call);
   check_workspace(workspace, p.workspace_bytes(), call);
   detail::state& st = p.device_state();
   std::lock_guard lock(st.enqueue);
   for (const auto& bt : st.batches)
     detail::run(st, b, bt.forward, st.device_tables + bt.table_words, bt.batch,
-                {{detail::u_q, const_cast<void*>(static_cast<const void*>(q.data()))},
-                 {detail::u_k, const_cast<void*>(static_cast<const void*>(k.data()))},
-                 {detail::u_v, const_cast<void*>(static_cast<const void*>(v.data()))},
-                 {detail::u_o, out.data()},
-                 {detail::u_lse, lse.data()}},
+                {{detail::u_q, detail::address(q)},
+                 {detail::u_k, detail::address(k)},
+                 {detail::u_v, detail::address(v)},
+                 {detail::u_o, detail::address(out)},
+                 {detail::u_lse, detail::address(lse)}},
                 workspace, call);
 }
 
@@ -460,14 +505,9 @@ template <precision_policy P, class Q, class K, class V, class O, class L, class
 void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::cudnn::backward";
-  detail::expect_storage<P, Q>(call), detail::expect_storage<P, K>(call), detail::expect_storage<P, V>(call);
-  detail::expect_storage<P, O>(call), detail::expect_storage<P, DO>(call), detail::expect_storage<P, DQ>(call);
-  attention::detail::check_lse<P, L>();
-  const attention::detail::problem& pb = p.problem();
-  attention::detail::check_views(pb, q, k, v, out, lse, call);
-  attention::detail::check_gradients(pb, dout, dq, dk, dv, call);
-  detail::expect_dense(q, call, "q"), detail::expect_dense(k, call, "k"), detail::expect_dense(v, call, "v");
-  detail::expect_dense(out, call, "out"), detail::expect_dense(lse, call, "lse");
+  detail::check_inputs<P>(p.problem(), q, k, v, out, lse, call);
+  detail::expect_storage<P, DO, DQ>();
+  attention::detail::check_gradients(p.problem(), dout, dq, dk, dv, call);
   detail::expect_dense(dout, call, "dout"), detail::expect_dense(dq, call, "dq");
   detail::expect_dense(dk, call, "dk"), detail::expect_dense(dv, call, "dv");
   detail::state& st = p.device_state();
@@ -478,15 +518,15 @@ void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse
   std::lock_guard lock(st.enqueue);
   for (const auto& bt : st.batches)
     detail::run(st, b, bt.backward, st.device_tables + bt.table_words, bt.batch,
-                {{detail::u_q, const_cast<void*>(static_cast<const void*>(q.data()))},
-                 {detail::u_k, const_cast<void*>(static_cast<const void*>(k.data()))},
-                 {detail::u_v, const_cast<void*>(static_cast<const void*>(v.data()))},
-                 {detail::u_o, const_cast<void*>(static_cast<const void*>(out.data()))},
-                 {detail::u_lse, const_cast<void*>(static_cast<const void*>(lse.data()))},
-                 {detail::u_do, const_cast<void*>(static_cast<const void*>(dout.data()))},
-                 {detail::u_dq, dq.data()},
-                 {detail::u_dk, dk.data()},
-                 {detail::u_dv, dv.data()}},
+                {{detail::u_q, detail::address(q)},
+                 {detail::u_k, detail::address(k)},
+                 {detail::u_v, detail::address(v)},
+                 {detail::u_o, detail::address(out)},
+                 {detail::u_lse, detail::address(lse)},
+                 {detail::u_do, detail::address(dout)},
+                 {detail::u_dq, detail::address(dq)},
+                 {detail::u_dk, detail::address(dk)},
+                 {detail::u_dv, detail::address(dv)}},
                 workspace, call);
 }
 

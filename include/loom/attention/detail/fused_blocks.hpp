@@ -131,7 +131,8 @@ struct graph_key {
   index_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
   index_t batch = 0, max_q = 0, max_k = 0;  //!< rounded up, see above
   index_t left_bound = -1, right_bound = -1;
-  std::uint64_t scale_bits = 0;  //!< the softmax scale's bits (a graph attribute)
+  std::uint64_t scale_bits = 0;      //!< the softmax scale's bits (a graph attribute)
+  index_t total_q = 0, total_k = 0;  //!< packed token counts the graph may address (0: not fixed)
   friend bool operator==(const graph_key&, const graph_key&) = default;
 };
 
@@ -182,7 +183,9 @@ struct graph_key_hash {
                                    static_cast<std::uint64_t>(k.max_k),
                                    static_cast<std::uint64_t>(k.left_bound),
                                    static_cast<std::uint64_t>(k.right_bound),
-                                   k.scale_bits};
+                                   k.scale_bits,
+                                   static_cast<std::uint64_t>(k.total_q),
+                                   static_cast<std::uint64_t>(k.total_k)};
     std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the words
     for (std::uint64_t w : words)
       for (int byte = 0; byte < 8; ++byte) {
