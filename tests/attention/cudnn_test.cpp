@@ -93,6 +93,78 @@ TEST_CASE("attention::cudnn: make_plan rejects dims, shapes, windows and offsets
       errc::invalid_argument, {"attention::cudnn::make_plan", "segments"});
 }
 
+TEST_CASE("attention::cudnn: forward and backward reject views, plans and documents before touching the device",
+          "[attention][cudnn][host]") {
+  // A plan of no tokens needs no device (no graph runs), so every check of the calls runs here.
+  const std::vector<std::int64_t> none = {0};
+  const loom::cuda b{};
+  const auto p = attention::cudnn::make_plan(b, host_segments(none), {0, 4, 2, 64, 64});
+  CHECK(p.batches() == 0);
+  using cv3 = tensor_view<const bfloat16, 3, cuda_memory>;
+  using v3 = tensor_view<bfloat16, 3, cuda_memory>;
+  const cv3 q(nullptr, {0, 4, 64}), k(nullptr, {0, 2, 64}), v(nullptr, {0, 2, 64}), dout(nullptr, {0, 4, 64});
+  const v3 out(nullptr, {0, 4, 64}), dq(nullptr, {0, 4, 64}), dk(nullptr, {0, 2, 64}), dv(nullptr, {0, 2, 64});
+  const tensor_view<float, 2, cuda_memory> lse(nullptr, {0, 4});
+  attention::cudnn::forward(b, p, q, k, v, out, lse, {});  // nothing to run
+  attention::cudnn::backward(b, p, q, k, v, out, lse, dout, dq, dk, dv, {});
+  using test::require_loom_error;
+  constexpr auto fwd = "attention::cudnn::forward", bwd = "attention::cudnn::backward";
+  require_loom_error(
+      [&] {
+        attention::cudnn::forward(b, p, cv3(nullptr, {1, 4, 64}), k, v, out, lse, {});
+      },
+      errc::shape_mismatch, {fwd, "q"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::forward(b, p, q, k, v, out, tensor_view<float, 2, cuda_memory>(nullptr, {0, 3}), {});
+      },
+      errc::shape_mismatch, {fwd, "lse"});
+  // Right extents, strides that are not dense.
+  require_loom_error(
+      [&] {
+        attention::cudnn::forward(b, p, q, cv3(nullptr, {0, 2, 64}, {256, 128, 1}), v, out, lse, {});
+      },
+      errc::invalid_argument, {fwd, "k", "dense"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::forward(b, p, q, k, v, v3(nullptr, {0, 4, 64}, {512, 64, 1}), lse, {});
+      },
+      errc::invalid_argument, {fwd, "out", "dense"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::forward(b, p, q, k, v, out, tensor_view<float, 2, cuda_memory>(nullptr, {0, 4}, {8, 1}), {});
+      },
+      errc::invalid_argument, {fwd, "lse", "dense"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::backward(b, p, q, k, v, out, lse, dout, v3(nullptr, {0, 4, 63}), dk, dv, {});
+      },
+      errc::shape_mismatch, {bwd, "dq"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::backward(b, p, q, k, v, out, lse, cv3(nullptr, {0, 4, 64}, {256, 128, 1}), dq, dk, dv, {});
+      },
+      errc::invalid_argument, {bwd, "dout", "dense"});
+  require_loom_error(
+      [&] {
+        attention::cudnn::backward(b, p, q, k, v, out, lse, dout, dq, dk, v3(nullptr, {0, 2, 64}, {64, 64, 1}), {});
+      },
+      errc::invalid_argument, {bwd, "dv", "dense"});
+  // A plan that make_plan did not make.
+  const attention::cudnn::plan<loom::bf16> blank{};
+  require_loom_error([&] { attention::cudnn::forward(b, blank, q, k, v, out, lse, {}); }, errc::invalid_argument,
+                     {fwd, "not made by"});
+  require_loom_error([&] { attention::cudnn::backward(b, blank, q, k, v, out, lse, dout, dq, dk, dv, {}); },
+                     errc::invalid_argument, {bwd, "not made by"});
+  // A document too long for cuDNN's int32 counts (offsets only: nothing is allocated).
+  const std::vector<std::int64_t> huge = {0, std::int64_t{1} << 31};
+  require_loom_error(
+      [&] {
+        (void)attention::cudnn::make_plan(b, host_segments(huge), {std::int64_t{1} << 31, 1, 1, 64, 64});
+      },
+      errc::unsupported, {"attention::cudnn::make_plan", "int32", "document 0"});
+}
+
 TEST_CASE("attention::cudnn: the ragged tables of a plan address exactly the rows and keys each query sees",
           "[attention][cudnn][host]") {
   using namespace loom::attention::detail;
@@ -115,15 +187,10 @@ TEST_CASE("attention::cudnn: the ragged tables of a plan address exactly the row
       const tables t = cd::tables_of(g, s);
       REQUIRE(t.batch == static_cast<index_t>(g.size()));
       REQUIRE(t.words.size() == tables::size_of(t.batch));
-      for (int w = 0; w < 5; ++w) CHECK(t.ragged(w) % 32 == 0);  // 256-byte regions
-      CHECK(t.lengths(0) % 32 == 0);
-      CHECK(t.lengths(1) % 32 == 0);
       const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
                                          s.heads_q * s.dim_v, s.heads_q};
-      const auto* len_q = reinterpret_cast<const std::int32_t*>(t.words.data() + t.lengths(0));
-      const auto* len_k = reinterpret_cast<const std::int32_t*>(t.words.data() + t.lengths(1));
       for (index_t e = 0; e < t.batch; ++e) {
-        const index_t nq = len_q[e], nk = len_k[e];
+        const index_t nq = t.count(0, e), nk = t.count(1, e);
         REQUIRE(nq >= 1);
         REQUIRE(nk >= 1);
         // Every table of an entry names the same first row: q, out, lse the query row; k, v the key.
@@ -201,99 +268,120 @@ void require_close(const std::vector<double>& got, const std::vector<double>& wa
 
 }  // namespace
 
-TEST_CASE("attention::cudnn: forward and backward agree with the fp64 oracle", "[attention][cudnn][gpu]") {
+TEMPLATE_TEST_CASE("attention::cudnn: forward and backward agree with the fp64 oracle, plan and convenience forms",
+                   "[attention][cudnn][gpu]", loom::bfloat16, loom::half) {
+  using S = TestType;
+  using P = default_precision<S>;
   if (!have_gpu()) {
     WARN("no CUDA device: skipped");
     return;
   }
   const std::vector<std::int64_t> cu = {0, 1, 38, 38, 168, 423, 424, 625};
   const attention::shape s{625, 6, 2, 64, 64};
-  const index_t T = s.tokens;
-  const auto q0 = test::uniform<float>(T * s.heads_q * s.dim_qk, -1, 1, 1);
-  const auto k0 = test::uniform<float>(T * s.heads_kv * s.dim_qk, -1, 1, 2);
-  const auto v0 = test::uniform<float>(T * s.heads_kv * s.dim_v, -1, 1, 3);
-  const auto g0 = test::uniform<float>(T * s.heads_q * s.dim_v, -1, 1, 4);
-  auto to_bf16 = [](const std::vector<float>& x) {
-    std::vector<bfloat16> y(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) y[i] = bfloat16(x[i]);
+  const index_t n = s.tokens;
+  const auto q0 = test::uniform<float>(n * s.heads_q * s.dim_qk, -1, 1, 1);
+  const auto k0 = test::uniform<float>(n * s.heads_kv * s.dim_qk, -1, 1, 2);
+  const auto v0 = test::uniform<float>(n * s.heads_kv * s.dim_v, -1, 1, 3);
+  const auto g0 = test::uniform<float>(n * s.heads_q * s.dim_v, -1, 1, 4);
+  auto to_storage = [](const std::vector<float>& x) {
+    std::vector<S> y(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] = S(x[i]);
     return y;
   };
-  const auto qh = to_bf16(q0), kh = to_bf16(k0), vh = to_bf16(v0), gh = to_bf16(g0);
-  // Every buffer holds `tail` rows past the T tokens: NaN in the inputs (a read past the documents
+  const auto qh = to_storage(q0), kh = to_storage(k0), vh = to_storage(v0), gh = to_storage(g0);
+  // Every buffer holds `tail` rows past the n tokens: NaN in the inputs (a read past the documents
   // would poison rows), a sentinel in the outputs (a write past them would change it).
   constexpr index_t tail = 64;
-  const bfloat16 nan(std::numeric_limits<float>::quiet_NaN()), sentinel(7.0f);
-  auto padded = [&](std::vector<bfloat16> x, bfloat16 fill) {
-    x.resize(x.size() + static_cast<std::size_t>(tail) * (x.size() / static_cast<std::size_t>(T)), fill);
+  const S nan(std::numeric_limits<float>::quiet_NaN()), sentinel(7.0f);
+  auto padded = [&](std::vector<S> x, S fill) {
+    x.resize(x.size() + static_cast<std::size_t>(tail) * (x.size() / static_cast<std::size_t>(n)), fill);
     return x;
   };
   auto outputs = [&](index_t per_row) {
-    return padded(std::vector<bfloat16>(static_cast<std::size_t>(T * per_row), bfloat16(0.0f)), sentinel);
+    return padded(std::vector<S>(static_cast<std::size_t>(n * per_row), S(0.0f)), sentinel);
   };
-  // The first n values widened, after checking that the rest still hold the sentinel.
-  auto body = [&](const std::vector<bfloat16>& x, std::size_t n, const char* what) {
+  // The first `count` values widened, after checking that the rest still hold the sentinel.
+  auto body = [&](const std::vector<S>& x, std::size_t count, const char* what) {
     std::size_t changed = 0;
-    for (std::size_t i = n; i < x.size(); ++i) changed += static_cast<float>(x[i]) != 7.0f;
+    for (std::size_t i = count; i < x.size(); ++i) changed += static_cast<float>(x[i]) != 7.0f;
     INFO(what << ": values written past the last token");
     CHECK(changed == 0);
-    return widen(std::vector<bfloat16>(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(n)));
+    return widen(std::vector<S>(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(count)));
   };
-  test::buffer<bfloat16> q(padded(qh, nan)), k(padded(kh, nan)), v(padded(vh, nan)), dout(padded(gh, nan));
+  test::buffer<S> q(padded(qh, nan)), k(padded(kh, nan)), v(padded(vh, nan)), dout(padded(gh, nan));
   test::buffer<std::int64_t> offsets(cu);
   const segments<cuda_memory> docs(
       tensor_view<const std::int64_t, 1, cuda_memory>(offsets.data(), {static_cast<index_t>(cu.size())}));
   const test::attn_coords c = test::packed(std::vector<index_t>(cu.begin(), cu.end()));
   const loom::cuda b{};
-  const auto view3 = [](const test::buffer<bfloat16>& x, index_t t, index_t h, index_t d) {
-    return test::view_of<bfloat16, 3>(x, {t, h, d});
+  const auto view3 = [](const test::buffer<S>& x, index_t t, index_t h, index_t d) {
+    return test::view_of<S, 3>(x, {t, h, d});
   };
-  const auto cview3 = [](const test::buffer<bfloat16>& x, index_t t, index_t h, index_t d) {
-    return test::view_of<const bfloat16, 3>(x, {t, h, d});
+  const auto cview3 = [](const test::buffer<S>& x, index_t t, index_t h, index_t d) {
+    return test::view_of<const S, 3>(x, {t, h, d});
   };
   for (const auto& opt : mask_cases()) {
     INFO("causal " << opt.causal << " window (" << opt.window.left << ", " << opt.window.right << ")");
-    test::attn_shape as{T, T, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v, opt.causal, opt.window, opt.scale};
+    test::attn_shape as{n, n, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v, opt.causal, opt.window, opt.scale};
     const auto want = test::attention_oracle(as, widen(qh), widen(kh), widen(vh), c, c, widen(gh));
 
-    const auto p = attention::cudnn::make_plan<loom::bf16>(b, docs, s, opt);
+    const auto p = attention::cudnn::make_plan<P>(b, docs, s, opt);
     test::workspace ws(std::max(p.workspace_bytes(), p.backward_workspace_bytes()));
-    test::buffer<bfloat16> out(outputs(s.heads_q * s.dim_v));
-    test::buffer<float> lse(std::vector<float>(static_cast<std::size_t>((T + tail) * s.heads_q), 7.0f));
-    test::buffer<bfloat16> dq(outputs(s.heads_q * s.dim_qk)), dk(outputs(s.heads_kv * s.dim_qk)),
+    test::buffer<S> out(outputs(s.heads_q * s.dim_v));
+    test::buffer<float> lse(std::vector<float>(static_cast<std::size_t>((n + tail) * s.heads_q), 7.0f));
+    test::buffer<S> dq(outputs(s.heads_q * s.dim_qk)), dk(outputs(s.heads_kv * s.dim_qk)),
         dv(outputs(s.heads_kv * s.dim_v));
-    attention::cudnn::forward(b, p, cview3(q, T, s.heads_q, s.dim_qk), cview3(k, T, s.heads_kv, s.dim_qk),
-                              cview3(v, T, s.heads_kv, s.dim_v), view3(out, T, s.heads_q, s.dim_v),
-                              test::view_of<float, 2>(lse, {T, s.heads_q}), ws.span());
-    const auto out_h = body(out.to_host(), static_cast<std::size_t>(T * s.heads_q * s.dim_v), "out");
+    attention::cudnn::forward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                              cview3(v, n, s.heads_kv, s.dim_v), view3(out, n, s.heads_q, s.dim_v),
+                              test::view_of<float, 2>(lse, {n, s.heads_q}), ws.span());
+    const auto out_h = body(out.to_host(), static_cast<std::size_t>(n * s.heads_q * s.dim_v), "out");
     const auto lse_f = lse.to_host();
-    const std::vector<double> lse_h(lse_f.begin(), lse_f.begin() + T * s.heads_q);
-    CHECK(std::count(lse_f.begin() + T * s.heads_q, lse_f.end(), 7.0f) == tail * s.heads_q);
+    const std::vector<double> lse_h(lse_f.begin(), lse_f.begin() + n * s.heads_q);
+    CHECK(std::count(lse_f.begin() + n * s.heads_q, lse_f.end(), 7.0f) == tail * s.heads_q);
     require_close(out_h, want.out, 1e-2, 1e-2, "out vs fp64");
     require_close(lse_h, want.lse, 1e-3, 2e-3, "lse vs fp64");
     if (!p.backward_supported()) {
       WARN("cuDNN has no backward for this plan on this device: only its rejection is checked");
       test::require_loom_error(
           [&] {
-            attention::cudnn::backward(b, p, cview3(q, T, s.heads_q, s.dim_qk), cview3(k, T, s.heads_kv, s.dim_qk),
-                                       cview3(v, T, s.heads_kv, s.dim_v), cview3(out, T, s.heads_q, s.dim_v),
-                                       test::view_of<const float, 2>(lse, {T, s.heads_q}),
-                                       cview3(dout, T, s.heads_q, s.dim_v), view3(dq, T, s.heads_q, s.dim_qk),
-                                       view3(dk, T, s.heads_kv, s.dim_qk), view3(dv, T, s.heads_kv, s.dim_v),
+            attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                                       cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
+                                       test::view_of<const float, 2>(lse, {n, s.heads_q}),
+                                       cview3(dout, n, s.heads_q, s.dim_v), view3(dq, n, s.heads_q, s.dim_qk),
+                                       view3(dk, n, s.heads_kv, s.dim_qk), view3(dv, n, s.heads_kv, s.dim_v),
                                        ws.span());
           },
           errc::unsupported, {"attention::cudnn::backward", "no backward"});
       continue;
     }
-    attention::cudnn::backward(b, p, cview3(q, T, s.heads_q, s.dim_qk), cview3(k, T, s.heads_kv, s.dim_qk),
-                               cview3(v, T, s.heads_kv, s.dim_v), cview3(out, T, s.heads_q, s.dim_v),
-                               test::view_of<const float, 2>(lse, {T, s.heads_q}), cview3(dout, T, s.heads_q, s.dim_v),
-                               view3(dq, T, s.heads_q, s.dim_qk), view3(dk, T, s.heads_kv, s.dim_qk),
-                               view3(dv, T, s.heads_kv, s.dim_v), ws.span());
+    attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                               cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
+                               test::view_of<const float, 2>(lse, {n, s.heads_q}), cview3(dout, n, s.heads_q, s.dim_v),
+                               view3(dq, n, s.heads_q, s.dim_qk), view3(dk, n, s.heads_kv, s.dim_qk),
+                               view3(dv, n, s.heads_kv, s.dim_v), ws.span());
     const auto dq_h = body(dq.to_host(), qh.size(), "dq"), dk_h = body(dk.to_host(), kh.size(), "dk"),
                dv_h = body(dv.to_host(), vh.size(), "dv");
     require_close(dq_h, want.dq, 1e-2, 2e-2, "dq vs fp64");
     require_close(dk_h, want.dk, 1e-2, 2e-2, "dk vs fp64");
     require_close(dv_h, want.dv, 1e-2, 2e-2, "dv vs fp64");
+
+    // The convenience forms (a plan and a workspace of their own, then a fence).
+    test::buffer<S> out2(outputs(s.heads_q * s.dim_v)), dq2(outputs(s.heads_q * s.dim_qk));
+    test::buffer<S> dk2(outputs(s.heads_kv * s.dim_qk)), dv2(outputs(s.heads_kv * s.dim_v));
+    test::buffer<float> lse2(std::vector<float>(static_cast<std::size_t>((n + tail) * s.heads_q), 7.0f));
+    attention::cudnn::forward(b, docs, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                              cview3(v, n, s.heads_kv, s.dim_v), view3(out2, n, s.heads_q, s.dim_v),
+                              test::view_of<float, 2>(lse2, {n, s.heads_q}), opt);
+    attention::cudnn::backward(b, docs, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                               cview3(v, n, s.heads_kv, s.dim_v), cview3(out2, n, s.heads_q, s.dim_v),
+                               test::view_of<const float, 2>(lse2, {n, s.heads_q}), cview3(dout, n, s.heads_q, s.dim_v),
+                               view3(dq2, n, s.heads_q, s.dim_qk), view3(dk2, n, s.heads_kv, s.dim_qk),
+                               view3(dv2, n, s.heads_kv, s.dim_v), opt);
+    require_close(body(out2.to_host(), static_cast<std::size_t>(n * s.heads_q * s.dim_v), "out"), want.out, 1e-2, 1e-2,
+                  "convenience out vs fp64");
+    require_close(body(dq2.to_host(), qh.size(), "dq"), want.dq, 1e-2, 2e-2, "convenience dq vs fp64");
+    require_close(body(dk2.to_host(), kh.size(), "dk"), want.dk, 1e-2, 2e-2, "convenience dk vs fp64");
+    require_close(body(dv2.to_host(), vh.size(), "dv"), want.dv, 1e-2, 2e-2, "convenience dv vs fp64");
   }
 }
 

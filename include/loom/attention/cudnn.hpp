@@ -23,24 +23,28 @@
 //! into ragged batches. Each batch is one cuDNN graph (Q, K, V, O and lse addressed through
 //! per-document ragged offsets and sequence lengths that the plan keeps in device memory), built
 //! once when the plan is made and reused by every call; a call runs one graph per batch on the
-//! backend's stream. A causal or unmasked layer over any documents is one batch; a window that
-//! is shorter than some documents and longer than others gives two.
+//! backend's stream. Each distinct band is its own batch: a causal or unmasked layer is one (and
+//! one more for one-token documents, which need no mask); a window shorter than some documents and
+//! longer than others gives two or three.
 //!
 //! Plans: make_plan checks the arguments before touching the device (dims multiples of 8 and at
 //! most 256, bfloat16 or half precision, window values >= -1, a finite scale > 0, offsets that
-//! fit the token count), then creates a cuDNN handle, the tables and the graphs; a configuration
-//! cuDNN does not support on this device is loom::error(unsupported) naming cuDNN's reason (for
-//! the backward alone, e.g. packed lse on sm_8x: raised by backward, the forward still runs). A
-//! plan is immutable and may be shared by threads (calls on one plan are serialised on its handle
-//! while they are enqueued). The plan owns its device tables and graphs; the offsets need not
-//! outlive make_plan.
+//! fit the token count, documents under 2^31 tokens), then creates a cuDNN handle on the current
+//! device, the tables and the graphs; a configuration cuDNN does not support on this device is
+//! loom::error(unsupported) naming cuDNN's reason (when only the backward is rejected, backward
+//! raises it and the forward still runs). A plan is immutable and may be shared by threads (calls
+//! on one plan are serialised on its handle while they are enqueued); calls must run with the
+//! plan's device current. The plan owns its device tables and graphs and must outlive the stream
+//! work of its calls; the offsets need not outlive make_plan.
 //!
 //! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
-//! Results: within the tolerances of bfloat16/half inputs of loom's tile kernels (cuDNN's order
-//! of summation is its own). The backward's order is cuDNN's too: its deterministic algorithm is not
-//! requested (on sm_90 before cuDNN 9.25 it needs a workspace of batch x heads x Lq x Lk bytes x 2,
-//! 34 GB for one document of 32768 tokens and 16 heads), so dQ need not repeat bit for bit.
+//! Results: cuDNN's order of summation, not loom's. The [gpu] case of tests/attention/cudnn_test.cpp
+//! compares them with the fp64 oracle at bfloat16 tolerances; it has not run on a GPU yet (what
+//! has is in docs/gpu.md). The backward's deterministic algorithm is not requested: by the
+//! frontend's own checks, on sm_90 before cuDNN 9.25 it takes a workspace of batch x heads x Lq x
+//! Lk x 2 bytes (by that formula 34 GB for one document of 32768 tokens and 16 heads), so dQ need
+//! not repeat bit for bit.
 
 #include <loom/attention/detail/fused_blocks.hpp>
 #include <loom/attention/local.hpp>
@@ -55,8 +59,10 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -100,6 +106,9 @@ inline std::vector<fused_block> document_blocks(const segments<host_memory>& cu,
   std::vector<fused_block> out;
   for (index_t d = 0; d < cu.count(); ++d) {
     const index_t n = cu.length(d);
+    LOOM_EXPECTS(n <= std::numeric_limits<std::int32_t>::max(), errc::unsupported,
+                 "attention::cudnn::make_plan: cuDNN's sequence lengths are int32: document ", d, " of segments has ",
+                 n, " tokens");
     if (auto b = attention::detail::fuse_block(opt, 0, n, cu[d], 0, n, cu[d])) {
       b->document = d;
       out.push_back(*b);
@@ -121,6 +130,15 @@ struct tables {
   [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which) * region(batch); }
   //! Word offset of the query (0) or key (1) counts.
   [[nodiscard]] std::size_t lengths(int which) const { return static_cast<std::size_t>(5 + which) * region(batch); }
+  //! Count `entry` of the query (0) or key (1) counts (int32, packed two per word).
+  [[nodiscard]] std::int32_t count(int which, index_t entry) const {
+    std::int32_t v;
+    std::memcpy(&v, reinterpret_cast<const std::byte*>(words.data() + lengths(which)) + 4 * entry, sizeof v);
+    return v;
+  }
+  void set_count(int which, index_t entry, std::int32_t v) {
+    std::memcpy(reinterpret_cast<std::byte*>(words.data() + lengths(which)) + 4 * entry, &v, sizeof v);
+  }
 };
 
 //! The tables of `blocks` as one batch (every entry a block: the graph is built for this batch).
@@ -130,8 +148,6 @@ inline tables tables_of(const std::vector<fused_block>& blocks, const shape& s) 
   t.words.assign(tables::size_of(t.batch), 0);
   const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
                                      s.heads_q * s.dim_v, s.heads_q};
-  auto* len_q = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths(0));
-  auto* len_k = reinterpret_cast<std::int32_t*>(t.words.data() + t.lengths(1));
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const fused_block& b = blocks[i];
     const std::int64_t row[5] = {b.q_begin, b.k_begin, b.k_begin, b.q_begin, b.q_begin};
@@ -142,8 +158,8 @@ inline tables tables_of(const std::vector<fused_block>& blocks, const shape& s) 
       auto& end = t.words[t.ragged(w) + blocks.size()];
       end = std::max(end, (row[w] + count[w]) * per_token[w]);
     }
-    len_q[i] = static_cast<std::int32_t>(b.q_count);
-    len_k[i] = static_cast<std::int32_t>(b.k_count);
+    t.set_count(0, static_cast<index_t>(i), static_cast<std::int32_t>(b.q_count));  // < 2^31: make_plan checks
+    t.set_count(1, static_cast<index_t>(i), static_cast<std::int32_t>(b.k_count));
   }
   return t;
 }
@@ -307,21 +323,27 @@ struct batch {
   index_t batch = 0;
 };
 
-//! What a plan owns on the device: the cuDNN handle, the tables, the graphs.
-struct state {
+//! The cuDNN handle and the device tables of a plan, released after its graphs (a member declared
+//! before them). cudaFree waits for the device's work in flight.
+struct device_resources {
   cudnnHandle_t handle = nullptr;
   std::int64_t* device_tables = nullptr;
+  int device = -1;  // the device current at make_plan
+  device_resources() = default;
+  device_resources(const device_resources&) = delete;
+  device_resources& operator=(const device_resources&) = delete;
+  ~device_resources() {
+    if (device_tables) cudaFree(device_tables);
+    if (handle) cudnnDestroy(handle);
+  }
+};
+
+//! What a plan owns on the device: the cuDNN handle, the tables, the graphs.
+struct state : device_resources {
   std::vector<batch> batches;
   attention::detail::graph_cache<built> cache;
   std::mutex enqueue;                // cudnnSetStream + execute on the shared handle
   std::string backward_unsupported;  // why cuDNN cannot run the backward here (empty: it can)
-  state() = default;
-  state(const state&) = delete;
-  state& operator=(const state&) = delete;
-  ~state() {
-    if (device_tables) cudaFree(device_tables);
-    if (handle) cudnnDestroy(handle);
-  }
 };
 
 }  // namespace detail
@@ -347,7 +369,12 @@ class plan : public precision_types<P> {
   [[nodiscard]] std::size_t workspace_bytes() const noexcept { return fwd_bytes_; }
   [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return bwd_bytes_; }
   //! The state (handle, tables, graphs) for loom's own callers.
-  [[nodiscard]] detail::state& device_state() const noexcept { return *st_; }
+  //! @throws loom::error(invalid_argument) for a plan not made by make_plan (default-constructed).
+  [[nodiscard]] detail::state& device_state(std::string_view call) const {
+    LOOM_EXPECTS(st_ != nullptr, errc::invalid_argument, call,
+                 ": the plan was not made by attention::cudnn::make_plan (default-constructed)");
+    return *st_;
+  }
 
  private:
   shape shape_{};
@@ -402,6 +429,7 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
     keys.push_back({fk, bk});
   }
   if (groups.empty()) return p;  // no tokens: nothing to run
+  LOOM_CUDA_TRY(cudaGetDevice(&st.device));
   detail::check_cudnn(cudnnCreate(&st.handle), call, "cudnnCreate");
   LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&st.device_tables), host.size() * sizeof(std::int64_t)));
   LOOM_CUDA_TRY(cudaMemcpy(st.device_tables, host.data(), host.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
@@ -463,6 +491,15 @@ void* address(const V& v) {
   return const_cast<void*>(static_cast<const void*>(v.data()));
 }
 
+//! The device current at the call must be the plan's (its handle, tables and graphs live there).
+inline void check_device(const state& st, std::string_view call) {
+  if (st.handle == nullptr) return;  // a plan of no tokens runs nothing
+  int current = -1;
+  LOOM_CUDA_TRY(cudaGetDevice(&current));
+  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
+               ") is not the one the plan was made on (", st.device, ")");
+}
+
 //! Executes one batch's graph on b.stream: the views in `pack`, the batch's device tables at `words`.
 inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g, const std::int64_t* words,
                 index_t batch, std::unordered_map<std::int64_t, void*> pack, std::span<std::byte> ws,
@@ -485,9 +522,10 @@ inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g,
 template <precision_policy P, class Q, class K, class V, class O, class L>
 void forward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::cudnn::forward";
+  detail::state& st = p.device_state(call);
   detail::check_inputs<P>(p.problem(), q, k, v, out, lse, call);
   check_workspace(workspace, p.workspace_bytes(), call);
-  detail::state& st = p.device_state();
+  detail::check_device(st, call);
   std::lock_guard lock(st.enqueue);
   for (const auto& bt : st.batches)
     detail::run(st, b, bt.forward, st.device_tables + bt.table_words, bt.batch,
@@ -505,12 +543,13 @@ template <precision_policy P, class Q, class K, class V, class O, class L, class
 void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
               std::span<std::byte> workspace) {
   constexpr std::string_view call = "attention::cudnn::backward";
+  detail::state& st = p.device_state(call);
   detail::check_inputs<P>(p.problem(), q, k, v, out, lse, call);
   detail::expect_storage<P, DO, DQ>();
   attention::detail::check_gradients(p.problem(), dout, dq, dk, dv, call);
   detail::expect_dense(dout, call, "dout"), detail::expect_dense(dq, call, "dq");
   detail::expect_dense(dk, call, "dk"), detail::expect_dense(dv, call, "dv");
-  detail::state& st = p.device_state();
+  detail::check_device(st, call);
   LOOM_EXPECTS(st.backward_unsupported.empty(), errc::unsupported, call,
                ": cuDNN has no backward for this plan on this device (", st.backward_unsupported,
                "); loom::attention::backward runs it");

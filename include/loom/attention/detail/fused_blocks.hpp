@@ -121,15 +121,15 @@ inline std::vector<fused_block> fused_blocks(const shard::rank_plan& q, const sh
 enum class fused_pass : std::uint8_t { forward, backward };
 enum class fused_element : std::uint8_t { fp16, bf16 };
 
-//! Names one fused graph: what cuDNN fixes when a graph is built. Ragged batches are built for
-//! their largest block, rounded up to a power of two (at least 64) so that the steps of a plan
-//! share graphs; the batch size likewise.
+//! Names one fused graph: what cuDNN fixes when a graph is built. key_of rounds a batch's largest
+//! block and its size up to a power of two (at least 64), so that the steps of a ring plan can
+//! share graphs; a caller that builds for the exact sizes (attention::cudnn) sets them itself.
 struct graph_key {
   fused_pass pass = fused_pass::forward;
   fused_element element = fused_element::bf16;
   block_kind kind = block_kind::full;
   index_t heads_q = 0, heads_kv = 0, dim_qk = 0, dim_v = 0;
-  index_t batch = 0, max_q = 0, max_k = 0;  //!< rounded up, see above
+  index_t batch = 0, max_q = 0, max_k = 0;  //!< see above
   index_t left_bound = -1, right_bound = -1;
   std::uint64_t scale_bits = 0;      //!< the softmax scale's bits (a graph attribute)
   index_t total_q = 0, total_k = 0;  //!< packed token counts the graph may address (0: not fixed)
