@@ -31,22 +31,13 @@
 #include <random>
 #include <vector>
 
-#include "timing.hpp"
+#include "support.hpp"
 
 namespace {
 
 using loom::index_t;
+using loom::bench::device_array;
 using loom::bench::median_ms;
-
-//! Device memory from loom's stream-ordered scratch (default stream), optionally filled from the host.
-template <class T>
-struct device_array : loom::temporary_buffer<loom::cuda, T> {
-  explicit device_array(std::size_t count)
-      : loom::temporary_buffer<loom::cuda, T>(loom::cuda{}, static_cast<index_t>(count)) {}
-  explicit device_array(const std::vector<T>& h) : device_array(h.size()) {
-    LOOM_CUDA_TRY(cudaMemcpy(this->data(), h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
-  }
-};
 
 void check_cublas(cublasStatus_t s, const char* what) {
   if (s != CUBLAS_STATUS_SUCCESS) {

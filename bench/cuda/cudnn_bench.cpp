@@ -24,18 +24,13 @@
 #include <utility>
 #include <vector>
 
-#include "timing.hpp"
+#include "support.hpp"
 
 namespace {
 
 using loom::index_t;
+using loom::bench::device_array;
 namespace fe = cudnn_frontend;
-
-template <class T>
-struct device_array : loom::temporary_buffer<loom::cuda, T> {
-  explicit device_array(std::size_t count)
-      : loom::temporary_buffer<loom::cuda, T>(loom::cuda{}, static_cast<index_t>(count)) {}
-};
 
 void check(const fe::error_t& e, const char* what) {
   if (e.is_bad()) {
@@ -144,8 +139,7 @@ int main(int argc, char** argv) {
     for (auto* p : {&k, &v})
       LOOM_CUDA_TRY(cudaMemcpy(p->data(), host.data(), rows * hk * d * 2, cudaMemcpyHostToDevice));
     std::vector<std::int64_t> cu = {0, n};
-    device_array<std::int64_t> offsets(cu.size());
-    LOOM_CUDA_TRY(cudaMemcpy(offsets.data(), cu.data(), sizeof(std::int64_t) * cu.size(), cudaMemcpyHostToDevice));
+    const device_array<std::int64_t> offsets(cu);
     const loom::segments<loom::cuda_memory> docs(
         loom::tensor_view<const std::int64_t, 1, loom::cuda_memory>(offsets.data(), {2}));
     const auto plan = loom::attention::cudnn::make_plan<loom::bf16>(b, docs, {n, hq, hk, d, d});

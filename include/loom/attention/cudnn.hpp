@@ -40,8 +40,8 @@
 //! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
 //! Results: cuDNN's order of summation, not loom's. The [gpu] case of tests/attention/cudnn_test.cpp
-//! compares them with the fp64 oracle at bfloat16 tolerances; it has not run on a GPU yet (what
-//! has is in docs/gpu.md). The backward's deterministic algorithm is not requested: by the
+//! compares them with the fp64 oracle at bfloat16 tolerances; the one GPU run in docs/gpu.md (H100,
+//! 2026-11-23, commits 47efad8, d6dcb58) predates it. The backward's deterministic algorithm is not requested: by the
 //! frontend's own checks, on sm_90 before cuDNN 9.25 it takes a workspace of batch x heads x Lq x
 //! Lk x 2 bytes (by that formula 34 GB for one document of 32768 tokens and 16 heads), so dQ need
 //! not repeat bit for bit.
@@ -62,6 +62,7 @@
 #include <cstring>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -69,6 +70,7 @@
 #include <string_view>
 #include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace loom::attention::cudnn {
@@ -311,16 +313,12 @@ inline built build_any(cudnnHandle_t handle, const graph_key& key, std::string_v
   }
 }
 
-//! The forward and backward graph keys of one ragged batch.
-struct key_pair {
-  graph_key forward, backward;
-};
-
-//! One ragged batch: its graphs and the byte offset of its tables in the plan's device buffer.
+//! One ragged batch: its graphs and its variant pack (every uid of either graph: the device
+//! pointers of the batch's tables, filled by make_plan; the views', set by each call under the
+//! plan's lock, so a call inserts nothing and allocates nothing).
 struct batch {
   std::shared_ptr<built> forward, backward;
-  std::size_t table_words = 0;  // offset of its tables in words
-  index_t batch = 0;
+  std::unordered_map<std::int64_t, void*> pack;
 };
 
 //! The cuDNN handle and the device tables of a plan, released after its graphs (a member declared
@@ -409,39 +407,47 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
   p.st_ = std::make_shared<detail::state>();
   detail::state& st = *p.st_;
   const auto groups = attention::detail::batches_of(blocks);
-  std::vector<std::int64_t> host;
-  std::vector<detail::key_pair> keys;
-  const head_shape hs{s.heads_q, s.heads_kv, s.dim_qk, s.dim_v};
-  constexpr auto element = detail::element_of<typename P::storage_type>();
-  for (const auto& g : groups) {
-    auto fk = attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
-    // Built for this plan's batch exactly (no padding entries; cuDNN sizes its workspace from the
-    // dims) and for the plan's token count (the bound of the packed token axis).
-    fk.batch = static_cast<index_t>(g.size());
-    fk.max_q = fk.max_k = 0;
-    for (const auto& blk : g) fk.max_q = std::max(fk.max_q, blk.q_count), fk.max_k = std::max(fk.max_k, blk.k_count);
-    fk.total_q = fk.total_k = s.tokens;
-    auto bk = fk;
-    bk.pass = detail::fused_pass::backward;
-    const detail::tables t = detail::tables_of(g, s);
-    st.batches.push_back({nullptr, nullptr, host.size(), fk.batch});
-    host.insert(host.end(), t.words.begin(), t.words.end());
-    keys.push_back({fk, bk});
-  }
   if (groups.empty()) return p;  // no tokens: nothing to run
   LOOM_CUDA_TRY(cudaGetDevice(&st.device));
   detail::check_cudnn(cudnnCreate(&st.handle), call, "cudnnCreate");
+  // Every batch's tables in one device buffer, each batch's on a 256-byte boundary.
+  std::vector<std::int64_t> host;
+  std::vector<std::size_t> at;
+  for (const auto& g : groups) {
+    at.push_back(host.size());
+    const detail::tables t = detail::tables_of(g, s);
+    host.insert(host.end(), t.words.begin(), t.words.end());
+  }
   LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&st.device_tables), host.size() * sizeof(std::int64_t)));
   LOOM_CUDA_TRY(cudaMemcpy(st.device_tables, host.data(), host.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
+  const head_shape hs{s.heads_q, s.heads_kv, s.dim_qk, s.dim_v};
+  constexpr auto element = detail::element_of<typename P::storage_type>();
+  auto build = [&](const attention::detail::graph_key& k) { return detail::build_any(st.handle, k, call); };
   std::int64_t fwd = 0, bwd = 0;
   for (std::size_t i = 0; i < groups.size(); ++i) {
-    auto build = [&](const attention::detail::graph_key& k) { return detail::build_any(st.handle, k, call); };
-    st.batches[i].forward = st.cache.get(keys[i].forward, build);
-    fwd = std::max(fwd, st.batches[i].forward->workspace);
+    const auto& g = groups[i];
+    auto key = attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
+    // Built for this batch exactly (no padding entries; cuDNN sizes its workspace from the dims)
+    // and for the plan's token count (the bound of the packed token axis).
+    key.batch = static_cast<index_t>(g.size());
+    key.max_q = key.max_k = 0;
+    for (const auto& blk : g)
+      key.max_q = std::max(key.max_q, blk.q_count), key.max_k = std::max(key.max_k, blk.k_count);
+    key.total_q = key.total_k = s.tokens;
+    detail::batch& bt = st.batches.emplace_back();
+    const detail::tables layout{key.batch, {}};
+    std::int64_t* t = st.device_tables + at[i];
+    for (int w = 0; w < 5; ++w) bt.pack[detail::u_rq + w] = t + layout.ragged(w);
+    bt.pack[detail::u_len_q] = t + layout.lengths(0);
+    bt.pack[detail::u_len_k] = t + layout.lengths(1);
+    for (std::int64_t uid = detail::u_q; uid <= detail::u_dv; ++uid) bt.pack[uid] = nullptr;
+    bt.forward = st.cache.get(key, build);
+    fwd = std::max(fwd, bt.forward->workspace);
     if (!st.backward_unsupported.empty()) continue;
-    try {  // a device without the backward (packed lse on sm_8x, for one) still runs the forward
-      st.batches[i].backward = st.cache.get(keys[i].backward, build);
-      bwd = std::max(bwd, st.batches[i].backward->workspace);
+    key.pass = detail::fused_pass::backward;
+    try {  // a device where cuDNN rejects only the backward still runs the forward
+      bt.backward = st.cache.get(key, build);
+      bwd = std::max(bwd, bt.backward->workspace);
     } catch (const loom::error& e) {
       if (e.code() != errc::unsupported) throw;
       st.backward_unsupported = e.what();
@@ -500,17 +506,18 @@ inline void check_device(const state& st, std::string_view call) {
                ") is not the one the plan was made on (", st.device, ")");
 }
 
-//! Executes one batch's graph on b.stream: the views in `pack`, the batch's device tables at `words`.
-inline void run(state& st, const loom::cuda& b, const std::shared_ptr<built>& g, const std::int64_t* words,
-                index_t batch, std::unordered_map<std::int64_t, void*> pack, std::span<std::byte> ws,
+//! Executes every batch's graph of `pass` on b.stream with the call's views (uid, pointer).
+inline void run(state& st, const loom::cuda& b, fused_pass pass,
+                std::initializer_list<std::pair<std::int64_t, void*>> views, std::span<std::byte> ws,
                 std::string_view call) {
-  auto* t = const_cast<std::int64_t*>(words);
-  const tables layout{batch, {}};
-  for (int w = 0; w < 5; ++w) pack[u_rq + w] = t + layout.ragged(w);
-  pack[u_len_q] = t + layout.lengths(0);
-  pack[u_len_k] = t + layout.lengths(1);
+  if (st.batches.empty()) return;  // a plan of no tokens
+  std::lock_guard lock(st.enqueue);
   check_cudnn(cudnnSetStream(st.handle, b.stream), call, "cudnnSetStream");
-  check_fe(g->graph->execute(st.handle, pack, ws.data()), call, "execute");
+  for (auto& bt : st.batches) {
+    for (const auto& [uid, ptr] : views) bt.pack.at(uid) = ptr;
+    const built& g = pass == fused_pass::forward ? *bt.forward : *bt.backward;
+    check_fe(g.graph->execute(st.handle, bt.pack, ws.data()), call, "execute");
+  }
 }
 
 }  // namespace detail
@@ -526,15 +533,13 @@ void forward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse,
   detail::check_inputs<P>(p.problem(), q, k, v, out, lse, call);
   check_workspace(workspace, p.workspace_bytes(), call);
   detail::check_device(st, call);
-  std::lock_guard lock(st.enqueue);
-  for (const auto& bt : st.batches)
-    detail::run(st, b, bt.forward, st.device_tables + bt.table_words, bt.batch,
-                {{detail::u_q, detail::address(q)},
-                 {detail::u_k, detail::address(k)},
-                 {detail::u_v, detail::address(v)},
-                 {detail::u_o, detail::address(out)},
-                 {detail::u_lse, detail::address(lse)}},
-                workspace, call);
+  detail::run(st, b, detail::fused_pass::forward,
+              {{detail::u_q, detail::address(q)},
+               {detail::u_k, detail::address(k)},
+               {detail::u_v, detail::address(v)},
+               {detail::u_o, detail::address(out)},
+               {detail::u_lse, detail::address(lse)}},
+              workspace, call);
 }
 
 //! Backward: dq, dk, dv (overwritten) from the forward's out and lse and dout. Stream-ordered,
@@ -554,19 +559,17 @@ void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse
                ": cuDNN has no backward for this plan on this device (", st.backward_unsupported,
                "); loom::attention::backward runs it");
   check_workspace(workspace, p.backward_workspace_bytes(), call);
-  std::lock_guard lock(st.enqueue);
-  for (const auto& bt : st.batches)
-    detail::run(st, b, bt.backward, st.device_tables + bt.table_words, bt.batch,
-                {{detail::u_q, detail::address(q)},
-                 {detail::u_k, detail::address(k)},
-                 {detail::u_v, detail::address(v)},
-                 {detail::u_o, detail::address(out)},
-                 {detail::u_lse, detail::address(lse)},
-                 {detail::u_do, detail::address(dout)},
-                 {detail::u_dq, detail::address(dq)},
-                 {detail::u_dk, detail::address(dk)},
-                 {detail::u_dv, detail::address(dv)}},
-                workspace, call);
+  detail::run(st, b, detail::fused_pass::backward,
+              {{detail::u_q, detail::address(q)},
+               {detail::u_k, detail::address(k)},
+               {detail::u_v, detail::address(v)},
+               {detail::u_o, detail::address(out)},
+               {detail::u_lse, detail::address(lse)},
+               {detail::u_do, detail::address(dout)},
+               {detail::u_dq, detail::address(dq)},
+               {detail::u_dk, detail::address(dk)},
+               {detail::u_dv, detail::address(dv)}},
+              workspace, call);
 }
 
 //! Convenience forward: make_plan (precision from q), a temporary workspace, the plan form, fence.
