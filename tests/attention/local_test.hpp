@@ -23,6 +23,7 @@ using loom::index_t;
 using loom::test::backend_under_test;
 using loom::test::buffer;
 using loom::test::make_backend;
+using loom::test::vector_mode;
 using loom::test::vector_switch;
 namespace la = loom::attention;
 namespace lt = loom::test;
@@ -188,7 +189,9 @@ TEST_CASE("attention: packed documents, GQA, dims 64 and 96, causal and full, fp
 }
 
 TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKEND_TAG, "[attention][local]") {
-  const vector_switch switched(GENERATE(true, false));  // host x86: the AVX2 products, then the portable ones
+  // Host x86: the widest vector products (AVX-512 tile products where the CPU has them), the AVX2
+  // floor, then the portable ones.
+  const vector_switch switched(GENERATE(vector_mode::widest, vector_mode::avx2, vector_mode::portable));
   const std::vector<index_t> docs{
       0, 0, 1, 8, 8, 138, 141, lt::long_document_end, lt::long_document_end};  // empty documents too
   check_packed<loom::fp64>({0, 0, 4, 2, 64, 64, true, {36, 0}}, docs, 40);

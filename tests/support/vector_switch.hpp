@@ -1,8 +1,8 @@
 #pragma once
 
 // Host x86 builds: allows or forbids loom's runtime-dispatched vector kernels for the scope of a
-// test (restored on exit), so one test body runs both the vector and the portable paths. Nothing
-// to switch elsewhere (device code, other architectures).
+// test (restored on exit), so one test body runs the widest vector forms, the AVX2 floor and the
+// portable paths. Nothing to switch elsewhere (device code, other architectures).
 
 #include <loom/backend/detail/x86.hpp>
 
@@ -10,16 +10,25 @@
 
 namespace loom::test {
 
+//! Which of the forms a kernel has may run: the widest the CPU has (AVX-512 where it has it), the
+//! AVX2 floor, or none (the portable bodies).
+enum class vector_mode { widest, avx2, portable };
+
 struct vector_switch {
-  explicit vector_switch(bool on) {
+  explicit vector_switch(bool on) : vector_switch(on ? vector_mode::widest : vector_mode::portable) {}
+  explicit vector_switch(vector_mode mode) {
 #if defined(LOOM_X86_KERNELS)
-    loom::detail::x86::vector_kernels_allowed() = on;
+    loom::detail::x86::vector_kernels_allowed() = mode != vector_mode::portable;
+    loom::detail::x86::avx512_kernels_allowed() = mode == vector_mode::widest;
 #endif
-    UNSCOPED_INFO("vector kernels allowed: " << on);
+    UNSCOPED_INFO("vector kernels: " << (mode == vector_mode::widest ? "widest"
+                                         : mode == vector_mode::avx2 ? "AVX2 at most"
+                                                                     : "none (portable)"));
   }
   ~vector_switch() {
 #if defined(LOOM_X86_KERNELS)
     loom::detail::x86::vector_kernels_allowed() = true;
+    loom::detail::x86::avx512_kernels_allowed() = true;
 #endif
   }
   vector_switch(const vector_switch&) = delete;

@@ -11,8 +11,9 @@
 //!  - P V: for 16 output columns, eight register accumulators (four rows x two halves) over every
 //!    key of the block: two loads of V per key, one broadcast of p per row;
 //! and the tiled kernels' softmax and probability rows. (Their tile product gemm() takes
-//! loom::detail::x86::gemm, backend/detail/x86_gemm.hpp: the portable 8 x 32 blocks need 32 AVX2
-//! registers; compiled for AVX2 they spill, measured 0.29x the sgemm rate.)
+//! loom::detail::x86::gemm, backend/detail/x86_gemm.hpp, AVX-512 or AVX2 blocks at run time: the
+//! portable 8 x 32 blocks need 32 AVX2 registers; compiled for AVX2 they spill, measured 0.29x the
+//! sgemm rate.)
 //! AVX2 with FMA and F16C is the vector floor of x86-64 (every CPU loom's users run). Taken at run
 //! time when the CPU has the instructions and vector kernels are allowed (loom::detail::x86), for
 //! head dims that are multiples of 8; the portable LOOM_HD products of decode_kernels.hpp are the

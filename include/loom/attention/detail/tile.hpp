@@ -16,10 +16,10 @@
 #include <limits>
 #include <type_traits>
 
-//! The tiled kernels take the AVX2 forms of their hot loops (attention_x86.hpp) on x86 hosts, unless
-//! the build itself targets AVX-512: then the compiler vectorises the portable bodies with 32
-//! registers of 16 lanes, which the 8 x 32 blocks of gemm() were sized for.
-#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE && !defined(__AVX512F__)
+//! The tiled kernels take the vector forms of their hot loops on x86 hosts, chosen at run time
+//! whatever the build targets: the tile products loom::detail::x86::gemm (AVX-512 or AVX2 blocks),
+//! the softmax rows attention_x86.hpp (AVX2).
+#if defined(LOOM_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
 #define LOOM_ATTENTION_X86_TILES 1
 #endif
 
@@ -101,8 +101,8 @@ LOOM_HD bool all_finite(const T* x, index_t n, index_t d, index_t ld) {
 //! a[l * lda + i] when `trans_a`. B, C row-major with leading dimensions ldb, ldc. Blocks of 8 rows
 //! by 32 columns keep their sums in registers (16 vector registers of 16 floats with AVX-512); the
 //! inner loop runs over contiguous j.
-//! On x86 hosts with AVX2 (LOOM_ATTENTION_X86_TILES), float products take loom::detail::x86::gemm (blocks sized
-//! for 16 registers) instead.
+//! On x86 hosts (LOOM_ATTENTION_X86_TILES) with AVX2, float products take loom::detail::x86::gemm
+//! instead: AVX-512 blocks where the CPU has them, else AVX2 ones, the same bits either way.
 template <bool TransA, class Acc>
 LOOM_HD void gemm(index_t m, index_t n, index_t kd, const Acc* a, index_t lda, const Acc* b, index_t ldb, Acc* c,
                   index_t ldc, bool accumulate) {

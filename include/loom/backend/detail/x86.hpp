@@ -62,8 +62,22 @@ inline bool avx2_cpu() {
   return cpu;
 }
 
+//! False keeps the vector kernels that have an AVX-512 and an AVX2 form on the AVX2 one (tests of
+//! both forms on one machine, benchmark comparisons); vector_kernels_allowed() still rules both.
+inline std::atomic<bool>& avx512_kernels_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
 //! Whether the AVX2 kernels may run: the CPU has them and vector kernels are allowed.
 inline bool avx2_available() { return avx2_cpu() && vector_kernels_allowed().load(std::memory_order_relaxed); }
+
+//! Whether the AVX-512 kernels may run: the CPU has them, vector kernels and their AVX-512 forms
+//! are allowed.
+inline bool avx512_available() {
+  return avx512_cpu() && vector_kernels_allowed().load(std::memory_order_relaxed) &&
+         avx512_kernels_allowed().load(std::memory_order_relaxed);
+}
 
 //! 8 values at s, as floats (AVX2).
 LOOM_X86_AVX2 inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }

@@ -53,14 +53,14 @@ using loom::detail::x86::load16_bits;
 using loom::detail::x86::widen;
 
 //! Whether the CPU runs these kernels (the shared AVX-512 set plus bitalg and vbmi2, checked
-//! once) and vector kernels are allowed.
+//! once) and vector kernels with their AVX-512 forms are allowed.
 inline bool avx512_available() {
   static const bool cpu = [] {
     __builtin_cpu_init();
     return loom::detail::x86::avx512_cpu() && __builtin_cpu_supports("avx512bitalg") &&
            __builtin_cpu_supports("avx512vbmi2") && __builtin_cpu_supports("popcnt");
   }();
-  return cpu && avx512_allowed().load(std::memory_order_relaxed);
+  return cpu && loom::detail::x86::avx512_available();
 }
 
 //! The first `count` (<= 16) values at s, placed at the set bits of m (zeros elsewhere), as floats:

@@ -1,0 +1,84 @@
+// The small dense product of loom's CPU kernels (backend/detail/x86_gemm.hpp): its AVX-512 and
+// AVX2 forms against the contract they share, each output summed over l ascending by fused
+// multiply-adds from C (or zero), i.e. bit for bit the scalar loop below, and within fp32
+// tolerance of an fp64 oracle; odd and prime shapes exercise every row block, column block and
+// masked tail; nothing outside the m x n block of C is written.
+
+#include <loom/backend/detail/x86_gemm.hpp>
+
+#include <support/random.hpp>
+#include <support/vector_switch.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(LOOM_X86_KERNELS)
+
+namespace {
+
+using loom::index_t;
+namespace x86 = loom::detail::x86;
+
+struct shape {
+  index_t m, n, kd;
+  bool trans_a;
+};
+
+}  // namespace
+
+TEST_CASE("x86 gemm: AVX-512 and AVX2 blocks give the scalar fused multiply-add sums bit for bit", "[core][x86]") {
+  if (!x86::avx2_cpu()) {
+    SUCCEED("this CPU has no AVX2: the portable products run instead");
+    return;
+  }
+  const shape s =
+      GENERATE(shape{1, 1, 1, false}, shape{5, 7, 3, false}, shape{6, 64, 128, false}, shape{64, 64, 128, false},
+               shape{64, 128, 64, true}, shape{13, 131, 37, true}, shape{7, 63, 29, false}, shape{17, 49, 11, true},
+               shape{11, 17, 0, false}, shape{23, 97, 5, true});
+  const bool accumulate = GENERATE(false, true);
+  const loom::test::vector_mode mode = GENERATE(loom::test::vector_mode::widest, loom::test::vector_mode::avx2);
+  const loom::test::vector_switch switched(mode);
+  INFO("m " << s.m << ", n " << s.n << ", kd " << s.kd << ", A transposed " << s.trans_a << ", accumulate "
+            << accumulate);
+  const index_t lda = (s.trans_a ? s.m : s.kd) + 3, ldb = s.n + 5, ldc = s.n + 7;
+  const index_t ar = s.trans_a ? 1 : lda, ak = s.trans_a ? lda : 1;
+  auto a = loom::test::uniform<float>((s.trans_a ? s.kd : s.m) * lda + 1, -1.0, 1.0, 1);
+  auto b = loom::test::uniform<float>(s.kd * ldb + 1, -1.0, 1.0, 2);
+  // The padding of B's rows holds NaN: a lane read past n and kept would show.
+  for (index_t l = 0; l < s.kd; ++l)
+    for (index_t j = s.n; j < ldb; ++j)
+      b[static_cast<std::size_t>(l * ldb + j)] = std::numeric_limits<float>::quiet_NaN();
+  auto c0 = loom::test::uniform<float>(s.m * ldc, -1.0, 1.0, 3);
+  constexpr float sentinel = -12345.0f;
+  for (index_t i = 0; i < s.m; ++i)
+    for (index_t j = s.n; j < ldc; ++j) c0[static_cast<std::size_t>(i * ldc + j)] = sentinel;
+  auto c = c0;
+  x86::gemm(s.m, s.n, s.kd, a.data(), ar, ak, b.data(), ldb, c.data(), ldc, accumulate);
+  for (index_t i = 0; i < s.m; ++i)
+    for (index_t j = 0; j < ldc; ++j) {
+      const float got = c[static_cast<std::size_t>(i * ldc + j)];
+      if (j >= s.n) {
+        REQUIRE(got == sentinel);
+        continue;
+      }
+      float x = accumulate ? c0[static_cast<std::size_t>(i * ldc + j)] : 0.0f;
+      double oracle = x;
+      for (index_t l = 0; l < s.kd; ++l) {
+        const float ail = a[static_cast<std::size_t>(i * ar + l * ak)], blj = b[static_cast<std::size_t>(l * ldb + j)];
+        x = std::fma(ail, blj, x);
+        oracle += static_cast<double>(ail) * blj;
+      }
+      std::uint32_t gb, xb;
+      std::memcpy(&gb, &got, 4);
+      std::memcpy(&xb, &x, 4);
+      INFO("C[" << i << "][" << j << "] = " << got << ", scalar fused sum " << x);
+      REQUIRE(gb == xb);
+      REQUIRE(std::abs(got - oracle) <= 1e-5 * (1.0 + std::sqrt(static_cast<double>(s.kd))));
+    }
+}
+
+#endif
