@@ -202,6 +202,12 @@ TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKE
   // Odd dims: column blocks of 16, then a lane remainder; prime document lengths: row remainders.
   check_packed<loom::fp32>({0, 0, 3, 1, 36, 20, true}, {0, 7, 300, 1021}, 45);
   check_packed<loom::fp32>({0, 0, 2, 2, 24, 43, false, {29, 3}}, {0, 131, 257}, 46);
+  // bfloat16 storage with head dims the pair products take (even dk, dv <= dk; on CPUs with
+  // AVX512_BF16) and ones they leave to the float products (odd dk; dv > dk); odd key tiles.
+  check_packed<loom::bf16>({0, 0, 3, 1, 36, 20, true}, {0, 7, 300, 1021}, 47);
+  check_packed<loom::bf16>({0, 0, 2, 2, 24, 24, false, {29, 3}}, {0, 131, 257}, 48);
+  check_packed<loom::bf16>({0, 0, 2, 1, 25, 16, true}, {0, 131}, 49);
+  check_packed<loom::bf16>({0, 0, 2, 1, 16, 32, true}, {0, 131}, 50);
 }
 
 TEST_CASE(

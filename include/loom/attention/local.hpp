@@ -314,10 +314,28 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
                             typename O::value_type, Acc, host>;
   const local_layout l = layout_of<Acc>(pb, false, cap);
   const workspace_carver w(ws);
-  const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, false, false, true);
-  for_each_index(
-      b, l.slots,
-      Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots, l.heads});
+  Acc* const kv_at = w.at<Acc>(l.kv);
+  // Host bfloat16 storage on CPUs with AVX512_BF16: the pair layouts (dk + dv bfloat16 a key) in
+  // kt's place (dk floats a key), V's float rows after them as always.
+  pair_kv pairs{};
+#if defined(LOOM_ATTENTION_X86_TILES)
+  if constexpr (Kn::pair_types)
+    if (pb.dk % 2 == 0 && pb.dv <= pb.dk && loom::detail::x86::avx512_bf16_available()) {
+      const index_t per = pb.hkv * pb.k_tiles() * tile_k;
+      auto* bits = reinterpret_cast<std::uint16_t*>(kv_at);
+      pairs = pair_kv{bits, bits + per * pb.dk, per / pb.hkv, pb.dk, pb.dv};
+      if (pb.tk > 0)
+        for_each_index(
+            b, pb.hkv * pb.k_tiles(),
+            prepare_pairs_kernel<typename K::value_type, typename V::value_type>{pb, rows_of(k), rows_of(v), pairs});
+    }
+#endif
+  const prepared_kv<Acc> kv =
+      pairs.kt2 ? prepare(b, pb, k, v, kv_at + pb.hkv * pb.k_tiles() * tile_k * pb.dk, false, false, false, true)
+                : prepare(b, pb, k, v, kv_at, true, false, false, true);
+  for_each_index(b, l.slots,
+                 Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots,
+                    l.heads, pairs});
 }
 
 //! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes.

@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 namespace loom::attention::detail {
@@ -271,6 +272,23 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
     _mm256_storeu_ps(srow + j, p);
     _mm256_storeu_ps(drow + j, ds);
   }
+}
+
+//! Rows [0, nq) of a probability tile (W floats a row) as bfloat16 rows of W values (rounded to
+//! nearest even), written in place from the start of s: each row's floats are read before its
+//! bfloat16 values are stored, which overwrite rows already read only. Returns the bfloat16 rows.
+template <int W>
+LOOM_X86_AVX512_BF16 inline const std::uint16_t* probs_to_bf16(float* s, index_t nq) {
+  static_assert(W % 16 == 0, "whole vectors of 16 floats a row");
+  auto* out = reinterpret_cast<std::uint16_t*>(s);
+  for (index_t i = 0; i < nq; ++i) {
+    __m256i h[W / 16];
+#pragma GCC unroll 4
+    for (int v = 0; v < W / 16; ++v) h[v] = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i * W + 16 * v));
+#pragma GCC unroll 4
+    for (int v = 0; v < W / 16; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * W + 16 * v), h[v]);
+  }
+  return out;
 }
 
 }  // namespace loom::attention::detail::x86

@@ -12,6 +12,7 @@
 
 #include <loom/attention/detail/tile.hpp>
 
+#include <cstdint>
 #include <type_traits>
 
 namespace loom::attention::detail {
@@ -110,6 +111,39 @@ struct prepare_kv_kernel {
         if (out.vt) out.vt[out.t_at(hk, c, t, pb.dv)] = x;
         if (out.vr) out.vr[(hk * p + t) * pb.dv + c] = x;
       }
+    }
+  }
+};
+
+//! K and V of every kv head as bfloat16 bits in the pair layouts of loom::detail::x86::gemm_bf16,
+//! padded with zeros to whole key tiles (host backends, bfloat16 storage, CPUs with AVX512_BF16):
+//!   kt2 [hkv][k tiles][dk / 2][tile_k][2]   the scores' B: pairs of the head dim per key
+//!   vr2 [hkv][k tiles][tile_k / 2][dv][2]   P V's B: pairs of keys per value column
+//! Null kt2: the forward runs the float products.
+struct pair_kv {
+  std::uint16_t *kt2 = nullptr, *vr2 = nullptr;
+  index_t tk_pad = 0, dk = 0, dv = 0;
+  LOOM_HD const std::uint16_t* kt2_tile(index_t hk, index_t k0) const { return kt2 + (hk * tk_pad + k0) * dk; }
+  LOOM_HD const std::uint16_t* vr2_tile(index_t hk, index_t k0) const { return vr2 + (hk * tk_pad + k0) * dv; }
+};
+
+//! Fills one key tile of one kv head in the pair layouts (one item per (kv head, key tile)).
+template <class TK, class TV>
+struct prepare_pairs_kernel {
+  problem pb;
+  rows3<const TK> k;
+  rows3<const TV> v;
+  pair_kv out;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t hk = item / pb.k_tiles(), k0 = (item % pb.k_tiles()) * tile_k;
+    std::uint16_t *kt2 = out.kt2 + (hk * out.tk_pad + k0) * pb.dk, *vr2 = out.vr2 + (hk * out.tk_pad + k0) * pb.dv;
+    for (index_t j = 0; j < tile_k; ++j) {
+      const index_t t = k0 + j;
+      const bool in = t < pb.tk;
+      for (index_t c = 0; c < pb.dk; ++c)
+        kt2[((c / 2) * tile_k + j) * 2 + c % 2] = in ? k.at(t, hk)[c].bits : std::uint16_t{0};
+      for (index_t c = 0; c < pb.dv; ++c)
+        vr2[((j / 2) * pb.dv + c) * 2 + j % 2] = in ? v.at(t, hk)[c].bits : std::uint16_t{0};
     }
   }
 };
@@ -259,11 +293,18 @@ struct forward_kernel {
   Acc* ws;
   index_t slots;
   index_t heads = 1;  //!< query heads per item (Grouped only; divides pb.group())
+  //! Host bfloat16 storage on CPUs with AVX512_BF16 (set by forward_on): the scores and P V by
+  //! bfloat16 pairs (vdpbf16ps), the probabilities rounded to bfloat16 for P V; kv then holds vr
+  //! only (the float P V of partial tiles whose V is not finite, which skips masked keys).
+  pair_kv pairs{};
+  static constexpr bool pair_types = Grouped && std::is_same_v<Acc, float> && std::is_same_v<TQ, bfloat16> &&
+                                     std::is_same_v<TK, bfloat16> && std::is_same_v<TV, bfloat16>;
 
   //! Scratch elements of one slot for `heads` query heads per item: the scores of one tile, then
-  //! each head's query tile, accumulators and running max and sum.
+  //! each head's query tile, accumulators and running max and sum, then (pair products) a key
+  //! tile's V pairs with the values that are not finite made zeros.
   LOOM_HD static index_t scratch(index_t dk, index_t dv, index_t heads = 1) {
-    return tile_q * tile_k + heads * (tile_q * dk + tile_q * dv + 2 * tile_q);
+    return tile_q * tile_k + heads * (tile_q * dk + tile_q * dv + 2 * tile_q) + (tile_k * dv + 1) / 2;
   }
   LOOM_HD index_t per_item() const {
     if constexpr (Grouped)
@@ -288,8 +329,12 @@ struct forward_kernel {
     auto acc_of = [&](index_t u) { return qs_of(u) + tile_q * dk; };
     auto m_of = [&](index_t u) { return acc_of(u) + tile_q * dv; };
     auto l_of = [&](index_t u) { return m_of(u) + tile_q; };
+    const bool by_pairs = pair_types && pairs.kt2 != nullptr;
     for (index_t u = 0; u < g; ++u) {
-      load_rows(q, q0, nq, h0 + u, dk, scale, qs_of(u));
+      if (by_pairs)
+        load_pair_rows(q0, nq, h0 + u, qs_of(u));
+      else
+        load_rows(q, q0, nq, h0 + u, dk, scale, qs_of(u));
       Acc *m = m_of(u), *l = l_of(u), *acc = acc_of(u);
       for (index_t i = 0; i < nq; ++i) {
         m[i] = neg_inf<Acc>();
@@ -308,10 +353,16 @@ struct forward_kernel {
       const bool skip_masked = kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv);
       for (index_t u = 0; u < g; ++u) {
         Acc* acc = acc_of(u);
-        gemm<false>(nq, tile_k, dk, qs_of(u), dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
+        if (by_pairs)
+          pair_scores(hk, k0, nq, qs_of(u), s);
+        else
+          gemm<false>(nq, tile_k, dk, qs_of(u), dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
         if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
         softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
-        if (skip_masked)
+        if (by_pairs)
+          pair_pv(hk, k0, nq, nk, s, acc, skip_masked, pair_visible{pb, qc, kc, q0, k0},
+                  s + tile_q * tile_k + g * head_size);
+        else if (skip_masked)
           gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
                               pair_visible{pb, qc, kc, q0, k0});
         else
@@ -323,6 +374,61 @@ struct forward_kernel {
         TO* orow = o.at(q0 + i, h0 + u);
         lse.at(q0 + i, h0 + u) = finish_row(m_of(u)[i], l_of(u)[i], acc_of(u) + i * dv, dv, orow);
       }
+  }
+
+  //! The pair products (by_pairs only): rows [q0, q0 + nq) of head h as bfloat16 bits, unscaled;
+  //! the scores of a key tile, scale * (Q Kᵀ); acc += bfloat16(P) V over the tile's nk keys.
+  LOOM_HD void load_pair_rows(index_t q0, index_t nq, index_t h, Acc* at) const {
+    (void)q0, (void)nq, (void)h, (void)at;
+    if constexpr (pair_types) {
+      auto* dst = reinterpret_cast<std::uint16_t*>(at);
+      for (index_t i = 0; i < nq; ++i) {
+        const TQ* row = q.at(q0 + i, h);
+        for (index_t c = 0; c < pb.dk; ++c) dst[i * pb.dk + c] = row[c].bits;
+      }
+    }
+  }
+  LOOM_HD void pair_scores(index_t hk, index_t k0, index_t nq, const Acc* qs, Acc* s) const {
+#if defined(LOOM_ATTENTION_X86_TILES)
+    if constexpr (pair_types)
+      loom::detail::x86::gemm_bf16(nq, tile_k, pb.dk / 2, reinterpret_cast<const std::uint16_t*>(qs), pb.dk,
+                                   pairs.kt2_tile(hk, k0), 2 * tile_k, s, tile_k, false, scale);
+#else
+    (void)hk, (void)k0, (void)nq, (void)qs, (void)s;
+#endif
+  }
+  //! With `skip_masked` (a partial tile whose V is not finite), the product runs over V with its
+  //! non-finite values made zeros, which adds exact zeros where P is 0, as the clean tile does (so
+  //! other documents' rows keep their bits), then adds P V for each non-finite value of V to the
+  //! rows that see its key (those rows are not finite either way).
+  LOOM_HD void pair_pv(index_t hk, index_t k0, index_t nq, index_t nk, Acc* s, Acc* acc, bool skip_masked,
+                       const pair_visible& visible, Acc* spare) const {
+#if defined(LOOM_ATTENTION_X86_TILES)
+    if constexpr (pair_types) {
+      const index_t dv = pb.dv;
+      const std::uint16_t* p = x86::probs_to_bf16<tile_k>(s, nq);  // past nk: exact zeros, as V's padding
+      const std::uint16_t* v2 = pairs.vr2_tile(hk, k0);
+      if (!skip_masked) {
+        loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, v2, 2 * dv, acc, dv, true);
+        return;
+      }
+      auto finite = [](std::uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; };
+      auto* clean = reinterpret_cast<std::uint16_t*>(spare);
+      for (index_t e = 0; e < tile_k * dv; ++e) clean[e] = finite(v2[e]) ? v2[e] : std::uint16_t{0};
+      loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, clean, 2 * dv, acc, dv, true);
+      for (index_t j = 0; j < nk; ++j)
+        for (index_t c = 0; c < dv; ++c) {
+          const std::uint16_t vb = v2[((j / 2) * dv + c) * 2 + j % 2];
+          if (finite(vb)) continue;
+          for (index_t i = 0; i < nq; ++i)
+            if (visible(i, j))
+              acc[i * dv + c] += static_cast<float>(bfloat16::from_bits(p[i * tile_k + j])) *
+                                 static_cast<float>(bfloat16::from_bits(vb));
+        }
+    }
+#else
+    (void)hk, (void)k0, (void)nq, (void)nk, (void)s, (void)acc, (void)skip_masked, (void)visible, (void)spare;
+#endif
   }
 };
 

@@ -21,6 +21,8 @@
 //! The instructions loom's AVX-512 float kernels use (a subset of every AVX-512 target attribute
 //! loom writes, so these helpers inline into any of its kernels).
 #define LOOM_X86_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,bmi,bmi2,fma")))
+//! LOOM_X86_AVX512 plus AVX512_BF16 (vdpbf16ps, the bfloat16 pair products; vcvtneps2bf16).
+#define LOOM_X86_AVX512_BF16 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx512bf16,bmi,bmi2,fma")))
 //! The AVX2 floor: AVX2, FMA and F16C (every x86-64 CPU since 2013-2015).
 #define LOOM_X86_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -47,6 +49,15 @@ inline bool avx512_cpu() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("bmi2") &&
            __builtin_cpu_supports("fma");
+  }();
+  return cpu;
+}
+
+//! Whether the CPU has the instructions of LOOM_X86_AVX512_BF16 (checked once).
+inline bool avx512_bf16_cpu() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return avx512_cpu() && __builtin_cpu_supports("avx512bf16");
   }();
   return cpu;
 }
@@ -78,6 +89,9 @@ inline bool avx512_available() {
   return avx512_cpu() && vector_kernels_allowed().load(std::memory_order_relaxed) &&
          avx512_kernels_allowed().load(std::memory_order_relaxed);
 }
+
+//! Whether the AVX512_BF16 kernels may run: as avx512_available(), and the CPU has AVX512_BF16.
+inline bool avx512_bf16_available() { return avx512_bf16_cpu() && avx512_available(); }
 
 //! 8 values at s, as floats (AVX2).
 LOOM_X86_AVX2 inline __m256 load8(const float* s) { return _mm256_loadu_ps(s); }

@@ -12,11 +12,16 @@
 //!    loads of B per step.
 //! In both, each output is summed over l ascending by fused multiply-adds from C (or zero): the
 //! bits depend on the operands only, not on the blocking, the instruction set or the thread count.
+//! Beside them, for bfloat16 operands on CPUs with AVX512_BF16, gemm_bf16(): the same blocks over
+//! pairs of the reduction index by vdpbf16ps (two bfloat16 products added into each float
+//! accumulator per step), B in a pair-interleaved layout.
 
 #include <loom/backend/detail/x86.hpp>
 #include <loom/core/tensor_view.hpp>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #if defined(LOOM_X86_KERNELS)
 
@@ -164,6 +169,85 @@ inline void gemm(index_t m, index_t n, index_t kd, const float* a, index_t ar, i
                  float* c, index_t ldc, bool accumulate) {
   if (avx512_available()) return gemm_avx512(m, n, kd, a, ar, ak, b, ldb, c, ldc, accumulate);
   gemm_avx2(m, n, kd, a, ar, ak, b, ldb, c, ldc, accumulate);
+}
+
+//! One block of gemm_bf16: R rows x 16 V columns, the last vector's lanes in `last` only.
+template <int R, int V>
+LOOM_X86_AVX512_BF16 inline void gemm_bf16_block(index_t kp, const std::uint16_t* a, index_t lda,
+                                                 const std::uint16_t* b, index_t ldb, float* c, index_t ldc,
+                                                 bool accumulate, float mul, __mmask16 last) {
+  __m512 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v + 1 < V ? __mmask16(0xffff) : last, c + r * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (index_t p = 0; p < kp; ++p) {
+    __m512i bv[V];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)
+      bv[v] = _mm512_maskz_loadu_epi32(v + 1 < V ? __mmask16(0xffff) : last, b + p * ldb + 32 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      std::uint32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
+      const __m512i av = _mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+    }
+  }
+  const __m512 m = _mm512_set1_ps(mul);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v)
+      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v + 1 < V ? __mmask16(0xffff) : last,
+                            accumulate ? acc[r][v] : _mm512_mul_ps(acc[r][v], m));
+}
+
+template <int R>
+LOOM_X86_AVX512_BF16 inline void gemm_bf16_rows(index_t n, index_t kp, const std::uint16_t* a, index_t lda,
+                                                const std::uint16_t* b, index_t ldb, float* c, index_t ldc,
+                                                bool accumulate, float mul) {
+  index_t j = 0;
+  for (; j + 64 <= n; j += 64)
+    gemm_bf16_block<R, 4>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, __mmask16(0xffff));
+  const index_t left = n - j;
+  if (left == 0) return;
+  const __mmask16 last = first_lanes(static_cast<unsigned>((left - 1) % 16 + 1));
+  if (left > 48)
+    gemm_bf16_block<R, 4>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
+  else if (left > 32)
+    gemm_bf16_block<R, 3>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
+  else if (left > 16)
+    gemm_bf16_block<R, 2>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
+  else
+    gemm_bf16_block<R, 1>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
+}
+
+template <int Max>
+LOOM_X86_AVX512_BF16 inline void gemm_bf16_last_rows(index_t rows, index_t n, index_t kp, const std::uint16_t* a,
+                                                     index_t lda, const std::uint16_t* b, index_t ldb, float* c,
+                                                     index_t ldc, bool accumulate, float mul) {
+  if constexpr (Max > 0) {
+    if (rows == Max) return gemm_bf16_rows<Max>(n, kp, a, lda, b, ldb, c, ldc, accumulate, mul);
+    gemm_bf16_last_rows<Max - 1>(rows, n, kp, a, lda, b, ldb, c, ldc, accumulate, mul);
+  }
+}
+
+//! The bfloat16 pair product (AVX512_BF16; callers check avx512_bf16_available()): for i < m,
+//! j < n, with x(p) = a[i * lda + 2p] b[p * ldb + 2j] + a[i * lda + 2p + 1] b[p * ldb + 2j + 1]
+//! (bfloat16 bits; B holds rows of n column pairs, the pairs of the reduction index interleaved):
+//!   accumulate:  C[i][j] = C[i][j] + x(0) + x(1) + ... + x(kp - 1)
+//!   otherwise:   C[i][j] = mul * (x(0) + ... + x(kp - 1))
+//! each x(p) added by one vdpbf16ps (its products exact, its sums rounded to float; subnormal
+//! inputs and results flushed to zero), p ascending. Blocks of 6 rows x 64 columns, masked tails.
+inline void gemm_bf16(index_t m, index_t n, index_t kp, const std::uint16_t* a, index_t lda, const std::uint16_t* b,
+                      index_t ldb, float* c, index_t ldc, bool accumulate, float mul = 1.0f) {
+  index_t i = 0;
+  for (; i + 6 <= m; i += 6) gemm_bf16_rows<6>(n, kp, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate, mul);
+  gemm_bf16_last_rows<5>(m - i, n, kp, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate, mul);
 }
 
 }  // namespace loom::detail::x86
