@@ -187,7 +187,7 @@ inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (ite
 //! slot cap. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
 //! workspace and carves it per call; nothing is allocated.
 struct local_layout {
-  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, bytes = 0;
+  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, next = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
   index_t heads = 1;                //!< forward: query heads per work item (forward_kernel)
   bool fused = false;               //!< backward: one pass over key tiles that also sums dQ by stripes
@@ -219,6 +219,7 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
     l.slots = slots_for(cap, pb.q_tiles() * (pb.hq / l.heads));
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
     l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv, l.heads));
+    l.next = w.add<index_t>(1);  // host backends: the forward's item counter
   } else {
     // Fused (5 tile products per tile pair instead of 7) on the host when its (stripe, kv head)
     // items keep every slot busy and its dQ sums fit the bound; both schedules give the same bits.
@@ -333,9 +334,16 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
   const prepared_kv<Acc> kv =
       pairs.kt2 ? prepare(b, pb, k, v, kv_at + pb.hkv * pb.k_tiles() * tile_k * pb.dk, false, false, false, true)
                 : prepare(b, pb, k, v, kv_at, true, false, false, true);
+  // Host backends: the slots (one per thread) take items from a shared counter, so a thread that
+  // loses its core to another process delays the call by the item it holds, not by its share.
+  index_t* next = nullptr;
+  if constexpr (host) {
+    next = w.at<index_t>(l.next);
+    *next = 0;
+  }
   for_each_index(b, l.slots,
                  Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots,
-                    l.heads, pairs});
+                    l.heads, pairs, next});
 }
 
 //! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes.

@@ -12,6 +12,7 @@
 
 #include <loom/attention/detail/tile.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -297,6 +298,9 @@ struct forward_kernel {
   //! bfloat16 pairs (vdpbf16ps), the probabilities rounded to bfloat16 for P V; kv then holds vr
   //! only (the float P V of partial tiles whose V is not finite, which skips masked keys).
   pair_kv pairs{};
+  //! Host backends (Grouped): the next item to take, 0 before the call; the slots take items from
+  //! it in turn instead of every slots-th one. Each item computes alone: the bits do not change.
+  index_t* next = nullptr;
   static constexpr bool pair_types = Grouped && std::is_same_v<Acc, float> && std::is_same_v<TQ, bfloat16> &&
                                      std::is_same_v<TK, bfloat16> && std::is_same_v<TV, bfloat16>;
 
@@ -316,6 +320,16 @@ struct forward_kernel {
 
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(pb.dk, pb.dv, per_item());
+#if !LOOM_IN_DEVICE_CODE
+    if constexpr (Grouped)
+      if (next) {
+        std::atomic_ref<index_t> counter(*next);
+        for (index_t item = counter.fetch_add(1, std::memory_order_relaxed); item < items();
+             item = counter.fetch_add(1, std::memory_order_relaxed))
+          run(item, w);
+        return;
+      }
+#endif
     for (index_t item = slot; item < items(); item += slots) run(item, w);
   }
 
