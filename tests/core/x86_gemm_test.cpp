@@ -31,6 +31,28 @@ struct shape {
   bool trans_a;
 };
 
+constexpr float sentinel = -12345.0f;
+
+//! C (m rows of ldc) with its columns past n holding the sentinel, the others from `values`.
+std::vector<float> with_sentinels(std::vector<float> values, index_t m, index_t n, index_t ldc) {
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = n; j < ldc; ++j) values[static_cast<std::size_t>(i * ldc + j)] = sentinel;
+  return values;
+}
+
+//! Requires the sentinels past column n unchanged and calls check(i, j, C[i][j]) for the others.
+template <class Check>
+void check_outputs(const std::vector<float>& c, index_t m, index_t n, index_t ldc, const Check& check) {
+  for (index_t i = 0; i < m; ++i)
+    for (index_t j = 0; j < ldc; ++j) {
+      const float got = c[static_cast<std::size_t>(i * ldc + j)];
+      if (j >= n)
+        REQUIRE(got == sentinel);
+      else
+        check(i, j, got);
+    }
+}
+
 }  // namespace
 
 TEST_CASE("x86 gemm: AVX-512 and AVX2 blocks give the scalar fused multiply-add sums bit for bit", "[core][x86]") {
@@ -55,33 +77,24 @@ TEST_CASE("x86 gemm: AVX-512 and AVX2 blocks give the scalar fused multiply-add 
   for (index_t l = 0; l < s.kd; ++l)
     for (index_t j = s.n; j < ldb; ++j)
       b[static_cast<std::size_t>(l * ldb + j)] = std::numeric_limits<float>::quiet_NaN();
-  auto c0 = loom::test::uniform<float>(s.m * ldc, -1.0, 1.0, 3);
-  constexpr float sentinel = -12345.0f;
-  for (index_t i = 0; i < s.m; ++i)
-    for (index_t j = s.n; j < ldc; ++j) c0[static_cast<std::size_t>(i * ldc + j)] = sentinel;
+  const auto c0 = with_sentinels(loom::test::uniform<float>(s.m * ldc, -1.0, 1.0, 3), s.m, s.n, ldc);
   auto c = c0;
   x86::gemm(s.m, s.n, s.kd, a.data(), ar, ak, b.data(), ldb, c.data(), ldc, accumulate);
-  for (index_t i = 0; i < s.m; ++i)
-    for (index_t j = 0; j < ldc; ++j) {
-      const float got = c[static_cast<std::size_t>(i * ldc + j)];
-      if (j >= s.n) {
-        REQUIRE(got == sentinel);
-        continue;
-      }
-      float x = accumulate ? c0[static_cast<std::size_t>(i * ldc + j)] : 0.0f;
-      double oracle = x;
-      for (index_t l = 0; l < s.kd; ++l) {
-        const float ail = a[static_cast<std::size_t>(i * ar + l * ak)], blj = b[static_cast<std::size_t>(l * ldb + j)];
-        x = std::fma(ail, blj, x);
-        oracle += static_cast<double>(ail) * blj;
-      }
-      std::uint32_t gb, xb;
-      std::memcpy(&gb, &got, 4);
-      std::memcpy(&xb, &x, 4);
-      INFO("C[" << i << "][" << j << "] = " << got << ", scalar fused sum " << x);
-      REQUIRE(gb == xb);
-      REQUIRE(std::abs(got - oracle) <= 1e-5 * (1.0 + std::sqrt(static_cast<double>(s.kd))));
+  check_outputs(c, s.m, s.n, ldc, [&](index_t i, index_t j, float got) {
+    float x = accumulate ? c0[static_cast<std::size_t>(i * ldc + j)] : 0.0f;
+    double oracle = x;
+    for (index_t l = 0; l < s.kd; ++l) {
+      const float ail = a[static_cast<std::size_t>(i * ar + l * ak)], blj = b[static_cast<std::size_t>(l * ldb + j)];
+      x = std::fma(ail, blj, x);
+      oracle += static_cast<double>(ail) * blj;
     }
+    std::uint32_t gb, xb;
+    std::memcpy(&gb, &got, 4);
+    std::memcpy(&xb, &x, 4);
+    INFO("C[" << i << "][" << j << "] = " << got << ", scalar fused sum " << x);
+    REQUIRE(gb == xb);
+    REQUIRE(std::abs(got - oracle) <= 1e-5 * (1.0 + std::sqrt(static_cast<double>(s.kd))));
+  });
 }
 
 TEST_CASE("x86 gemm: the bfloat16 pair product against an fp64 oracle, masked tails, nothing written past n",
@@ -108,31 +121,22 @@ TEST_CASE("x86 gemm: the bfloat16 pair product against an fp64 oracle, masked ta
     for (index_t j = 2 * s.n; j < ldb; ++j)
       bf[static_cast<std::size_t>(p * ldb + j)] = std::numeric_limits<float>::quiet_NaN();
   const auto b = bits(bf);
-  auto c0 = loom::test::uniform<float>(s.m * ldc, -1.0, 1.0, 6);
-  constexpr float sentinel = -12345.0f;
-  for (index_t i = 0; i < s.m; ++i)
-    for (index_t j = s.n; j < ldc; ++j) c0[static_cast<std::size_t>(i * ldc + j)] = sentinel;
+  const auto c0 = with_sentinels(loom::test::uniform<float>(s.m * ldc, -1.0, 1.0, 6), s.m, s.n, ldc);
   auto c = c0;
   {
     const loom::test::vector_switch on(loom::test::vector_mode::widest);
     x86::gemm_bf16(s.m, s.n, s.kd, a.data(), lda, b.data(), ldb, c.data(), ldc, accumulate, mul);
   }
   auto f = [](std::uint16_t u) { return static_cast<double>(loom::bfloat16::from_bits(u)); };
-  for (index_t i = 0; i < s.m; ++i)
-    for (index_t j = 0; j < ldc; ++j) {
-      const float got = c[static_cast<std::size_t>(i * ldc + j)];
-      if (j >= s.n) {
-        REQUIRE(got == sentinel);
-        continue;
-      }
-      double sum = 0;
-      for (index_t l = 0; l < 2 * s.kd; ++l)
-        sum +=
-            f(a[static_cast<std::size_t>(i * lda + l)]) * f(b[static_cast<std::size_t>((l / 2) * ldb + 2 * j + l % 2)]);
-      const double want = accumulate ? c0[static_cast<std::size_t>(i * ldc + j)] + sum : mul * sum;
-      INFO("C[" << i << "][" << j << "] = " << got << ", oracle " << want);
-      REQUIRE(std::abs(got - want) <= 1e-5 * (1.0 + std::sqrt(static_cast<double>(2 * s.kd))));
-    }
+  check_outputs(c, s.m, s.n, ldc, [&](index_t i, index_t j, float got) {
+    double sum = 0;
+    for (index_t l = 0; l < 2 * s.kd; ++l)
+      sum +=
+          f(a[static_cast<std::size_t>(i * lda + l)]) * f(b[static_cast<std::size_t>((l / 2) * ldb + 2 * j + l % 2)]);
+    const double want = accumulate ? c0[static_cast<std::size_t>(i * ldc + j)] + sum : mul * sum;
+    INFO("C[" << i << "][" << j << "] = " << got << ", oracle " << want);
+    REQUIRE(std::abs(got - want) <= 1e-5 * (1.0 + std::sqrt(static_cast<double>(2 * s.kd))));
+  });
 }
 
 #endif

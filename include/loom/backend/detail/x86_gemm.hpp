@@ -92,75 +92,105 @@ LOOM_X86_AVX2 inline void gemm_avx2(index_t m, index_t n, index_t kd, const floa
   gemm_last_rows<5>(m - i, n, kd, a + i * ar, ar, ak, b, ldb, c + i * ldc, ldc, accumulate);
 }
 
-//! One AVX-512 register block: C[r][j] (+)= sum_{l < kd} a[r * ar + l * ak] b[l * ldb + j] for R rows
-//! and 16 V columns, of which the last vector's lanes below `last` only (masked loads and stores).
+//! The accumulators of an AVX-512 register block of R rows x 16 V columns at c: loaded (or zeros),
+//! and stored times `mul` (1: as they are); the last vector's lanes in `last` only.
 template <int R, int V>
-LOOM_X86_AVX512 inline void gemm_block512(index_t kd, const float* a, index_t ar, index_t ak, const float* b,
-                                          index_t ldb, float* c, index_t ldc, bool accumulate, __mmask16 last) {
-  __m512 acc[R][V];
+LOOM_X86_AVX512 inline void acc_load(__m512 (&acc)[R][V], const float* c, index_t ldc, bool accumulate,
+                                     __mmask16 last) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v)
       acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v + 1 < V ? __mmask16(0xffff) : last, c + r * ldc + 16 * v)
                              : _mm512_setzero_ps();
-  for (index_t l = 0; l < kd; ++l) {
-    __m512 bv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      bv[v] = _mm512_maskz_loadu_ps(v + 1 < V ? __mmask16(0xffff) : last, b + l * ldb + 16 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(a[r * ar + l * ak]);
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
-    }
-  }
+}
+template <int R, int V>
+LOOM_X86_AVX512 inline void acc_store(__m512 (&acc)[R][V], float* c, index_t ldc, float mul, __mmask16 last) {
+  const __m512 m = _mm512_set1_ps(mul);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v + 1 < V ? __mmask16(0xffff) : last, acc[r][v]);
+      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v + 1 < V ? __mmask16(0xffff) : last,
+                            mul == 1.0f ? acc[r][v] : _mm512_mul_ps(acc[r][v], m));
 }
 
-//! Rows [0, R) over columns [0, n): blocks of 64 columns, then one block of the 1-63 left (its
-//! last vector masked).
-template <int R>
-LOOM_X86_AVX512 inline void gemm_rows512(index_t n, index_t kd, const float* a, index_t ar, index_t ak, const float* b,
-                                         index_t ldb, float* c, index_t ldc, bool accumulate) {
+//! The lanes below `count` (1 to 16) of a 16-lane mask.
+constexpr __mmask16 lanes_of(index_t count) {
+  return static_cast<__mmask16>(count >= 16 ? 0xffffu : (1u << count) - 1u);
+}
+
+//! Runs blk.block<R, V>(i, j, last) over the m x n output of an AVX-512 product: rows in blocks of
+//! 6 (the rows left in one smaller block), columns in blocks of 64 (the 1-63 left in one block of
+//! up to 4 vectors, the last one's lanes in `last`). Each block is one call (its whole reduction
+//! inside), so the walk needs no target attribute of its own.
+template <int R, class Block>
+inline void walk_columns(index_t i, index_t n, const Block& blk) {
   index_t j = 0;
-  for (; j + 64 <= n; j += 64)
-    gemm_block512<R, 4>(kd, a, ar, ak, b + j, ldb, c + j, ldc, accumulate, __mmask16(0xffff));
+  for (; j + 64 <= n; j += 64) blk.template block<R, 4>(i, j, lanes_of(16));
   const index_t left = n - j;
   if (left == 0) return;
-  const __mmask16 last = first_lanes(static_cast<unsigned>((left - 1) % 16 + 1));
+  const __mmask16 last = lanes_of((left - 1) % 16 + 1);
   if (left > 48)
-    gemm_block512<R, 4>(kd, a, ar, ak, b + j, ldb, c + j, ldc, accumulate, last);
+    blk.template block<R, 4>(i, j, last);
   else if (left > 32)
-    gemm_block512<R, 3>(kd, a, ar, ak, b + j, ldb, c + j, ldc, accumulate, last);
+    blk.template block<R, 3>(i, j, last);
   else if (left > 16)
-    gemm_block512<R, 2>(kd, a, ar, ak, b + j, ldb, c + j, ldc, accumulate, last);
+    blk.template block<R, 2>(i, j, last);
   else
-    gemm_block512<R, 1>(kd, a, ar, ak, b + j, ldb, c + j, ldc, accumulate, last);
+    blk.template block<R, 1>(i, j, last);
 }
-
-//! Rows [0, rows) in one block of R = rows (R counts down from Max to find it).
-template <int Max>
-LOOM_X86_AVX512 inline void gemm_last_rows512(index_t rows, index_t n, index_t kd, const float* a, index_t ar,
-                                              index_t ak, const float* b, index_t ldb, float* c, index_t ldc,
-                                              bool accumulate) {
+template <int Max, class Block>
+inline void walk_last_rows(index_t i, index_t rows, index_t n, const Block& blk) {
   if constexpr (Max > 0) {
-    if (rows == Max) return gemm_rows512<Max>(n, kd, a, ar, ak, b, ldb, c, ldc, accumulate);
-    gemm_last_rows512<Max - 1>(rows, n, kd, a, ar, ak, b, ldb, c, ldc, accumulate);
+    if (rows == Max) return walk_columns<Max>(i, n, blk);
+    walk_last_rows<Max - 1>(i, rows, n, blk);
   }
 }
+template <class Block>
+inline void walk_blocks(index_t m, index_t n, const Block& blk) {
+  index_t i = 0;
+  for (; i + 6 <= m; i += 6) walk_columns<6>(i, n, blk);
+  walk_last_rows<5>(i, m - i, n, blk);
+}
+
+//! The float product's AVX-512 block: C[r][j] (+)= sum_{l < kd} a[r * ar + l * ak] b[l * ldb + j].
+struct float_blocks {
+  index_t kd;
+  const float* a;
+  index_t ar, ak;
+  const float* b;
+  index_t ldb;
+  float* c;
+  index_t ldc;
+  bool accumulate;
+  template <int R, int V>
+  LOOM_X86_AVX512 void block(index_t i, index_t j, __mmask16 last) const {
+    const float* ai = a + i * ar;
+    const float* bj = b + j;
+    float* cij = c + i * ldc + j;
+    __m512 acc[R][V];
+    acc_load<R, V>(acc, cij, ldc, accumulate, last);
+    for (index_t l = 0; l < kd; ++l) {
+      __m512 bv[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v)
+        bv[v] = _mm512_maskz_loadu_ps(v + 1 < V ? __mmask16(0xffff) : last, bj + l * ldb + 16 * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 av = _mm512_set1_ps(ai[r * ar + l * ak]);
+#pragma GCC unroll 4
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+      }
+    }
+    acc_store<R, V>(acc, cij, ldc, 1.0f, last);
+  }
+};
 
 //! gemm_avx2's product with AVX-512 blocks of 6 rows x 64 columns (the same bits).
-LOOM_X86_AVX512 inline void gemm_avx512(index_t m, index_t n, index_t kd, const float* a, index_t ar, index_t ak,
-                                        const float* b, index_t ldb, float* c, index_t ldc, bool accumulate) {
-  index_t i = 0;
-  for (; i + 6 <= m; i += 6) gemm_rows512<6>(n, kd, a + i * ar, ar, ak, b, ldb, c + i * ldc, ldc, accumulate);
-  gemm_last_rows512<5>(m - i, n, kd, a + i * ar, ar, ak, b, ldb, c + i * ldc, ldc, accumulate);
+inline void gemm_avx512(index_t m, index_t n, index_t kd, const float* a, index_t ar, index_t ak, const float* b,
+                        index_t ldb, float* c, index_t ldc, bool accumulate) {
+  walk_blocks(m, n, float_blocks{kd, a, ar, ak, b, ldb, c, ldc, accumulate});
 }
 
 //! C[i][j] (+)= sum_{l < kd} a[i * ar + l * ak] b[l * ldb + j] for i < m, j < n, by the widest
@@ -171,70 +201,41 @@ inline void gemm(index_t m, index_t n, index_t kd, const float* a, index_t ar, i
   gemm_avx2(m, n, kd, a, ar, ak, b, ldb, c, ldc, accumulate);
 }
 
-//! One block of gemm_bf16: R rows x 16 V columns, the last vector's lanes in `last` only.
-template <int R, int V>
-LOOM_X86_AVX512_BF16 inline void gemm_bf16_block(index_t kp, const std::uint16_t* a, index_t lda,
-                                                 const std::uint16_t* b, index_t ldb, float* c, index_t ldc,
-                                                 bool accumulate, float mul, __mmask16 last) {
-  __m512 acc[R][V];
+//! The bfloat16 pair product's block (gemm_bf16).
+struct bf16_blocks {
+  index_t kp;
+  const std::uint16_t* a;
+  index_t lda;
+  const std::uint16_t* b;
+  index_t ldb;
+  float* c;
+  index_t ldc;
+  bool accumulate;
+  float mul;
+  template <int R, int V>
+  LOOM_X86_AVX512_BF16 void block(index_t i, index_t j, __mmask16 last) const {
+    const std::uint16_t* ai = a + i * lda;
+    const std::uint16_t* bj = b + 2 * j;
+    float* cij = c + i * ldc + j;
+    __m512 acc[R][V];
+    acc_load<R, V>(acc, cij, ldc, accumulate, last);
+    for (index_t p = 0; p < kp; ++p) {
+      __m512i bv[V];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v)
+        bv[v] = _mm512_maskz_loadu_epi32(v + 1 < V ? __mmask16(0xffff) : last, bj + p * ldb + 32 * v);
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r) {
+        std::uint32_t pair;
+        std::memcpy(&pair, ai + r * lda + 2 * p, sizeof pair);
+        const __m512i av = _mm512_set1_epi32(static_cast<int>(pair));
 #pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v + 1 < V ? __mmask16(0xffff) : last, c + r * ldc + 16 * v)
-                             : _mm512_setzero_ps();
-  for (index_t p = 0; p < kp; ++p) {
-    __m512i bv[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      bv[v] = _mm512_maskz_loadu_epi32(v + 1 < V ? __mmask16(0xffff) : last, b + p * ldb + 32 * v);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      std::uint32_t pair;
-      std::memcpy(&pair, a + r * lda + 2 * p, sizeof pair);
-      const __m512i av = _mm512_set1_epi32(static_cast<int>(pair));
-#pragma GCC unroll 4
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)av, (__m512bh)bv[v]);
+      }
     }
+    acc_store<R, V>(acc, cij, ldc, accumulate ? 1.0f : mul, last);
   }
-  const __m512 m = _mm512_set1_ps(mul);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v)
-      _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v + 1 < V ? __mmask16(0xffff) : last,
-                            accumulate ? acc[r][v] : _mm512_mul_ps(acc[r][v], m));
-}
-
-template <int R>
-LOOM_X86_AVX512_BF16 inline void gemm_bf16_rows(index_t n, index_t kp, const std::uint16_t* a, index_t lda,
-                                                const std::uint16_t* b, index_t ldb, float* c, index_t ldc,
-                                                bool accumulate, float mul) {
-  index_t j = 0;
-  for (; j + 64 <= n; j += 64)
-    gemm_bf16_block<R, 4>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, __mmask16(0xffff));
-  const index_t left = n - j;
-  if (left == 0) return;
-  const __mmask16 last = first_lanes(static_cast<unsigned>((left - 1) % 16 + 1));
-  if (left > 48)
-    gemm_bf16_block<R, 4>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
-  else if (left > 32)
-    gemm_bf16_block<R, 3>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
-  else if (left > 16)
-    gemm_bf16_block<R, 2>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
-  else
-    gemm_bf16_block<R, 1>(kp, a, lda, b + 2 * j, ldb, c + j, ldc, accumulate, mul, last);
-}
-
-template <int Max>
-LOOM_X86_AVX512_BF16 inline void gemm_bf16_last_rows(index_t rows, index_t n, index_t kp, const std::uint16_t* a,
-                                                     index_t lda, const std::uint16_t* b, index_t ldb, float* c,
-                                                     index_t ldc, bool accumulate, float mul) {
-  if constexpr (Max > 0) {
-    if (rows == Max) return gemm_bf16_rows<Max>(n, kp, a, lda, b, ldb, c, ldc, accumulate, mul);
-    gemm_bf16_last_rows<Max - 1>(rows, n, kp, a, lda, b, ldb, c, ldc, accumulate, mul);
-  }
-}
+};
 
 //! The bfloat16 pair product (AVX512_BF16; callers check avx512_bf16_available()): for i < m,
 //! j < n, with x(p) = a[i * lda + 2p] b[p * ldb + 2j] + a[i * lda + 2p + 1] b[p * ldb + 2j + 1]
@@ -245,9 +246,7 @@ LOOM_X86_AVX512_BF16 inline void gemm_bf16_last_rows(index_t rows, index_t n, in
 //! inputs and results flushed to zero), p ascending. Blocks of 6 rows x 64 columns, masked tails.
 inline void gemm_bf16(index_t m, index_t n, index_t kp, const std::uint16_t* a, index_t lda, const std::uint16_t* b,
                       index_t ldb, float* c, index_t ldc, bool accumulate, float mul = 1.0f) {
-  index_t i = 0;
-  for (; i + 6 <= m; i += 6) gemm_bf16_rows<6>(n, kp, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate, mul);
-  gemm_bf16_last_rows<5>(m - i, n, kp, a + i * lda, lda, b, ldb, c + i * ldc, ldc, accumulate, mul);
+  walk_blocks(m, n, bf16_blocks{kp, a, lda, b, ldb, c, ldc, accumulate, mul});
 }
 
 }  // namespace loom::detail::x86
