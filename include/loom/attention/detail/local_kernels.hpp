@@ -8,7 +8,7 @@
 //! write the same output (deterministic, no atomics); or, on host backends, fused: one pass over
 //! (key stripe, kv head) items that also sums dQ per stripe, then a sum over the stripes, in the
 //! same order as the two-pass dQ. Items are dealt round-robin to `slots` (one per thread on the
-//! host), each with its own scratch.
+//! host), each with its own scratch; the host forward's slots take them from a shared counter.
 
 #include <loom/attention/detail/tile.hpp>
 
