@@ -316,24 +316,26 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
   const local_layout l = layout_of<Acc>(pb, false, cap);
   const workspace_carver w(ws);
   Acc* const kv_at = w.at<Acc>(l.kv);
+  const index_t per = pb.hkv * pb.k_tiles() * tile_k;  // padded keys of all kv heads
   // Host bfloat16 storage on CPUs with AVX512_BF16: the pair layouts (dk + dv bfloat16 a key) in
   // kt's place (dk floats a key), V's float rows after them as always.
   pair_kv pairs{};
 #if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (Kn::pair_types)
     if (pb.dk % 2 == 0 && pb.dv <= pb.dk && loom::detail::x86::avx512_bf16_available()) {
-      const index_t per = pb.hkv * pb.k_tiles() * tile_k;
-      auto* bits = reinterpret_cast<std::uint16_t*>(kv_at);
-      pairs = pair_kv{bits, bits + per * pb.dk, per / pb.hkv, pb.dk, pb.dv};
+      pairs.kt = reinterpret_cast<std::uint16_t*>(kv_at);
+      pairs.vr = pairs.kt + per * pb.dk;
+      pairs.tk_pad = per / pb.hkv;
+      pairs.dk = pb.dk;
+      pairs.dv = pb.dv;
       if (pb.tk > 0)
         for_each_index(
             b, pb.hkv * pb.k_tiles(),
             prepare_pairs_kernel<typename K::value_type, typename V::value_type>{pb, rows_of(k), rows_of(v), pairs});
     }
 #endif
-  const prepared_kv<Acc> kv =
-      pairs.kt2 ? prepare(b, pb, k, v, kv_at + pb.hkv * pb.k_tiles() * tile_k * pb.dk, false, false, false, true)
-                : prepare(b, pb, k, v, kv_at, true, false, false, true);
+  const prepared_kv<Acc> kv = pairs.kt ? prepare(b, pb, k, v, kv_at + per * pb.dk, false, false, false, true)
+                                       : prepare(b, pb, k, v, kv_at, true, false, false, true);
   // Host backends: the slots (one per thread) take items from a shared counter, so a thread that
   // loses its core to another process delays the call by the item it holds, not by its share.
   index_t* next = nullptr;

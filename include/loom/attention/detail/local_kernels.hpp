@@ -118,15 +118,12 @@ struct prepare_kv_kernel {
 
 //! K and V of every kv head as bfloat16 bits in the pair layouts of loom::detail::x86::gemm_bf16,
 //! padded with zeros to whole key tiles (host backends, bfloat16 storage, CPUs with AVX512_BF16):
-//!   kt2 [hkv][k tiles][dk / 2][tile_k][2]   the scores' B: pairs of the head dim per key
-//!   vr2 [hkv][k tiles][tile_k / 2][dv][2]   P V's B: pairs of keys per value column
-//! Null kt2: the forward runs the float products.
-struct pair_kv {
-  std::uint16_t *kt2 = nullptr, *vr2 = nullptr;
-  index_t tk_pad = 0, dk = 0, dv = 0;
-  LOOM_HD const std::uint16_t* kt2_tile(index_t hk, index_t k0) const { return kt2 + (hk * tk_pad + k0) * dk; }
-  LOOM_HD const std::uint16_t* vr2_tile(index_t hk, index_t k0) const { return vr2 + (hk * tk_pad + k0) * dv; }
-};
+//! a prepared_kv<std::uint16_t> whose tiles sit where prepared_kv puts them, each tile's block
+//! pair-interleaved instead of transposed:
+//!   kt [hkv][k tiles][dk / 2][tile_k][2]   the scores' B: pairs of the head dim per key
+//!   vr [hkv][k tiles][tile_k / 2][dv][2]   P V's B: pairs of keys per value column
+//! Null kt: the forward runs the float products.
+using pair_kv = prepared_kv<std::uint16_t>;
 
 //! Fills one key tile of one kv head in the pair layouts (one item per (kv head, key tile)).
 template <class TK, class TV>
@@ -137,7 +134,7 @@ struct prepare_pairs_kernel {
   pair_kv out;
   LOOM_HD void operator()(index_t item) const {
     const index_t hk = item / pb.k_tiles(), k0 = (item % pb.k_tiles()) * tile_k;
-    std::uint16_t *kt2 = out.kt2 + (hk * out.tk_pad + k0) * pb.dk, *vr2 = out.vr2 + (hk * out.tk_pad + k0) * pb.dv;
+    std::uint16_t *kt2 = out.kt + (hk * out.tk_pad + k0) * pb.dk, *vr2 = out.vr + (hk * out.tk_pad + k0) * pb.dv;
     for (index_t j = 0; j < tile_k; ++j) {
       const index_t t = k0 + j;
       const bool in = t < pb.tk;
@@ -343,7 +340,7 @@ struct forward_kernel {
     auto acc_of = [&](index_t u) { return qs_of(u) + tile_q * dk; };
     auto m_of = [&](index_t u) { return acc_of(u) + tile_q * dv; };
     auto l_of = [&](index_t u) { return m_of(u) + tile_q; };
-    const bool by_pairs = pair_types && pairs.kt2 != nullptr;
+    const bool by_pairs = pair_types && pairs.kt != nullptr;
     for (index_t u = 0; u < g; ++u) {
       if (by_pairs)
         load_pair_rows(q0, nq, h0 + u, qs_of(u));
@@ -365,6 +362,9 @@ struct forward_kernel {
       // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
       // not multiplied (0 * inf = NaN would cross into another document's rows).
       const bool skip_masked = kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv);
+      // The pair products' V of this tile, for every head of the item.
+      const std::uint16_t* v_pairs =
+          by_pairs ? pair_values(hk, k0, skip_masked, s + tile_q * tile_k + g * head_size) : nullptr;
       for (index_t u = 0; u < g; ++u) {
         Acc* acc = acc_of(u);
         if (by_pairs)
@@ -374,8 +374,7 @@ struct forward_kernel {
         if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
         softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
         if (by_pairs)
-          pair_pv(hk, k0, nq, nk, s, acc, skip_masked, pair_visible{pb, qc, kc, q0, k0},
-                  s + tile_q * tile_k + g * head_size);
+          pair_pv(hk, k0, nq, nk, s, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0, k0});
         else if (skip_masked)
           gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
                               pair_visible{pb, qc, kc, q0, k0});
@@ -406,34 +405,38 @@ struct forward_kernel {
 #if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (pair_types)
       loom::detail::x86::gemm_bf16(nq, tile_k, pb.dk / 2, reinterpret_cast<const std::uint16_t*>(qs), pb.dk,
-                                   pairs.kt2_tile(hk, k0), 2 * tile_k, s, tile_k, false, scale);
+                                   pairs.kt_tile(hk, k0), 2 * tile_k, s, tile_k, false, scale);
 #else
     (void)hk, (void)k0, (void)nq, (void)qs, (void)s;
 #endif
   }
-  //! With `skip_masked` (a partial tile whose V is not finite), the product runs over V with its
-  //! non-finite values made zeros, which adds exact zeros where P is 0, as the clean tile does (so
-  //! other documents' rows keep their bits), then adds P V for each non-finite value of V to the
-  //! rows that see its key (those rows are not finite either way).
-  LOOM_HD void pair_pv(index_t hk, index_t k0, index_t nq, index_t nk, Acc* s, Acc* acc, bool skip_masked,
-                       const pair_visible& visible, Acc* spare) const {
+  //! The pair products' V of key tile k0: the prepared pairs, or with `not_finite` (a partial tile
+  //! whose V holds a value that is not finite) a copy in `spare` with those values made zeros.
+  LOOM_HD const std::uint16_t* pair_values(index_t hk, index_t k0, bool not_finite, Acc* spare) const {
+    const std::uint16_t* v2 = pairs.vr_tile(hk, k0);
+    if (!not_finite) return v2;
+    auto* clean = reinterpret_cast<std::uint16_t*>(spare);
+    for (index_t e = 0; e < tile_k * pb.dv; ++e) clean[e] = bf16_finite(v2[e]) ? v2[e] : std::uint16_t{0};
+    return clean;
+  }
+  LOOM_HD static bool bf16_finite(std::uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; }
+  //! acc += bfloat16(P) v_pairs over the tile's nk keys. With `skip_masked`, v_pairs has V's
+  //! non-finite values made zeros (pair_values), which adds exact zeros where P is 0, as the clean
+  //! tile does (so other documents' rows keep their bits); then P V is added for each non-finite
+  //! value of V to the rows that see its key (those rows are not finite either way).
+  LOOM_HD void pair_pv(index_t hk, index_t k0, index_t nq, index_t nk, Acc* s, Acc* acc, const std::uint16_t* v_pairs,
+                       bool skip_masked, const pair_visible& visible) const {
 #if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (pair_types) {
       const index_t dv = pb.dv;
       const std::uint16_t* p = x86::probs_to_bf16<tile_k>(s, nq);  // past nk: exact zeros, as V's padding
-      const std::uint16_t* v2 = pairs.vr2_tile(hk, k0);
-      if (!skip_masked) {
-        loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, v2, 2 * dv, acc, dv, true);
-        return;
-      }
-      auto finite = [](std::uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; };
-      auto* clean = reinterpret_cast<std::uint16_t*>(spare);
-      for (index_t e = 0; e < tile_k * dv; ++e) clean[e] = finite(v2[e]) ? v2[e] : std::uint16_t{0};
-      loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, clean, 2 * dv, acc, dv, true);
+      loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, v_pairs, 2 * dv, acc, dv, true);
+      if (!skip_masked) return;
+      const std::uint16_t* v2 = pairs.vr_tile(hk, k0);
       for (index_t j = 0; j < nk; ++j)
         for (index_t c = 0; c < dv; ++c) {
           const std::uint16_t vb = v2[((j / 2) * dv + c) * 2 + j % 2];
-          if (finite(vb)) continue;
+          if (bf16_finite(vb)) continue;
           for (index_t i = 0; i < nq; ++i)
             if (visible(i, j))
               acc[i * dv + c] += static_cast<float>(bfloat16::from_bits(p[i * tile_k + j])) *
@@ -441,7 +444,7 @@ struct forward_kernel {
         }
     }
 #else
-    (void)hk, (void)k0, (void)nq, (void)nk, (void)s, (void)acc, (void)skip_masked, (void)visible, (void)spare;
+    (void)hk, (void)k0, (void)nq, (void)nk, (void)s, (void)acc, (void)v_pairs, (void)skip_masked, (void)visible;
 #endif
   }
 };
