@@ -56,6 +56,10 @@ if(LOOM_ENABLE_CUDA)
   if(TARGET loom::cudnn_library)
     _loom_component(cudnn loom_cuda loom::cudnn_library)
   endif()
+  # cuSPARSE ships with the CUDA toolkit.
+  if(TARGET CUDA::cusparse)
+    _loom_component(cusparse loom_cuda CUDA::cusparse)
+  endif()
 endif()
 
 set(LOOM_COMPONENTS ${LOOM_COMPONENTS} CACHE INTERNAL "loom components provided by this build")

@@ -2,8 +2,9 @@
 // same run (CUDA events, median of the timed calls after warm-up):
 //   scan      loom::scan::inclusive_scan(plus<float>) of 64M fp32, against cub::DeviceScan::InclusiveSum
 //             (not bitwise deterministic for floats) and a device-to-device copy of the same bytes;
-//   spmm      loom::sparse::spmm on the tiled bitmap format (magnitude-pruned random weights) against
-//             cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008;
+//   spmm      loom::sparse::spmm on the tiled bitmap format (magnitude-pruned random weights) and,
+//             where loom::cusparse is built, loom::sparse::cusparse::spmm on the same weight as CSR,
+//             against cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008;
 //   overlap   ring pass-KV forward (fp32, full attention, contiguous shards, 8 heads, dim 64) on
 //             P = 2, 3, 4 ranks sharing this GPU over comm::device_local: the wall time of the ring
 //             (T_ring), of the same compute without communication (each rank P local attention
@@ -21,6 +22,9 @@
 #include <loom/scan/scan.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
+#if LOOM_BENCH_CUSPARSE
+#include <loom/sparse/cusparse.hpp>
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -108,14 +112,18 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
   std::vector<float> bh(static_cast<std::size_t>(k * nmax));
   for (auto& x : bh) x = nd(g);
   device_array<float> bd(bh), cd(static_cast<std::size_t>(m * nmax)), ad(dense);
-  std::printf("\n### SpMM, M = %ld, K = %ld (bitmap A, row-major B and C; cublasSgemm on the dense A)\n\n",
-              static_cast<long>(m), static_cast<long>(k));
+  std::printf("\n### SpMM, M = %ld, K = %ld (row-major B and C; cublasSgemm on the dense A)\n\n", static_cast<long>(m),
+              static_cast<long>(k));
   std::printf("| N | cublasSgemm |");
-  for (int s : pcts) std::printf(" %d %%: loom · sgemm/loom |", s);
+  for (int s : pcts) {
+    std::printf(" %d %%: loom bitmap · sgemm/loom |", s);
+    if (LOOM_BENCH_CUSPARSE) std::printf(" %d %%: cuSPARSE CSR (loom::sparse::cusparse) · sgemm/it |", s);
+  }
   std::printf("\n| --- | --: |");
-  for (std::size_t i = 0; i < pcts.size(); ++i) std::printf(" --: |");
+  for (std::size_t i = 0; i < pcts.size() * (LOOM_BENCH_CUSPARSE ? 2 : 1); ++i) std::printf(" --: |");
   std::printf("\n");
   std::vector<std::vector<double>> loom_ms(pcts.size(), std::vector<double>(ns.size()));
+  std::vector<std::vector<double>> csr_ms(pcts.size(), std::vector<double>(ns.size()));
   for (std::size_t si = 0; si < pcts.size(); ++si) {
     const auto pruned =
         loom::sparse::prune_magnitude(loom::tensor_view<const float, 2>(dense.data(), {m, k}), pcts[si] / 100.0);
@@ -132,6 +140,21 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
       device_array<std::byte> ws(plan.workspace_bytes());  // the packed B panel; no allocation per call
       loom_ms[si][ni] = median_ms([&] { loom::sparse::spmm(loom::cuda{}, plan, av, bv, cv, ws.bytes()); });
     }
+#if LOOM_BENCH_CUSPARSE
+    const auto csr = loom::sparse::to_csr(loom::tensor_view<const float, 2>(pruned.data(), {m, k}));
+    device_array<index_t> rp(csr.row_ptr());
+    device_array<std::int32_t> ci(csr.col_idx());
+    device_array<float> cv_(csr.values());
+    const auto ac = loom::sparse::make_csr_view<loom::cuda_memory>(m, k, rp.data(), ci.data(), cv_.data());
+    for (std::size_t ni = 0; ni < ns.size(); ++ni) {
+      const index_t n = ns[ni];
+      const loom::tensor_view<const float, 2, loom::cuda_memory> bv(bd.data(), {k, n});
+      const loom::tensor_view<float, 2, loom::cuda_memory> cv(cd.data(), {m, n});
+      const auto plan = loom::sparse::cusparse::make_plan(loom::cuda{}, ac, n);
+      device_array<std::byte> ws(plan.workspace_bytes());
+      csr_ms[si][ni] = median_ms([&] { loom::sparse::cusparse::spmm(loom::cuda{}, plan, ac, bv, cv, ws.bytes()); });
+    }
+#endif
   }
   for (std::size_t ni = 0; ni < ns.size(); ++ni) {
     const index_t n = ns[ni];
@@ -144,8 +167,10 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
                    "cublasSgemm");
     });
     std::printf("| %ld | %.1f µs |", static_cast<long>(n), sgemm_ms * 1e3);
-    for (std::size_t si = 0; si < pcts.size(); ++si)
+    for (std::size_t si = 0; si < pcts.size(); ++si) {
       std::printf(" %.1f µs · %.2fx |", loom_ms[si][ni] * 1e3, sgemm_ms / loom_ms[si][ni]);
+      if (LOOM_BENCH_CUSPARSE) std::printf(" %.1f µs · %.2fx |", csr_ms[si][ni] * 1e3, sgemm_ms / csr_ms[si][ni]);
+    }
     std::printf("\n");
   }
 }

@@ -26,7 +26,8 @@
 //! Deterministic: each output element is summed in a fixed order that does not depend on the
 //! backend or thread count. On loom::cuda the bitmap format runs a dedicated kernel
 //! (detail/spmm_cuda.cuh; compiled, not run, in loom's CI); csr and n_m run the generic kernels,
-//! one thread per work item.
+//! one thread per work item. For CSR weights on loom::cuda, loom::sparse::cusparse (cusparse.hpp)
+//! runs cuSPARSE's SpMM under the same call shape.
 //! Completion: host backends complete on return; on device backends the plan form is
 //! stream-ordered on the backend's stream (no host sync); the convenience form fences.
 
