@@ -56,9 +56,12 @@ if(LOOM_ENABLE_CUDA)
   if(TARGET loom::cudnn_library)
     _loom_component(cudnn loom_cuda loom::cudnn_library)
   endif()
-  # cuSPARSE ships with the CUDA toolkit.
+  # cuSPARSE and cuBLAS ship with the CUDA toolkit.
   if(TARGET CUDA::cusparse)
     _loom_component(cusparse loom_cuda CUDA::cusparse)
+  endif()
+  if(TARGET CUDA::cublas)
+    _loom_component(cublas loom_cuda CUDA::cublas)
   endif()
 endif()
 

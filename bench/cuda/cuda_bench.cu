@@ -12,13 +12,19 @@
 //             shifts of a K/V block, T_xfer), all ranks at once, slowest rank, median of 7;
 //             hidden = 1 - (T_ring - T_comp) / T_xfer, the share of the transfer time that did not
 //             lengthen the call (target >= 0.9 where a step's compute outlasts its transfer).
+//   linear    chunked linear attention forward through linear_attention::cublas (cuBLAS strided-batched
+//             products), bf16 storage, fixed decay, H = 16, dk = dv = 128, C = 64, T = 8192 and 32768:
+//             TFLOP/s of the chunked algorithm's useful work (per chunk of c tokens and head,
+//             c(c+1)/2 (dk + dv) 2 + 2 c dk dv 2) and its share of the GPU's dense bf16 peak (SMs x
+//             clock x 2048 FLOP per cycle per SM on sm_80, 4096 on sm_90; target >= 0.40 at T = 32768).
 // Prints markdown tables. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
 //
-//   loom.bench.cuda [--quick | --scan | --overlap]   (--quick: small sizes; --scan, --overlap: those rows only)
+//   loom.bench.cuda [--quick | --scan | --overlap | --linear]   (--quick: small sizes; the others: those rows only)
 
 #include <loom/attention/ring.hpp>
 #include <loom/backend/cuda.hpp>
 #include <loom/comm/device_local.hpp>
+#include <loom/linear_attention/cublas.cuh>
 #include <loom/scan/scan.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
@@ -28,11 +34,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <cub/device/device_scan.cuh>
 #include <cublas_v2.h>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "support.hpp"
@@ -175,6 +183,54 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
   }
 }
 
+void linear_rows(const std::vector<index_t>& tokens) {
+  namespace la = loom::linear_attention;
+  constexpr index_t H = 16, D = 128, C = 64;
+  int device = 0, sms = 0, clock_khz = 0;
+  LOOM_CUDA_TRY(cudaGetDevice(&device));
+  LOOM_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  LOOM_CUDA_TRY(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  cudaDeviceProp prop{};
+  LOOM_CUDA_TRY(cudaGetDeviceProperties(&prop, device));
+  const double per_sm = prop.major == 8 && prop.minor == 0 ? 2048 : prop.major == 9 ? 4096 : 0;
+  const double peak = per_sm * sms * clock_khz * 1e3;  // FLOP/s; 0: not known for this architecture
+  std::printf(
+      "\n### Chunked linear attention forward, linear_attention::cublas (bf16, fixed decay, H = %ld, "
+      "dk = dv = %ld, C = %ld)\n\n",
+      static_cast<long>(H), static_cast<long>(D), static_cast<long>(C));
+  std::printf("dense bf16 peak: %.0f TFLOP/s (%d SMs x %.2f GHz x %.0f FLOP/cycle/SM)\n\n", peak * 1e-12, sms,
+              clock_khz * 1e-6, per_sm);
+  std::printf("| T | time | TFLOP/s | share of peak |\n| --: | --: | --: | --: |\n");
+  for (const index_t T : tokens) {
+    std::mt19937 g(5);
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<loom::bfloat16> h(static_cast<std::size_t>(T * H * D));
+    for (auto& x : h) x = loom::bfloat16(u(g));
+    std::vector<float> lg(H);
+    for (index_t i = 0; i < H; ++i) lg[i] = std::log(1.0f - std::pow(2.0f, -5.0f - static_cast<float>(i)));
+    device_array<loom::bfloat16> q(h), k(h), v(h), o(h.size());
+    device_array<float> lgd(lg);
+    using view = loom::tensor_view<const loom::bfloat16, 3, loom::cuda_memory>;
+    const la::operands<loom::bf16, loom::cuda_memory> x{view(q.data(), {T, H, D}), view(k.data(), {T, H, D}),
+                                                        view(v.data(), {T, H, D})};
+    const la::fixed_decay<float, loom::cuda_memory> gate{
+        loom::tensor_view<const float, 1, loom::cuda_memory>(lgd.data(), {H})};
+    const auto pl = la::cublas::make_plan<loom::bf16>(loom::cuda{}, loom::segments<>{}, {T, H, D, D}, {.chunk = C});
+    device_array<std::byte> ws(pl.workspace_bytes());
+    const loom::tensor_view<loom::bfloat16, 3, loom::cuda_memory> ov(o.data(), {T, H, D});
+    const double ms = median_ms([&] { la::cublas::forward(loom::cuda{}, pl, gate, x, ov, {}, ws.bytes()); }, 2, 7);
+    double flop = 0;
+    for (index_t b0 = 0; b0 < T; b0 += C) {
+      const double c = static_cast<double>(std::min(C, T - b0));
+      flop += c * (c + 1) / 2 * 2 * D * 2 + 2 * c * D * D * 2;
+    }
+    flop *= H;
+    const double rate = flop / (ms * 1e-3);
+    std::printf("| %ld | %.3f ms | %.1f | %s |\n", static_cast<long>(T), ms, rate * 1e-12,
+                peak > 0 ? (std::to_string(rate / peak).substr(0, 5)).c_str() : "(peak not known)");
+  }
+}
+
 }  // namespace
 
 //! The median over `reps` rounds of the slowest rank's wall time of one call, P ranks over
@@ -274,6 +330,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool scan_only = argc > 1 && std::strcmp(argv[1], "--scan") == 0;
   const bool overlap_only = argc > 1 && std::strcmp(argv[1], "--overlap") == 0;
+  const bool linear_only = argc > 1 && std::strcmp(argv[1], "--linear") == 0;
   cudaDeviceProp prop{};
   LOOM_CUDA_TRY(cudaGetDeviceProperties(&prop, 0));
   int driver = 0, runtime = 0;
@@ -281,6 +338,10 @@ int main(int argc, char** argv) {
   cudaRuntimeGetVersion(&runtime);
   std::printf("## loom.bench.cuda: %s, %d SMs, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount, driver,
               runtime);
+  if (linear_only) {
+    linear_rows({8192, 32768});
+    return 0;
+  }
   if (!overlap_only) scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
   overlap_rows(quick ? 1024 : 8192);
   if (overlap_only) return 0;
@@ -292,5 +353,6 @@ int main(int argc, char** argv) {
   spmm_rows(quick ? 256 : 4096, quick ? 256 : 4096, pcts, ns, h);
   if (!quick) spmm_rows(4096, 11008, pcts, ns, h);
   cublasDestroy(h);
+  linear_rows(quick ? std::vector<index_t>{1024} : std::vector<index_t>{8192, 32768});
   return 0;
 }

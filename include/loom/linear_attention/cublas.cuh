@@ -1,0 +1,204 @@
+#pragma once
+
+//! @file
+//! Chunked linear attention's forward on loom::cuda through cuBLAS's strided-batched products
+//! (tensor cores for bfloat16 and half storage), with loom's call shape:
+//!
+//!   auto plan = loom::linear_attention::cublas::make_plan<loom::bf16>(b, docs, {T, H, dk, dv}, {.chunk = 64});
+//!   loom::temporary_buffer<loom::cuda, std::byte> ws(b, plan.workspace_bytes());   // or the caller's memory
+//!   loom::linear_attention::cublas::forward(b, plan, gating, x, o, final_state, ws.bytes());   // allocates nothing
+//!   loom::linear_attention::cublas::forward(b, docs, gating, x, o, final_state, opts);          // convenience
+//!
+//! Compile with nvcc and link loom::cublas (the CUDA toolkit's cuBLAS). Inputs, gates, options and
+//! results are those of loom::linear_attention::forward (chunked.hpp): packed THD layout, documents
+//! as loom::segments, no_decay / fixed_decay / scalar_gate (full decay included), an initial and
+//! a final state per document and head. Storage float, double, bfloat16 or half; accumulation
+//! float (double for double).
+//!
+//! How it runs (detail/gemm_engine.hpp): every (head, chunk) is one entry of four strided batches
+//! of C-row products (the chunk states Ks^T V, the scores Q K^T, the inter-chunk term Q S0 and the
+//! masked P V), with loom's LOOM_HD passes between them (gates, gather into a zero-padded layout,
+//! the pass over chunk states per document and head, mask and scale, scatter). The products read
+//! operands in the storage type (S0 and the masked scores rounded to it, as tensor cores take
+//! them) and accumulate in the accumulation type; fp32 storage runs in fp32 unless the caller's
+//! cuBLAS math mode allows TF32. The same engine runs on the CPU in loom's tests with a reference
+//! provider, against the fp64 oracle.
+//!
+//! Plans: make_plan makes loom::linear_attention's plan (the chunk table; base(), which also runs
+//! loom::linear_attention::backward) and a cuBLAS handle on the current device. A plan is
+//! immutable and may be shared by threads (calls are serialised on its handle while they are
+//! enqueued); calls must run with the plan's device current; the plan must outlive the stream work
+//! of its calls. Workspace: plan.workspace_bytes() of device memory (the padded operands, the
+//! chunk states and the scores: about H x T x (3 dk + dv + 2 C) elements plus H x chunks x dk x dv
+//! states). Completion: stream-ordered on b.stream, no host sync; the convenience form fences.
+//! The backward is not on cuBLAS: loom::linear_attention::backward(b, plan.base(), ...).
+//! What has run on a GPU: docs/gpu.md.
+
+#include <loom/backend/cuda.hpp>
+#include <loom/backend/temporary.hpp>
+#include <loom/core/error.hpp>
+#include <loom/core/float16.hpp>
+#include <loom/core/precision.hpp>
+#include <loom/core/segments.hpp>
+#include <loom/linear_attention/detail/gemm_engine.hpp>
+#include <loom/linear_attention/plan.hpp>
+#include <loom/linear_attention/types.hpp>
+
+#include <cublas_v2.h>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <type_traits>
+
+namespace loom::linear_attention::cublas {
+
+namespace detail {
+
+using linear_attention::detail::gemm_op;
+
+template <class T>
+constexpr cudaDataType data_type() {
+  if constexpr (std::is_same_v<T, float>)
+    return CUDA_R_32F;
+  else if constexpr (std::is_same_v<T, double>)
+    return CUDA_R_64F;
+  else if constexpr (std::is_same_v<T, loom::bfloat16>)
+    return CUDA_R_16BF;
+  else
+    return CUDA_R_16F;
+}
+
+template <class S>
+inline constexpr bool storable = std::is_same_v<S, float> || std::is_same_v<S, double> ||
+                                 std::is_same_v<S, loom::bfloat16> || std::is_same_v<S, loom::half>;
+
+inline void check_cublas(cublasStatus_t s, std::string_view call, std::string_view what) {
+  if (s == CUBLAS_STATUS_SUCCESS) return;
+  const errc code =
+      s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH ? errc::unsupported : errc::internal;
+  LOOM_EXPECTS(false, code, call, ": ", what, " failed: ", cublasGetStatusName(s), ": ", cublasGetStatusString(s));
+}
+
+//! The engine's product provider: row-major c = alpha op(a) op(b) + beta c per batch entry as
+//! cuBLAS's column-major c^T = op(b)^T op(a)^T (the operands swapped, the same op flags).
+struct cublas_gemm {
+  cublasHandle_t handle;
+  std::string_view call;
+  template <class TS, class TC>
+  void operator()(gemm_op ta, gemm_op tb, index_t m, index_t n, index_t k, TC alpha, const TS* a, index_t lda,
+                  index_t sa, const TS* b, index_t ldb, index_t sb, TC beta, TC* c, index_t ldc, index_t sc,
+                  index_t batch) const {
+    if (batch == 0 || m == 0 || n == 0) return;
+    const auto op = [](gemm_op o) { return o == gemm_op::n ? CUBLAS_OP_N : CUBLAS_OP_T; };
+    const cublasComputeType_t compute = std::is_same_v<TC, double> ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
+    check_cublas(
+        cublasGemmStridedBatchedEx(handle, op(tb), op(ta), static_cast<int>(n), static_cast<int>(m),
+                                   static_cast<int>(k), &alpha, b, data_type<TS>(), static_cast<int>(ldb),
+                                   static_cast<long long>(sb), a, data_type<TS>(), static_cast<int>(lda),
+                                   static_cast<long long>(sa), &beta, c, data_type<TC>(), static_cast<int>(ldc),
+                                   static_cast<long long>(sc), static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT),
+        call, "cublasGemmStridedBatchedEx");
+  }
+};
+
+//! A plan's cuBLAS handle and the device it lives on.
+struct state {
+  cublasHandle_t handle = nullptr;
+  int device = -1;
+  std::mutex enqueue;  // cublasSetStream and the call's products on the shared handle
+  state() = default;
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+  ~state() {
+    if (handle) cublasDestroy(handle);
+  }
+};
+
+}  // namespace detail
+
+//! A plan (see the file comment). P: loom::fp32, loom::fp64, loom::bf16, loom::fp16 (or any
+//! precision<S, A> with S one of those and A the accumulation cuBLAS takes for it).
+template <precision_policy P>
+class plan {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  static_assert(detail::storable<S>, "linear_attention::cublas: storage float, double, bfloat16 or half");
+  static_assert(std::is_same_v<A, std::conditional_t<std::is_same_v<S, double>, double, float>>,
+                "linear_attention::cublas: accumulation float (double for double storage)");
+
+ public:
+  using precision = P;
+  using backend_type = loom::cuda;
+  //! loom::linear_attention's plan of the same documents and shape (its chunk table; the backward
+  //! runs with it).
+  [[nodiscard]] const linear_attention::plan<P>& base() const noexcept { return base_; }
+  [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout_.bytes; }
+  [[nodiscard]] const linear_attention::detail::gemm_layout& layout() const noexcept { return layout_; }
+  //! @throws loom::error(invalid_argument) for a plan not made by make_plan.
+  [[nodiscard]] detail::state& device_state(std::string_view call) const {
+    LOOM_EXPECTS(st_ != nullptr, errc::invalid_argument, call,
+                 ": the plan was not made by linear_attention::cublas::make_plan (default-constructed)");
+    return *st_;
+  }
+
+ private:
+  linear_attention::plan<P> base_;
+  linear_attention::detail::gemm_layout layout_;
+  std::shared_ptr<detail::state> st_;
+
+  template <precision_policy Q, memory_space D>
+  friend plan<Q> make_plan(const loom::cuda&, const segments<D>&, const shape&, const options&);
+};
+
+//! Plans the forward of documents `docs` (as linear_attention::make_plan) on the current device.
+//! @throws as linear_attention::make_plan; loom::error(unsupported) for more than 2^31 - 1
+//!   (head, chunk) pairs; (internal, unsupported) a failing CUDA or cuBLAS call.
+template <precision_policy P = fp32, memory_space D = host_memory>
+plan<P> make_plan(const loom::cuda& b, const segments<D>& docs, const shape& sh, const options& opt = {}) {
+  constexpr std::string_view call = "linear_attention::cublas::make_plan";
+  plan<P> p;
+  p.base_ = linear_attention::make_plan<P>(b, docs, sh, opt);
+  const index_t batch = loom::detail::checked_mul(p.base_.heads(), p.base_.chunks(), call);
+  LOOM_EXPECTS(batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", batch,
+               " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
+  p.layout_ = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(p.base_);
+  p.st_ = std::make_shared<detail::state>();
+  LOOM_CUDA_TRY(cudaGetDevice(&p.st_->device));
+  detail::check_cublas(cublasCreate(&p.st_->handle), call, "cublasCreate");
+  return p;
+}
+
+//! The forward (as linear_attention::forward) with a caller's workspace of plan.workspace_bytes()
+//! device bytes, aligned to loom::workspace_alignment. Stream-ordered on b.stream; allocates nothing.
+//! @throws as linear_attention::forward; loom::error(invalid_argument) for a plan not made by
+//!   make_plan or a device other than the plan's; (internal, unsupported) cuBLAS failing.
+template <precision_policy P, class Gating>
+void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const operands<P, cuda_memory>& x,
+             tensor_view<typename P::storage_type, 3, cuda_memory> o,
+             tensor_view<typename P::accum_type, 4, cuda_memory> final_state, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "linear_attention::cublas::forward";
+  detail::state& st = p.device_state(call);
+  int current = -1;
+  LOOM_CUDA_TRY(cudaGetDevice(&current));
+  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
+               ") is not the one the plan was made on (", st.device, ")");
+  std::lock_guard lock(st.enqueue);
+  detail::check_cublas(cublasSetStream(st.handle, b.stream), call, "cublasSetStream");
+  linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle, call}, p.base(), p.layout(), gating, x, o,
+                                         final_state, workspace, call);
+}
+
+//! Convenience form: make_plan (precision of the operands), a temporary workspace, the plan form,
+//! fence.
+template <memory_space D = host_memory, class Gating, precision_policy P>
+void forward(const loom::cuda& b, const segments<D>& docs, const Gating& gating, const operands<P, cuda_memory>& x,
+             tensor_view<typename P::storage_type, 3, cuda_memory> o,
+             tensor_view<typename P::accum_type, 4, cuda_memory> final_state = {}, const options& opt = {}) {
+  const auto p = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
+  loom::detail::with_temporary_workspace(
+      b, p.workspace_bytes(), [&](std::span<std::byte> ws) { forward(b, p, gating, x, o, final_state, ws); });
+}
+
+}  // namespace loom::linear_attention::cublas

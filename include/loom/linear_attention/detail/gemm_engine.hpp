@@ -1,0 +1,278 @@
+#pragma once
+
+//! @file
+//! Chunked linear attention's forward as batched dense products, for matrix engines (cuBLAS on
+//! tensor cores: linear_attention/cublas.cuh). Every chunk of every head becomes one batch entry of
+//! C rows, zero-padded past the chunk's end, so the four products are uniform strided batches:
+//!
+//!   L   = Ks^T V       [dk x dv]   the chunk's own state (Ks: keys times exp(b_{n-1} - b_j))
+//!   Pf  = Q K^T        [C x C]     scores
+//!   O   = Q S0         [C x dv]    the inter-chunk term, S0 the state before the chunk
+//!   O  += Pm V         [C x dv]    Pm: scores masked (j <= i), decayed (exp(b_i - b_j)) and scaled
+//!
+//! between elementwise LOOM_HD passes run with loom::for_each_index on the backend (log-gates per
+//! chunk, gather into the padded layout, the pass over chunk states per document and head, mask
+//! and row scale, scatter). Products read storage-type operands (Q, K, Ks, V, S0 and Pm rounded to
+//! it, as matrix engines take them) and accumulate in the accumulation type; the state pass and
+//! the final state stay in the accumulation type. Notation and gates as forward_kernels.hpp
+//! (log-gates b, epochs across full-decay tokens, decay_between). Padded rows are zero, so no
+//! product mixes two chunks, and no chunk holds two documents: documents stay isolated. Within a
+//! chunk, the masked product Pm V multiplies zeros by the chunk's later values, so a non-finite
+//! value reaches the outputs of the earlier tokens of its own chunk (the tiled kernels do not
+//! read them).
+//!
+//! The products go through a provider G: g(op_a, op_b, m, n, k, alpha, a, lda, stride_a, b, ldb,
+//! stride_b, beta, c, ldc, stride_c, batch) computes, for each batch entry, the row-major
+//! c [m x n] = alpha op(a) op(b) + beta c (op: gemm_op::n as stored, gemm_op::t transposed;
+//! leading dimensions as row-major row strides). host_gemm is the reference provider (plain loops
+//! in the accumulation type; host memory).
+
+#include <loom/backend/copy.hpp>
+#include <loom/backend/parallel.hpp>
+#include <loom/core/checked.hpp>
+#include <loom/core/workspace.hpp>
+#include <loom/linear_attention/detail/checks.hpp>
+#include <loom/linear_attention/detail/forward_kernels.hpp>
+#include <loom/linear_attention/detail/layout.hpp>
+#include <loom/linear_attention/plan.hpp>
+#include <loom/linear_attention/types.hpp>
+
+#include <cstddef>
+#include <span>
+#include <string_view>
+
+namespace loom::linear_attention::detail {
+
+enum class gemm_op { n, t };
+
+//! Byte offsets of the engine's workspace blocks (loom::workspace_layout): the chunk table, then
+//! per (head, chunk, row) the log-gates and epochs [rows] (A), Q, K, Ks [rows, dk] and V [rows, dv]
+//! (S), per (head, chunk) L [dk, dv] (A) and S0 [dk, dv] (S), then Pf [rows, C] (A), Pm [rows, C]
+//! (S) and O [rows, dv] (A); rows = H x chunks x C.
+struct gemm_layout {
+  std::size_t chunks = 0, doc_chunk = 0, b = 0, ep = 0, qg = 0, kg = 0, ks = 0, vg = 0, l = 0, s0 = 0, pf = 0, pm = 0,
+              o = 0, bytes = 0;
+};
+
+//! The engine's layout for plan pl with storage S and accumulation A.
+//! @throws loom::error(invalid_argument) for sizes whose products overflow index_t.
+template <class S, class A, class P>
+gemm_layout make_gemm_layout(const plan<P>& pl) {
+  using loom::detail::checked_mul;
+  constexpr std::string_view what = "linear_attention: the batched-product workspace";
+  const index_t batch = checked_mul(pl.heads(), pl.chunks(), what);
+  const index_t rows = checked_mul(batch, pl.chunk(), what);
+  const index_t states = checked_mul(batch, checked_mul(pl.dk(), pl.dv(), what), what);
+  workspace_layout l;
+  gemm_layout g;
+  g.chunks = l.add<chunk_info>(pl.chunks());
+  g.doc_chunk = l.add<index_t>(pl.docs() + 1);
+  g.b = l.add<A>(rows);
+  g.ep = l.add<A>(rows);
+  g.qg = l.add<S>(checked_mul(rows, pl.dk(), what));
+  g.kg = l.add<S>(checked_mul(rows, pl.dk(), what));
+  g.ks = l.add<S>(checked_mul(rows, pl.dk(), what));
+  g.vg = l.add<S>(checked_mul(rows, pl.dv(), what));
+  g.l = l.add<A>(states);
+  g.s0 = l.add<S>(states);
+  g.pf = l.add<A>(checked_mul(rows, pl.chunk(), what));
+  g.pm = l.add<S>(checked_mul(rows, pl.chunk(), what));
+  g.o = l.add<A>(checked_mul(rows, pl.dv(), what));
+  g.bytes = l.bytes();
+  return g;
+}
+
+//! What every elementwise pass reads and writes; copied by value into each functor.
+template <class S, class A, class Space>
+struct gemm_pass {
+  problem<S, A, Space> p;  // operands, gate, chunk table, sizes, scale
+  A *b = nullptr, *ep = nullptr, *l = nullptr, *pf = nullptr, *o = nullptr;
+  S *qg = nullptr, *kg = nullptr, *ks = nullptr, *vg = nullptr, *s0 = nullptr, *pm = nullptr;
+  const A* init = nullptr;  // [docs, H, dk, dv] or null
+  A* fin = nullptr;         // [docs, H, dk, dv] or null
+  S* out = nullptr;         // o (t, h, e) at out[t * ot + h * oh + e * oe]
+  index_t ot = 0, oh = 0, oe = 0;
+
+  //! Row i of chunk ci, head h, in the padded layout.
+  LOOM_HD index_t row(index_t h, index_t ci, index_t i) const { return (h * p.n_chunks + ci) * p.c + i; }
+  LOOM_HD index_t length(index_t ci) const { return p.chunks[ci].end - p.chunks[ci].begin; }
+};
+
+//! Per (head, chunk): the log-gates b and epochs of the chunk's rows (0 past its end).
+template <class S, class A, class Space>
+struct gemm_gates {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t h = item / g.p.n_chunks, ci = item % g.p.n_chunks, n = g.length(ci);
+    A *b = g.b + g.row(h, ci, 0), *ep = g.ep + g.row(h, ci, 0);
+    g.p.log_gates(g.p.chunks[ci].begin, n, h, b, ep);
+    for (index_t i = n; i < g.p.c; ++i) b[i] = A(0), ep[i] = A(0);
+  }
+};
+
+//! Per (head, chunk, row): Q, K, V and Ks = K exp(b_{n-1} - b_i) into the padded layout.
+template <class S, class A, class Space>
+struct gemm_gather {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
+    const index_t n = g.length(ci), r = g.row(h, ci, i), dk = g.p.dk, dv = g.p.dv;
+    S *q = g.qg + r * dk, *k = g.kg + r * dk, *ks = g.ks + r * dk, *v = g.vg + r * dv;
+    if (i >= n) {
+      for (index_t d = 0; d < dk; ++d) q[d] = S(0.0f), k[d] = S(0.0f), ks[d] = S(0.0f);
+      for (index_t e = 0; e < dv; ++e) v[e] = S(0.0f);
+      return;
+    }
+    const index_t t = g.p.chunks[ci].begin + i;
+    const A f = decay_between(g.b + g.row(h, ci, 0), g.ep + g.row(h, ci, 0), n - 1, i);
+    for (index_t d = 0; d < dk; ++d) {
+      const S kd = g.p.k(t, h, d);
+      q[d] = g.p.q(t, h, d);
+      k[d] = kd;
+      ks[d] = f == A(0) ? S(0.0f) : S(static_cast<A>(kd) * f);
+    }
+    for (index_t e = 0; e < dv; ++e) v[e] = g.p.v(t, h, e);
+  }
+};
+
+//! Per (document, head, state element): the pass over the document's chunks, S0 of each chunk
+//! (rounded to S for the products) and the final state, S <- a S + L (decay_add, the combine every
+//! state pass uses).
+template <class S, class A, class Space>
+struct gemm_state_pass {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
+    A s = g.init ? g.init[dh * sz + e] : A(0);
+    for (index_t ci = g.p.doc_chunk[doc]; ci < g.p.doc_chunk[doc + 1]; ++ci) {
+      const index_t at = (h * g.p.n_chunks + ci) * sz + e, last = g.row(h, ci, g.length(ci) - 1);
+      g.s0[at] = S(s);
+      const A a = g.ep[last] == A(0) ? exp_acc(g.b[last]) : A(0);  // a full-decay token forgets S0
+      s = decay_add(a, s, g.l[at]);
+    }
+    if (g.fin) g.fin[dh * sz + e] = s;
+  }
+};
+
+//! Per (head, chunk, row i): Pm(i, j) = scale exp(b_i - b_j) Pf(i, j) for j <= i inside the chunk
+//! (0 elsewhere), and O row i (= Q S0 so far) times scale exp(b_i) (0 after a full-decay token).
+//! A factor of 0 selects 0 (no 0 x inf).
+template <class S, class A, class Space>
+struct gemm_mask_scale {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
+    const index_t n = g.length(ci), r = g.row(h, ci, i);
+    const A *b = g.b + g.row(h, ci, 0), *ep = g.ep + g.row(h, ci, 0), *pf = g.pf + r * c;
+    S* pm = g.pm + r * c;
+    for (index_t j = 0; j < c; ++j) {
+      const A f = i < n && j <= i ? decay_between(b, ep, i, j) : A(0);
+      pm[j] = f == A(0) ? S(0.0f) : S(g.p.scale * f * pf[j]);
+    }
+    const A f = i < n && ep[i] == A(0) ? g.p.scale * exp_acc(b[i]) : A(0);
+    A* o = g.o + r * g.p.dv;
+    for (index_t e = 0; e < g.p.dv; ++e) o[e] = f == A(0) ? A(0) : o[e] * f;
+  }
+};
+
+//! Per (head, chunk, row i < n): the output row into o (t, h, :).
+template <class S, class A, class Space>
+struct gemm_scatter {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
+    if (i >= g.length(ci)) return;
+    const index_t t = g.p.chunks[ci].begin + i;
+    const A* o = g.o + g.row(h, ci, i) * g.p.dv;
+    S* dst = g.out + t * g.ot + h * g.oh;
+    for (index_t e = 0; e < g.p.dv; ++e) dst[e * g.oe] = S(o[e]);
+  }
+};
+
+//! The reference provider: plain loops in the accumulation type TC, ascending over the reduction
+//! index; host memory.
+struct host_gemm {
+  template <class TS, class TC>
+  void operator()(gemm_op ta, gemm_op tb, index_t m, index_t n, index_t k, TC alpha, const TS* a, index_t lda,
+                  index_t sa, const TS* b, index_t ldb, index_t sb, TC beta, TC* c, index_t ldc, index_t sc,
+                  index_t batch) const {
+    for (index_t x = 0; x < batch; ++x) {
+      const TS *ax = a + x * sa, *bx = b + x * sb;
+      TC* cx = c + x * sc;
+      for (index_t i = 0; i < m; ++i)
+        for (index_t j = 0; j < n; ++j) {
+          TC s = TC(0);
+          for (index_t l = 0; l < k; ++l) {
+            const TC av = static_cast<TC>(ta == gemm_op::n ? ax[i * lda + l] : ax[l * lda + i]);
+            const TC bv = static_cast<TC>(tb == gemm_op::n ? bx[l * ldb + j] : bx[j * ldb + l]);
+            s += av * bv;
+          }
+          TC& out = cx[i * ldc + j];
+          out = beta == TC(0) ? alpha * s : alpha * s + beta * out;
+        }
+    }
+  }
+};
+
+//! The forward of plan pl through provider gemm on backend b, with the engine's layout gl (from
+//! make_gemm_layout for pl) in `ws`. Checks as linear_attention::forward. Allocates nothing; no
+//! fence (stream-ordered where b and gemm are).
+template <class B, class G, class P, class Gating, class Space>
+void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const Gating& gating,
+                  const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
+                  tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, std::string_view call) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
+  expect_extents(o, {pl.tokens(), pl.heads(), pl.dv()}, "o");
+  check_state_out(fin, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "final_state");
+  check_workspace(ws, gl.bytes, call);
+  const workspace_carver w(ws);
+  gemm_pass<S, A, Space> g;
+  problem<S, A, Space>& p = g.p;
+  p.q = x.q, p.k = x.k, p.v = x.v;
+  p.gate = check_gating<A, Space>(gating, pl.tokens(), pl.heads());
+  const chunk_table& table = plan_access::table(pl);
+  if constexpr (Space::host_accessible) {
+    p.chunks = table.chunks.data();
+    p.doc_chunk = table.doc_chunk.data();
+  } else {
+    chunk_info* chunks = w.at<chunk_info>(gl.chunks);
+    index_t* doc_chunk = w.at<index_t>(gl.doc_chunk);
+    loom::copy_bytes(b, chunks, table.chunks.data(), sizeof(chunk_info) * table.chunks.size());
+    loom::copy_bytes(b, doc_chunk, table.doc_chunk.data(), sizeof(index_t) * table.doc_chunk.size());
+    p.chunks = chunks, p.doc_chunk = doc_chunk;
+  }
+  p.n_chunks = pl.chunks(), p.docs = pl.docs(), p.heads = pl.heads(), p.dk = pl.dk(), p.dv = pl.dv(), p.c = pl.chunk(),
+  p.scale = pl.scale();
+  g.b = w.at<A>(gl.b), g.ep = w.at<A>(gl.ep), g.l = w.at<A>(gl.l), g.pf = w.at<A>(gl.pf), g.o = w.at<A>(gl.o);
+  g.qg = w.at<S>(gl.qg), g.kg = w.at<S>(gl.kg), g.ks = w.at<S>(gl.ks), g.vg = w.at<S>(gl.vg);
+  g.s0 = w.at<S>(gl.s0), g.pm = w.at<S>(gl.pm);
+  g.init = present(x.initial_state) ? x.initial_state.data() : nullptr;
+  g.fin = present(fin) ? fin.data() : nullptr;
+  g.out = o.data(), g.ot = o.stride(0), g.oh = o.stride(1), g.oe = o.stride(2);
+
+  const index_t heads = pl.heads(), c = pl.chunk(), dk = pl.dk(), dv = pl.dv();
+  const index_t batch = heads * pl.chunks(), rows = batch * c;
+  const A one = A(1), zero = A(0);
+  if (batch > 0) {
+    for_each_index(b, batch, gemm_gates<S, A, Space>{g});
+    for_each_index(b, rows, gemm_gather<S, A, Space>{g});
+    // L = Ks^T V per chunk
+    gemm(gemm_op::t, gemm_op::n, dk, dv, c, one, static_cast<const S*>(g.ks), dk, c * dk, static_cast<const S*>(g.vg),
+         dv, c * dv, zero, g.l, dv, dk * dv, batch);
+  }
+  for_each_index(b, pl.docs() * heads * dk * dv, gemm_state_pass<S, A, Space>{g});
+  if (batch == 0) return;
+  // Pf = Q K^T, O = Q S0, then the mask and row scale, then O += Pm V
+  gemm(gemm_op::n, gemm_op::t, c, c, dk, one, static_cast<const S*>(g.qg), dk, c * dk, static_cast<const S*>(g.kg), dk,
+       c * dk, zero, g.pf, c, c * c, batch);
+  gemm(gemm_op::n, gemm_op::n, c, dv, dk, one, static_cast<const S*>(g.qg), dk, c * dk, static_cast<const S*>(g.s0), dv,
+       dk * dv, zero, g.o, dv, c * dv, batch);
+  for_each_index(b, rows, gemm_mask_scale<S, A, Space>{g});
+  gemm(gemm_op::n, gemm_op::n, c, dv, c, one, static_cast<const S*>(g.pm), c, c * c, static_cast<const S*>(g.vg), dv,
+       c * dv, one, g.o, dv, c * dv, batch);
+  for_each_index(b, rows, gemm_scatter<S, A, Space>{g});
+}
+
+}  // namespace loom::linear_attention::detail

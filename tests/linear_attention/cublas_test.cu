@@ -1,0 +1,135 @@
+// linear_attention::cublas: chunked linear attention's forward through cuBLAS's strided-batched
+// products on a GPU, against the fp64 token-by-token oracle (the same engine runs on the CPU in
+// gemm_engine_test.cpp). Needs a GPU: registered by the cuda-gpu presets, compiled by the cuda
+// presets.
+
+#define LOOM_TEST_BACKEND_CUDA 1
+#include <loom/linear_attention/cublas.cuh>
+
+#include <support/backends.hpp>
+#include <support/errors.hpp>
+#include <support/tolerance.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "oracle.hpp"
+
+namespace la = loom::linear_attention;
+using loom::cuda_memory;
+using loom::index_t;
+using loom::test::buffer;
+using loom::test::la::gating;
+using loom::test::la::problem;
+
+namespace {
+
+template <class T>
+std::vector<T> cast(const std::vector<double>& x) {
+  std::vector<T> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
+  return r;
+}
+template <class T>
+std::vector<double> widen(const std::vector<T>& x) {
+  std::vector<double> r(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
+  return r;
+}
+
+template <class T, std::size_t R>
+loom::tensor_view<T, R, cuda_memory> dv(T* p, const std::array<index_t, R>& e) {
+  return loom::tensor_view<T, R, cuda_memory>(p, e);
+}
+
+// cuBLAS's forward of p, plan form (convenience = false) or convenience form.
+template <class P>
+std::pair<std::vector<double>, std::vector<double>> run_cublas(const problem& p, index_t chunk, bool convenience) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t T = p.T, H = p.H, docs = p.docs();
+  buffer<S> q(cast<S>(p.q)), k(cast<S>(p.k)), v(cast<S>(p.v)), o(std::vector<S>(p.q.size() / p.dk * p.dv, S(-7.0f)));
+  buffer<A> lg(cast<A>(p.lg)), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)),
+      fin(static_cast<std::size_t>(docs * H * p.dk * p.dv));
+  la::operands<P, cuda_memory> x{dv<const S, 3>(q.data(), {T, H, p.dk}), dv<const S, 3>(k.data(), {T, H, p.dk}),
+                                 dv<const S, 3>(v.data(), {T, H, p.dv})};
+  if (!p.init.empty()) x.initial_state = dv<const A, 4>(init.data(), {docs, H, p.dk, p.dv});
+  const loom::segments<> seg{std::span<const index_t>(p.cu)};
+  const la::options opt{.chunk = chunk, .scale = p.scale};
+  const auto ov = dv<S, 3>(o.data(), {T, H, p.dv});
+  const auto fv = dv<A, 4>(fin.data(), {docs, H, p.dk, p.dv});
+  const loom::cuda b{};
+  auto call = [&](const auto& gate) {
+    if (convenience) {
+      la::cublas::forward(b, seg, gate, x, ov, fv, opt);
+    } else {
+      const auto pl = la::cublas::make_plan<P>(b, seg, {T, H, p.dk, p.dv}, opt);
+      const loom::test::workspace ws(pl.workspace_bytes());
+      la::cublas::forward(b, pl, gate, x, ov, fv, ws.span());
+      loom::fence(b);
+    }
+  };
+  if (p.mode == gating::none)
+    call(la::no_decay{});
+  else if (p.mode == gating::fixed)
+    call(la::fixed_decay<A, cuda_memory>{dv<const A, 1>(hlg.data(), {H})});
+  else
+    call(la::scalar_gate<A, cuda_memory>{dv<const A, 2>(lg.data(), {T, H})});
+  return {widen(o.to_host()), widen(fin.to_host())};
+}
+
+template <class P>
+void check(const problem& p0, index_t chunk, const std::string& what) {
+  const problem p = loom::test::la::rounded<P>(p0);
+  const auto want = loom::test::la::oracle(p);
+  auto tol_o = loom::test::la::scaled_tol<P>(want.o), tol_f = loom::test::la::scaled_tol<P>(want.fin);
+  if constexpr (!std::is_same_v<typename P::storage_type, double> && !std::is_same_v<typename P::storage_type, float>)
+    tol_o.abs *= 2, tol_o.rel *= 2, tol_f.abs *= 2, tol_f.rel *= 2;  // S0 and the scores rounded to 16 bits
+  for (const bool convenience : {false, true}) {
+    const auto [o, fin] = run_cublas<P>(p, chunk, convenience);
+    const std::string w = what + (convenience ? " convenience" : " plan");
+    loom::test::require_close(o, want.o, tol_o, w + " o");
+    loom::test::require_close(fin, want.fin, tol_f, w + " final state");
+  }
+}
+
+const char* name(gating g) {
+  return g == gating::none ? "no_decay" : g == gating::fixed ? "fixed_decay" : "scalar_gate";
+}
+
+}  // namespace
+
+TEST_CASE("linear_attention::cublas: forward against the recurrent oracle", "[linear_attention][cublas][gpu]") {
+  for (const index_t T : {index_t{1}, index_t{65}, index_t{131}, index_t{1009}})
+    for (const auto mode : {gating::none, gating::fixed, gating::scalar})
+      for (const bool packed : {false, true}) {
+        const auto cu =
+            packed ? loom::test::la::random_docs(T, 4, static_cast<std::uint64_t>(T)) : std::vector<index_t>{0, T};
+        const auto p = loom::test::la::make_problem(T, 3, 16, 24, mode, cu, packed, 70 + static_cast<std::uint64_t>(T));
+        for (const index_t chunk : {index_t{7}, index_t{64}}) {
+          const std::string what = std::string(name(mode)) + " T=" + std::to_string(T) + " C=" + std::to_string(chunk);
+          check<loom::fp64>(p, chunk, what + " fp64");
+          check<loom::fp32>(p, chunk, what + " fp32");
+          check<loom::bf16>(p, chunk, what + " bf16");
+          check<loom::fp16>(p, chunk, what + " fp16");
+        }
+      }
+}
+
+TEST_CASE("linear_attention::cublas: a plan not made by make_plan is rejected", "[linear_attention][cublas][gpu]") {
+  buffer<float> q(std::vector<float>(8 * 2 * 4, 0.5f)), o(std::size_t{8 * 2 * 4});
+  const la::operands<loom::fp32, cuda_memory> x{dv<const float, 3>(q.data(), {8, 2, 4}),
+                                                dv<const float, 3>(q.data(), {8, 2, 4}),
+                                                dv<const float, 3>(q.data(), {8, 2, 4})};
+  const loom::test::workspace ws(1024);
+  loom::test::require_loom_error(
+      [&] {
+        la::cublas::forward(loom::cuda{}, la::cublas::plan<loom::fp32>{}, la::no_decay{}, x,
+                            dv<float, 3>(o.data(), {8, 2, 4}), {}, ws.span());
+      },
+      loom::errc::invalid_argument, {"linear_attention::cublas::forward", "not made by"});
+}
