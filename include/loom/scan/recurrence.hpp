@@ -187,9 +187,9 @@ struct recurrence_access {
     if constexpr (vendor_affine<B>::available && affine_structure<St> && !Across) {
       if (!opt.reproducible) {
         // the vendor's scan by key of T d affine pairs (deduced precision: room for either)
-        const index_t pairs = w.count * d;
-        p.vendor_bytes_ = std::max(vendor_affine<B>::template bytes<PA>(pairs),
-                                   std::is_void_v<Acc> ? vendor_affine<B>::template bytes<float>(pairs) : 0);
+        const index_t pairs = w.count * (d / affine_traits<St, PA>::width);
+        p.vendor_bytes_ = std::max(vendor_affine<B>::template bytes<St, PA>(pairs),
+                                   std::is_void_v<Acc> ? vendor_affine<B>::template bytes<St, float>(pairs) : 0);
         p.vendor_at_ = lay.add<std::byte>(static_cast<index_t>(p.vendor_bytes_));
       }
     }
@@ -271,7 +271,7 @@ template <backend B, class Plan, class AV, class XV, class YV, class InV, class 
 void run_affine_recurrence(const B& b, const Plan& p, AV a, XV x, YV y, InV in_states, OutV out_states, bool adjoint,
                            std::span<std::byte> ws, Exec&& exec) {
   using St = typename Plan::structure_type;
-  static_assert(affine_structure<St>, "run_affine_recurrence: scalar and diagonal recurrences only");
+  static_assert(affine_structure<St>, "run_affine_recurrence: scalar, diagonal and block-diagonal recurrences only");
   static_assert(!Plan::across_ranks, "run_affine_recurrence: a single-rank plan");
   const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
   with_recurrence_kernel<B>(p, a, x, y, in_states, out_states, adjoint, ws, call, [&](const auto& k, const auto&) {
