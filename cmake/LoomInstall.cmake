@@ -20,5 +20,5 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/loom-config-version.cmake
   COMPATIBILITY SameMinorVersion ARCH_INDEPENDENT)
 install(FILES ${PROJECT_BINARY_DIR}/loom-config.cmake ${PROJECT_BINARY_DIR}/loom-config-version.cmake
   ${PROJECT_SOURCE_DIR}/cmake/LoomFindKokkos.cmake ${PROJECT_SOURCE_DIR}/cmake/LoomFindNccl.cmake
-  ${PROJECT_SOURCE_DIR}/cmake/LoomFindCudnn.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/LoomFindCudnn.cmake ${PROJECT_SOURCE_DIR}/cmake/LoomFindCusparselt.cmake
   DESTINATION ${LOOM_CONFIG_DIR})

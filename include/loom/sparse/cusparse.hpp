@@ -40,6 +40,7 @@
 #include <loom/core/overlap.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/core/workspace.hpp>
+#include <loom/sparse/detail/dense_layout.hpp>
 #include <loom/sparse/formats.hpp>
 
 #include <cmath>
@@ -56,8 +57,8 @@
 
 namespace loom::sparse::cusparse {
 
-//! The layout of B and C: both row-major (element (i, j) at i * N + j) or both column-major.
-enum class order { row_major, col_major };
+//! The layout of B and C (sparse::order): both row-major (the default) or both column-major.
+using sparse::order;
 
 //! The numbers of a product. When beta == 0, C is not read.
 struct options {
@@ -137,15 +138,7 @@ inline std::vector<std::int32_t> narrow_offsets(const std::vector<index_t>& row_
   return out;
 }
 
-//! True when v (rows x cols) is dense in `o`: unit stride along the fast index and the other
-//! stride equal to the fast extent (strides of extents <= 1 are not looked at).
-template <class V>
-bool dense_in(const V& v, order o) {
-  const index_t fast = o == order::row_major ? 1 : 0, slow = 1 - fast;
-  const bool unit = v.extent(fast) <= 1 || v.stride(fast) == 1;
-  const bool packed = v.extent(slow) <= 1 || v.stride(slow) == v.extent(fast);
-  return unit && packed;
-}
+using sparse::detail::dense_in;
 
 //! What a plan owns on the device. cudaFree waits for the device's work in flight.
 struct state {
