@@ -3,6 +3,8 @@
 # nvidia-cudnn-frontend installs its headers under <site-packages>/include, which is searched for
 # every python3 on PATH. Hints: CUDNN_FRONTEND_INCLUDE_DIR (CMake or environment variable), the
 # folder holding cudnn_frontend.h.
+include(${CMAKE_CURRENT_LIST_DIR}/LoomPythonSites.cmake)
+
 function(loom_find_cudnn)
   if(TARGET loom::cudnn_library)
     return()
@@ -10,16 +12,10 @@ function(loom_find_cudnn)
   find_path(LOOM_CUDNN_INCLUDE_DIR cudnn.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
   find_library(LOOM_CUDNN_LIBRARY cudnn HINTS ${CUDAToolkit_LIBRARY_DIR})
   set(_hints ${CUDNN_FRONTEND_INCLUDE_DIR} $ENV{CUDNN_FRONTEND_INCLUDE_DIR})
-  find_program(LOOM_PYTHON3 NAMES python3)
-  if(LOOM_PYTHON3)
-    execute_process(
-      COMMAND ${LOOM_PYTHON3} -c
-              "import site, sysconfig; p = sysconfig.get_paths(); print(';'.join([p['purelib'], p['platlib']] + site.getsitepackages() + [site.getusersitepackages()]))"
-      OUTPUT_VARIABLE _sites OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-    foreach(_s IN LISTS _sites)
-      list(APPEND _hints "${_s}/include")
-    endforeach()
-  endif()
+  loom_python_site_packages(_sites)
+  foreach(_s IN LISTS _sites)
+    list(APPEND _hints "${_s}/include")
+  endforeach()
   find_path(LOOM_CUDNN_FRONTEND_INCLUDE_DIR cudnn_frontend.h HINTS ${_hints})
   if(LOOM_CUDNN_INCLUDE_DIR AND LOOM_CUDNN_LIBRARY AND LOOM_CUDNN_FRONTEND_INCLUDE_DIR)
     add_library(loom::cudnn_library INTERFACE IMPORTED GLOBAL)

@@ -3,21 +3,17 @@
 # include/cusparseLt.h and lib/libcusparseLt.so.0 under <site-packages>/nvidia/cu13 (cu12 wheels:
 # nvidia/cusparselt), searched for every python3 on PATH. Hint: CUSPARSELT_ROOT (CMake or
 # environment variable), the folder holding include/ and lib/.
+include(${CMAKE_CURRENT_LIST_DIR}/LoomPythonSites.cmake)
+
 function(loom_find_cusparselt)
   if(TARGET loom::cusparselt_library)
     return()
   endif()
   set(_roots ${CUSPARSELT_ROOT} $ENV{CUSPARSELT_ROOT})
-  find_program(LOOM_PYTHON3 NAMES python3)
-  if(LOOM_PYTHON3)
-    execute_process(
-      COMMAND ${LOOM_PYTHON3} -c
-              "import site, sysconfig; p = sysconfig.get_paths(); print(';'.join([p['purelib'], p['platlib']] + site.getsitepackages() + [site.getusersitepackages()]))"
-      OUTPUT_VARIABLE _sites OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-    foreach(_s IN LISTS _sites)
-      list(APPEND _roots "${_s}/nvidia/cu13" "${_s}/nvidia/cusparselt")
-    endforeach()
-  endif()
+  loom_python_site_packages(_sites)
+  foreach(_s IN LISTS _sites)
+    list(APPEND _roots "${_s}/nvidia/cu13" "${_s}/nvidia/cusparselt")
+  endforeach()
   set(_inc "")
   set(_lib "")
   foreach(_r IN LISTS _roots)

@@ -21,4 +21,5 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/loom-config-version.cmake
 install(FILES ${PROJECT_BINARY_DIR}/loom-config.cmake ${PROJECT_BINARY_DIR}/loom-config-version.cmake
   ${PROJECT_SOURCE_DIR}/cmake/LoomFindKokkos.cmake ${PROJECT_SOURCE_DIR}/cmake/LoomFindNccl.cmake
   ${PROJECT_SOURCE_DIR}/cmake/LoomFindCudnn.cmake ${PROJECT_SOURCE_DIR}/cmake/LoomFindCusparselt.cmake
+  ${PROJECT_SOURCE_DIR}/cmake/LoomPythonSites.cmake
   DESTINATION ${LOOM_CONFIG_DIR})

@@ -74,3 +74,19 @@ function(loom_add_backend_test name)
     endif()
   endforeach()
 endfunction()
+
+# A test of a path through an NVIDIA library (cuDNN, cuBLAS, cuSPARSE, cuSPARSELt), built by the
+# cuda presets into the custom target GROUP. With a GPU every case is registered; without one
+# (LOOM_CUDA_COMPILE_ONLY) only its [host] cases when HOST_CASES is given, else none. The label
+# holds "cuda", so the cuda presets and .ci/gpu select it.
+function(loom_add_vendor_test name)
+  cmake_parse_arguments(T "HOST_CASES" "SOURCE;LABEL;GROUP" "LINK" ${ARGN})
+  add_executable(${name} ${T_SOURCE})
+  target_link_libraries(${name} PRIVATE loom_test_main_default ${T_LINK})
+  add_dependencies(${T_GROUP} ${name})
+  if(NOT LOOM_CUDA_COMPILE_ONLY)
+    catch_discover_tests(${name} TEST_PREFIX "${name}:" PROPERTIES LABELS "${T_LABEL}")
+  elseif(T_HOST_CASES)
+    catch_discover_tests(${name} TEST_SPEC "[host]" TEST_PREFIX "${name}:" PROPERTIES LABELS "${T_LABEL}")
+  endif()
+endfunction()

@@ -6,6 +6,7 @@
 
 #include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -28,23 +29,13 @@ using loom::test::vector_switch;
 namespace la = loom::attention;
 namespace lt = loom::test;
 
+using loom::test::cast;
+using loom::test::widen;
+
 namespace {
 
 using loom::test::space;
 using loom::test::view_of;
-
-template <class T>
-std::vector<T> cast(const std::vector<double>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-template <class T>
-std::vector<double> widen(const std::vector<T>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
-  return r;
-}
 
 struct inputs {
   std::vector<double> q, k, v, dout;

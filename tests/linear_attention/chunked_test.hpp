@@ -5,6 +5,7 @@
 
 #include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -32,6 +33,9 @@ using loom::test::la::rounded;
 using loom::test::la::scaled_tol;
 using space = loom::backend_traits<loom::test::backend_under_test>::memory_space;
 
+using loom::test::cast;
+using loom::test::widen;
+
 namespace {
 
 template <class T, std::size_t R>
@@ -39,19 +43,6 @@ loom::tensor_view<T, R, space> mk(T* data, const index_t (&e)[R]) {
   std::array<index_t, R> a;
   for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
   return loom::make_view<space>(data, a);
-}
-
-template <class T>
-std::vector<T> cast(const std::vector<double>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-template <class T>
-std::vector<double> widen(const std::vector<T>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
-  return r;
 }
 
 // The problem's documents as int64 offsets, or as an int32 copy (FlashAttention's convention), in

@@ -7,6 +7,7 @@
 #include <loom/linear_attention/cublas.cuh>
 
 #include <support/backends.hpp>
+#include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/tolerance.hpp>
 
@@ -26,20 +27,10 @@ using loom::test::buffer;
 using loom::test::la::gating;
 using loom::test::la::problem;
 
-namespace {
+using loom::test::cast;
+using loom::test::widen;
 
-template <class T>
-std::vector<T> cast(const std::vector<double>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-template <class T>
-std::vector<double> widen(const std::vector<T>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
-  return r;
-}
+namespace {
 
 template <class T, std::size_t R>
 loom::tensor_view<T, R, cuda_memory> dv(T* p, const std::array<index_t, R>& e) {

@@ -8,6 +8,7 @@
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/detail/gemm_engine.hpp>
 
+#include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -28,20 +29,10 @@ using loom::index_t;
 using loom::test::la::gating;
 using loom::test::la::problem;
 
-namespace {
+using loom::test::cast;
+using loom::test::widen;
 
-template <class T>
-std::vector<T> cast(const std::vector<double>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-template <class T>
-std::vector<double> widen(const std::vector<T>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
-  return r;
-}
+namespace {
 
 struct outputs {
   std::vector<double> o, fin;

@@ -8,6 +8,7 @@
 #include <loom/linear_attention/chunked.hpp>
 
 #include <support/backends.hpp>
+#include <support/convert.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
 
@@ -40,6 +41,9 @@ using loom::test::la::rounded;
 using loom::test::la::rounded_to;
 using space = loom::test::space;
 
+using loom::test::cast;
+using loom::test::widen;
+
 namespace {
 
 template <class T, std::size_t R>
@@ -47,20 +51,6 @@ loom::tensor_view<T, R, space> mk(T* data, const index_t (&e)[R]) {
   std::array<index_t, R> a;
   for (std::size_t i = 0; i < R; ++i) a[i] = e[i];
   return loom::make_view<space>(data, a);
-}
-
-template <class T>
-std::vector<T> cast(const std::vector<double>& x) {
-  std::vector<T> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<T>(x[i]);
-  return r;
-}
-// Exact and one to one (also for -0 and the infinities), so equal bits stay equal.
-template <class T>
-std::vector<double> widen(const std::vector<T>& x) {
-  std::vector<double> r(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) r[i] = static_cast<double>(x[i]);
-  return r;
 }
 
 //! Forward and backward through the plan form, the schedule set by hand.

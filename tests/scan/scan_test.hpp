@@ -7,6 +7,7 @@
 
 #include <support/allocations.hpp>
 #include <support/backends.hpp>
+#include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -297,19 +298,6 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
 
 namespace {
 
-template <class T>
-std::vector<T> cast_vec(const std::vector<double>& v) {
-  std::vector<T> r(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) r[i] = static_cast<T>(v[i]);
-  return r;
-}
-template <class T>
-std::vector<double> to_double(const std::vector<T>& v) {
-  std::vector<double> r(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) r[i] = static_cast<double>(v[i]);
-  return r;
-}
-
 // Random transitions whose full matrices have norm below 1 (the recurrence is stable), so errors
 // do not grow with T and one tolerance fits every length.
 std::vector<double> random_transitions(lt::shape s, index_t n, index_t d, std::uint64_t stream) {
@@ -335,8 +323,8 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence(
     bool int32_offsets = false, bool reproducible = true) {
   const index_t n = c.n, d = c.d;
   const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
-  buffer<T> ab(cast_vec<T>(a)), bb(cast_vec<T>(bv)), hb(static_cast<std::size_t>(n * d)), ib(cast_vec<T>(init)),
-      fb(std::vector<T>(static_cast<std::size_t>(segs * d), T(-7.0f)));
+  buffer<T> ab(loom::test::cast<T>(a)), bb(loom::test::cast<T>(bv)), hb(static_cast<std::size_t>(n * d)),
+      ib(loom::test::cast<T>(init)), fb(std::vector<T>(static_cast<std::size_t>(segs * d), T(-7.0f)));
   buffer<index_t> ob(offsets);
   auto av = [&] {
     if constexpr (St::a_rank == 1)
@@ -361,7 +349,7 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence(
   else
     ls::linear_recurrence_adjoint(b, St{}, av, view_of<const T, 2>(bb, {n, d}), view_of<T, 2>(hb, {n, d}), docs,
                                   ls::adjoint_states<T, space>{initv, finv}, opt);
-  return {to_double(hb.to_host()), to_double(fb.to_host())};
+  return {loom::test::widen(hb.to_host()), loom::test::widen(fb.to_host())};
 }
 
 template <class St>
@@ -732,7 +720,7 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence_in_place(
     const std::vector<index_t>& offsets, const std::vector<double>& init, index_t block) {
   const index_t n = c.n, d = c.d;
   const index_t segs = offsets.empty() ? 1 : static_cast<index_t>(offsets.size()) - 1;
-  buffer<T> ab(cast_vec<T>(a)), io(cast_vec<T>(bv)), ib(cast_vec<T>(init)),
+  buffer<T> ab(loom::test::cast<T>(a)), io(loom::test::cast<T>(bv)), ib(loom::test::cast<T>(init)),
       fb(std::vector<T>(static_cast<std::size_t>(segs * d), T(-7.0f)));
   buffer<index_t> ob(offsets);
   auto av = [&] {  // scalar or diagonal transitions
@@ -747,7 +735,7 @@ std::pair<std::vector<double>, std::vector<double>> run_recurrence_in_place(
   const auto hv = view_of<T, 2>(io, {n, d});
   ls::linear_recurrence(b, St{}, av, loom::tensor_view<const T, 2, space>(hv), hv, docs_of(ob, offsets.size()),
                         ls::states<T, space>{initv, view_of<T, 2>(fb, {segs, d})}, opt);
-  return {to_double(io.to_host()), to_double(fb.to_host())};
+  return {loom::test::widen(io.to_host()), loom::test::widen(fb.to_host())};
 }
 
 }  // namespace
@@ -926,7 +914,7 @@ TEST_CASE(
                                 : lt::forward_oracle(lt::shape::block2, n, d, a, bv, offsets, init);
     for (std::size_t i = 0; i < oracle.h.size(); ++i) REQUIRE(std::abs(want64.first[i] - oracle.h[i]) < 1e-4);
   }
-  buffer<float> ab(cast_vec<float>(a)), bb(cast_vec<float>(bv)), ib(cast_vec<float>(init));
+  buffer<float> ab(loom::test::cast<float>(a)), bb(loom::test::cast<float>(bv)), ib(loom::test::cast<float>(init));
   buffer<std::int32_t> ob(narrowed(offsets));
   const auto docs = docs_of(ob, offsets.size());
   const auto av = view_of<const float, 4>(ab, {n, d / 2, 2, 2});
@@ -943,8 +931,8 @@ TEST_CASE(
     });
     CHECK(count.heap == 0);
     CHECK(count.temporaries == 0);
-    REQUIRE(to_double(hb.to_host()) == fresh.first);
-    REQUIRE(to_double(fb.to_host()) == fresh.second);
+    REQUIRE(loom::test::widen(hb.to_host()) == fresh.first);
+    REQUIRE(loom::test::widen(fb.to_host()) == fresh.second);
   }
   if constexpr (space::host_accessible) {
     std::vector<float> got[2];
@@ -958,8 +946,8 @@ TEST_CASE(
         got[k] = h;
       });
     for (auto& th : t) th.join();
-    REQUIRE(to_double(got[0]) == fresh.first);
-    REQUIRE(to_double(got[1]) == fresh.first);
+    REQUIRE(loom::test::widen(got[0]) == fresh.first);
+    REQUIRE(loom::test::widen(got[1]) == fresh.first);
   }
   // Too small and misaligned workspaces, and views that do not fit the plan.
   require_loom_error(
@@ -986,6 +974,6 @@ TEST_CASE(
   const workspace ws64(p64.workspace_bytes());
   ls::linear_recurrence(b, p64, av, xv, view_of<float, 2>(hb, {n, d}), ls::states<float, space>{iv, {}}, ws64.span());
   const auto oracle = lt::forward_oracle(lt::shape::block2, n, d, a, bv, offsets, init);
-  const auto h64 = to_double(hb.to_host());
+  const auto h64 = loom::test::widen(hb.to_host());
   for (std::size_t i = 0; i < oracle.h.size(); ++i) REQUIRE(std::abs(h64[i] - oracle.h[i]) < 1e-5);
 }

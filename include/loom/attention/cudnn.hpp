@@ -50,6 +50,7 @@
 #include <loom/attention/local.hpp>
 #include <loom/backend/copy.hpp>
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/float16.hpp>
 #include <loom/core/precision.hpp>
@@ -408,7 +409,7 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
   detail::state& st = *p.st_;
   const auto groups = attention::detail::batches_of(blocks);
   if (groups.empty()) return p;  // no tokens: nothing to run
-  LOOM_CUDA_TRY(cudaGetDevice(&st.device));
+  st.device = loom::detail::current_cuda_device();
   detail::check_cudnn(cudnnCreate(&st.handle), call, "cudnnCreate");
   // Every batch's tables in one device buffer, each batch's on a 256-byte boundary.
   std::vector<std::int64_t> host;
@@ -500,10 +501,7 @@ void* address(const V& v) {
 //! The device current at the call must be the plan's (its handle, tables and graphs live there).
 inline void check_device(const state& st, std::string_view call) {
   if (st.handle == nullptr) return;  // a plan of no tokens runs nothing
-  int current = -1;
-  LOOM_CUDA_TRY(cudaGetDevice(&current));
-  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
-               ") is not the one the plan was made on (", st.device, ")");
+  loom::detail::check_plan_device(st.device, call);
 }
 
 //! Executes every batch's graph of `pass` on b.stream with the call's views (uid, pointer).

@@ -35,6 +35,7 @@
 //! What has run on a GPU: docs/gpu.md.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/float16.hpp>
@@ -58,21 +59,10 @@ namespace detail {
 
 using linear_attention::detail::gemm_op;
 
-template <class T>
-constexpr cudaDataType data_type() {
-  if constexpr (std::is_same_v<T, float>)
-    return CUDA_R_32F;
-  else if constexpr (std::is_same_v<T, double>)
-    return CUDA_R_64F;
-  else if constexpr (std::is_same_v<T, loom::bfloat16>)
-    return CUDA_R_16BF;
-  else
-    return CUDA_R_16F;
-}
+using loom::detail::cuda_data_type;
 
 template <class S>
-inline constexpr bool storable = std::is_same_v<S, float> || std::is_same_v<S, double> ||
-                                 std::is_same_v<S, loom::bfloat16> || std::is_same_v<S, loom::half>;
+inline constexpr bool storable = loom::detail::cuda_library_type<S>;
 
 inline void check_cublas(cublasStatus_t s, std::string_view call, std::string_view what) {
   if (s == CUBLAS_STATUS_SUCCESS) return;
@@ -95,9 +85,9 @@ struct cublas_gemm {
     const cublasComputeType_t compute = std::is_same_v<TC, double> ? CUBLAS_COMPUTE_64F : CUBLAS_COMPUTE_32F;
     check_cublas(
         cublasGemmStridedBatchedEx(handle, op(tb), op(ta), static_cast<int>(n), static_cast<int>(m),
-                                   static_cast<int>(k), &alpha, b, data_type<TS>(), static_cast<int>(ldb),
-                                   static_cast<long long>(sb), a, data_type<TS>(), static_cast<int>(lda),
-                                   static_cast<long long>(sa), &beta, c, data_type<TC>(), static_cast<int>(ldc),
+                                   static_cast<int>(k), &alpha, b, cuda_data_type<TS>(), static_cast<int>(ldb),
+                                   static_cast<long long>(sb), a, cuda_data_type<TS>(), static_cast<int>(lda),
+                                   static_cast<long long>(sa), &beta, c, cuda_data_type<TC>(), static_cast<int>(ldc),
                                    static_cast<long long>(sc), static_cast<int>(batch), compute, CUBLAS_GEMM_DEFAULT),
         call, "cublasGemmStridedBatchedEx");
   }
@@ -165,7 +155,7 @@ plan<P> make_plan(const loom::cuda& b, const segments<D>& docs, const shape& sh,
                " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
   p.layout_ = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(p.base_);
   p.st_ = std::make_shared<detail::state>();
-  LOOM_CUDA_TRY(cudaGetDevice(&p.st_->device));
+  p.st_->device = loom::detail::current_cuda_device();
   detail::check_cublas(cublasCreate(&p.st_->handle), call, "cublasCreate");
   return p;
 }
@@ -180,10 +170,7 @@ void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const 
              tensor_view<typename P::accum_type, 4, cuda_memory> final_state, std::span<std::byte> workspace) {
   constexpr std::string_view call = "linear_attention::cublas::forward";
   detail::state& st = p.device_state(call);
-  int current = -1;
-  LOOM_CUDA_TRY(cudaGetDevice(&current));
-  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
-               ") is not the one the plan was made on (", st.device, ")");
+  loom::detail::check_plan_device(st.device, call);
   std::lock_guard lock(st.enqueue);
   detail::check_cublas(cublasSetStream(st.handle, b.stream), call, "cublasSetStream");
   linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle, call}, p.base(), p.layout(), gating, x, o,

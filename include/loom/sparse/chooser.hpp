@@ -161,6 +161,37 @@ format_choice measure_formats(const B& b, const csr<T>& a_csr, const bitmap<T>& 
   return {tb < tc ? format::bitmap : format::csr, tc, tb};
 }
 
+namespace detail {
+//! Answers measured once per key and kept for later calls: get(key, measure) looks the key up, or
+//! runs measure() (outside the lock, so other keys are not held up) and keeps its answer.
+//! Thread-safe.
+template <class Key, class Value>
+class measured_cache {
+ public:
+  template <class Measure>
+  Value get(const Key& k, Measure&& measure) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      if (const auto it = known_.find(k); it != known_.end()) return it->second;
+    }
+    const Value v = measure();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    ++measured_;
+    return known_.emplace(k, v).first->second;
+  }
+  //! How many keys were measured (not looked up) so far.
+  std::size_t measured() const {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    return measured_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<Key, Value> known_;
+  std::size_t measured_ = 0;
+};
+}  // namespace detail
+
 //! measure_formats once per (backend type and thread count, M, K, N, density to 1 %), its answers
 //! kept for later calls: the first product of a shape measures, the others look up. Thread-safe.
 class format_chooser {
@@ -175,28 +206,16 @@ class format_chooser {
     const int density = cells > 0 ? static_cast<int>(std::lround(100.0 * static_cast<double>(a_csr.nnz()) / cells)) : 0;
     int threads = 0;
     if constexpr (requires { b.threads; }) threads = static_cast<int>(b.threads);
-    const key kk{typeid(B).hash_code(), threads, m, k, n, density};
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      if (const auto it = known_.find(kk); it != known_.end()) return it->second;
-    }
-    const auto c = measure_formats(b, a_csr, a_bitmap, n, opt);  // measured outside the lock
-    const std::lock_guard<std::mutex> lock(mutex_);
-    ++measured_;
-    return known_.emplace(kk, c).first->second;
+    return cache_.get(key{typeid(B).hash_code(), threads, m, k, n, density},
+                      [&] { return measure_formats(b, a_csr, a_bitmap, n, opt); });
   }
 
   //! How many shapes were measured (not looked up) so far.
-  std::size_t measured() const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return measured_;
-  }
+  std::size_t measured() const { return cache_.measured(); }
 
  private:
   using key = std::tuple<std::size_t, int, index_t, index_t, index_t, int>;
-  mutable std::mutex mutex_;
-  std::map<key, format_choice> known_;
-  std::size_t measured_ = 0;
+  detail::measured_cache<key, format_choice> cache_;
 };
 
 }  // namespace loom::sparse

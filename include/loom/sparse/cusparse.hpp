@@ -33,6 +33,7 @@
 //! oracle; see docs/gpu.md for what has run on a GPU.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/float16.hpp>
@@ -73,8 +74,7 @@ struct options {
 namespace detail {
 
 template <class T>
-inline constexpr bool storable = std::is_same_v<T, float> || std::is_same_v<T, double> ||
-                                 std::is_same_v<T, loom::bfloat16> || std::is_same_v<T, loom::half>;
+inline constexpr bool storable = loom::detail::cuda_library_type<T>;
 
 //! The (A and B, C) element types cuSPARSE's SpMM takes: uniform, or 16-bit inputs with float C.
 template <class T, class TC>
@@ -82,17 +82,7 @@ inline constexpr bool supported_pair = storable<T> && (std::is_same_v<T, TC> || 
                                                                                  (std::is_same_v<T, loom::bfloat16> ||
                                                                                   std::is_same_v<T, loom::half>)));
 
-template <class T>
-constexpr cudaDataType data_type() {
-  if constexpr (std::is_same_v<T, float>)
-    return CUDA_R_32F;
-  else if constexpr (std::is_same_v<T, double>)
-    return CUDA_R_64F;
-  else if constexpr (std::is_same_v<T, loom::bfloat16>)
-    return CUDA_R_16BF;
-  else
-    return CUDA_R_16F;
-}
+using loom::detail::cuda_data_type;
 
 //! The accumulation type: double for double, float otherwise.
 template <class T>
@@ -213,29 +203,29 @@ struct plan_access {
     p.nnz_ = host.back();
     LOOM_EXPECTS(p.nnz_ == 0 || (a.col_idx != nullptr && a.values != nullptr), errc::invalid_argument, call,
                  ": A holds ", p.nnz_, " entries but A.col_idx or A.values is null");
-    LOOM_CUDA_TRY(cudaGetDevice(&st.device));
+    st.device = loom::detail::current_cuda_device();
     LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&st.offsets), narrow.size() * sizeof(std::int32_t)));
     LOOM_CUDA_TRY(cudaMemcpy(st.offsets, narrow.data(), narrow.size() * sizeof(std::int32_t), cudaMemcpyHostToDevice));
     check_cusparse(cusparseCreate(&st.handle), call, "cusparseCreate");
     check_cusparse(cusparseCreateCsr(&st.a, a.rows, a.cols, p.nnz_, st.offsets, const_cast<std::int32_t*>(a.col_idx),
                                      const_cast<T*>(a.values), CUSPARSE_INDEX_32I, CUSPARSE_INDEX_32I,
-                                     CUSPARSE_INDEX_BASE_ZERO, data_type<T>()),
+                                     CUSPARSE_INDEX_BASE_ZERO, cuda_data_type<T>()),
                    call, "cusparseCreateCsr");
     // B and C get their pointers at each call; until then they point at the plan's offsets (device
     // memory cuSPARSE only sizes against here, never reads).
     const bool rm = opt.order == order::row_major;
     const cusparseOrder_t ord = rm ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL;
     const index_t ldb = rm ? n : std::max<index_t>(a.cols, 1), ldc = rm ? n : a.rows;
-    check_cusparse(cusparseCreateDnMat(&st.b, a.cols, n, ldb, st.offsets, data_type<T>(), ord), call,
+    check_cusparse(cusparseCreateDnMat(&st.b, a.cols, n, ldb, st.offsets, cuda_data_type<T>(), ord), call,
                    "cusparseCreateDnMat (B)");
-    check_cusparse(cusparseCreateDnMat(&st.c, a.rows, n, ldc, st.offsets, data_type<TC>(), ord), call,
+    check_cusparse(cusparseCreateDnMat(&st.c, a.rows, n, ldc, st.offsets, cuda_data_type<TC>(), ord), call,
                    "cusparseCreateDnMat (C)");
     using S = compute_t<T>;
     const S alpha = static_cast<S>(opt.alpha), beta = static_cast<S>(opt.beta);
     std::size_t bytes = 0;
     check_cusparse(
         cusparseSpMM_bufferSize(st.handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE, &alpha,
-                                st.a, st.b, &beta, st.c, data_type<S>(), opt.algorithm, &bytes),
+                                st.a, st.b, &beta, st.c, cuda_data_type<S>(), opt.algorithm, &bytes),
         call, "cusparseSpMM_bufferSize");
     p.bytes_ = bytes;
     return p;
@@ -302,10 +292,7 @@ void spmm(const loom::cuda& b, const plan<T, TC>& p, const csr_view<T, cuda_memo
                ": B and C share memory; cuSPARSE writes C while it reads B");
   check_workspace(workspace, p.workspace_bytes(), call);
   if (st.handle == nullptr) return;  // M == 0 or N == 0
-  int current = -1;
-  LOOM_CUDA_TRY(cudaGetDevice(&current));
-  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
-               ") is not the one the plan was made on (", st.device, ")");
+  loom::detail::check_plan_device(st.device, call);
   using S = detail::compute_t<T>;
   const S alpha = static_cast<S>(p.options().alpha), beta = static_cast<S>(p.options().beta);
   std::lock_guard lock(st.enqueue);
@@ -318,8 +305,8 @@ void spmm(const loom::cuda& b, const plan<T, TC>& p, const csr_view<T, cuda_memo
   detail::check_cusparse(cusparseDnMatSetValues(st.c, static_cast<void*>(c.data())), call,
                          "cusparseDnMatSetValues (C)");
   detail::check_cusparse(cusparseSpMM(st.handle, CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE,
-                                      &alpha, st.a, st.b, &beta, st.c, detail::data_type<S>(), p.options().algorithm,
-                                      workspace.empty() ? nullptr : workspace.data()),
+                                      &alpha, st.a, st.b, &beta, st.c, detail::cuda_data_type<S>(),
+                                      p.options().algorithm, workspace.empty() ? nullptr : workspace.data()),
                          call, "cusparseSpMM");
 }
 

@@ -28,6 +28,7 @@
 //! compares them with the fp64 oracle; see docs/gpu.md for what has run on a GPU.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/float16.hpp>
@@ -65,10 +66,7 @@ namespace detail {
 template <class T>
 inline constexpr bool storable = std::is_same_v<T, loom::bfloat16> || std::is_same_v<T, loom::half>;
 
-template <class T>
-constexpr cudaDataType data_type() {
-  return std::is_same_v<T, loom::bfloat16> ? CUDA_R_16BF : CUDA_R_16F;
-}
+using loom::detail::cuda_data_type;
 
 inline void check_lt(cusparseStatus_t s, std::string_view call, std::string_view what) {
   if (s == CUSPARSE_STATUS_SUCCESS) return;
@@ -176,7 +174,7 @@ struct plan_access {
     p.m_ = a.rows, p.k_ = a.cols, p.n_ = n, p.opt_ = opt;
     p.st_ = std::make_shared<state>();
     state& st = *p.st_;
-    LOOM_CUDA_TRY(cudaGetDevice(&st.device));
+    st.device = loom::detail::current_cuda_device();
     const std::vector<T> dense = expand(a);
     const std::size_t dense_bytes = dense.size() * sizeof(T);
     const device_scratch dev(dense_bytes);
@@ -186,17 +184,18 @@ struct plan_access {
     const bool rm = opt.order == order::row_major;
     const cusparseOrder_t ord = rm ? CUSPARSE_ORDER_ROW : CUSPARSE_ORDER_COL;
     constexpr std::uint32_t alignment = 16;
-    check_lt(cusparseLtStructuredDescriptorInit(&st.handle, &st.a, a.rows, a.cols, a.cols, alignment, data_type<T>(),
-                                                CUSPARSE_ORDER_ROW, CUSPARSELT_SPARSITY_50_PERCENT),
-             call, "cusparseLtStructuredDescriptorInit (A)");
+    check_lt(
+        cusparseLtStructuredDescriptorInit(&st.handle, &st.a, a.rows, a.cols, a.cols, alignment, cuda_data_type<T>(),
+                                           CUSPARSE_ORDER_ROW, CUSPARSELT_SPARSITY_50_PERCENT),
+        call, "cusparseLtStructuredDescriptorInit (A)");
     st.have_a = true;
-    check_lt(
-        cusparseLtDenseDescriptorInit(&st.handle, &st.b, a.cols, n, rm ? n : a.cols, alignment, data_type<T>(), ord),
-        call, "cusparseLtDenseDescriptorInit (B)");
+    check_lt(cusparseLtDenseDescriptorInit(&st.handle, &st.b, a.cols, n, rm ? n : a.cols, alignment,
+                                           cuda_data_type<T>(), ord),
+             call, "cusparseLtDenseDescriptorInit (B)");
     st.have_b = true;
-    check_lt(
-        cusparseLtDenseDescriptorInit(&st.handle, &st.c, a.rows, n, rm ? n : a.rows, alignment, data_type<T>(), ord),
-        call, "cusparseLtDenseDescriptorInit (C)");
+    check_lt(cusparseLtDenseDescriptorInit(&st.handle, &st.c, a.rows, n, rm ? n : a.rows, alignment,
+                                           cuda_data_type<T>(), ord),
+             call, "cusparseLtDenseDescriptorInit (C)");
     st.have_c = true;
     check_lt(cusparseLtMatmulDescriptorInit(&st.handle, &st.matmul, CUSPARSE_OPERATION_NON_TRANSPOSE,
                                             CUSPARSE_OPERATION_NON_TRANSPOSE, &st.a, &st.b, &st.c, &st.c,
@@ -285,10 +284,7 @@ void spmm(const loom::cuda& b, const plan<T>& p, const BV& bm, const CV& c, std:
   LOOM_EXPECTS(!overlaps(bm, c), errc::invalid_argument, call,
                ": B and C share memory; cuSPARSELt writes C while it reads B");
   check_workspace(workspace, p.workspace_bytes(), call);
-  int current = -1;
-  LOOM_CUDA_TRY(cudaGetDevice(&current));
-  LOOM_EXPECTS(current == st.device, errc::invalid_argument, call, ": the current CUDA device (", current,
-               ") is not the one the plan was made on (", st.device, ")");
+  loom::detail::check_plan_device(st.device, call);
   const float alpha = static_cast<float>(p.options().alpha), beta = static_cast<float>(p.options().beta);
   cudaStream_t stream = b.stream;
   detail::check_lt(cusparseLtMatmul(&st.handle, &st.plan, &alpha, st.compressed, bm.data(), &beta, c.data(), c.data(),

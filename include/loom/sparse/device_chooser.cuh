@@ -18,6 +18,7 @@
 //! later picks of the same shape do neither.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
 #include <loom/core/float16.hpp>
@@ -28,8 +29,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cublas_v2.h>
-#include <map>
-#include <mutex>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -60,16 +59,6 @@ inline device_path fastest(double dense, double csr, double bitmap) {
 inline int density_percent(index_t nnz, index_t m, index_t k) {
   const double cells = static_cast<double>(m) * static_cast<double>(k);
   return cells > 0 ? static_cast<int>(std::lround(100.0 * static_cast<double>(nnz) / cells)) : 0;
-}
-
-template <class T>
-constexpr cudaDataType cublas_type() {
-  if constexpr (std::is_same_v<T, float>)
-    return CUDA_R_32F;
-  else if constexpr (std::is_same_v<T, loom::bfloat16>)
-    return CUDA_R_16BF;
-  else
-    return CUDA_R_16F;
 }
 
 //! The best of `reps` timed calls of f (after one untimed) on b.stream, in seconds.
@@ -130,10 +119,11 @@ device_choice measure_device_paths(const loom::cuda& b, const csr_view<T, cuda_m
   const float one = 1, zero = 0;
   // Row-major C (M x n) = A (M x K) B (K x n) is column-major C^T = B^T A^T.
   const double t_dense = detail::best_seconds(b, opt.repetitions, [&] {
-    const cublasStatus_t s = cublasGemmEx(
-        h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one, bm.data(),
-        detail::cublas_type<T>(), static_cast<int>(n), dense.data(), detail::cublas_type<T>(), static_cast<int>(k),
-        &zero, c.data(), detail::cublas_type<T>(), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    const cublasStatus_t s =
+        cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
+                     bm.data(), loom::detail::cuda_data_type<T>(), static_cast<int>(n), dense.data(),
+                     loom::detail::cuda_data_type<T>(), static_cast<int>(k), &zero, c.data(),
+                     loom::detail::cuda_data_type<T>(), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     LOOM_EXPECTS(s == CUBLAS_STATUS_SUCCESS, errc::internal, call, ": cublasGemmEx failed (status ",
                  static_cast<int>(s), ")");
   });
@@ -160,31 +150,21 @@ class device_chooser {
   device_choice pick(const loom::cuda& b, const csr_view<T, cuda_memory>& a_csr,
                      const bitmap_view<T, cuda_memory>& a_bitmap, index_t nnz, index_t n,
                      const measure_options& opt = {}) {
-    int device = 0;
-    LOOM_CUDA_TRY(cudaGetDevice(&device));
-    const key kk{
-        device, typeid(T).hash_code(), a_csr.rows, a_csr.cols, n, detail::density_percent(nnz, a_csr.rows, a_csr.cols)};
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      if (const auto it = known_.find(kk); it != known_.end()) return it->second;
-    }
-    const auto c = measure_device_paths(b, a_csr, a_bitmap, n, opt);  // measured outside the lock
-    const std::lock_guard<std::mutex> lock(mutex_);
-    ++measured_;
-    return known_.emplace(kk, c).first->second;
+    const key kk{loom::detail::current_cuda_device(),
+                 typeid(T).hash_code(),
+                 a_csr.rows,
+                 a_csr.cols,
+                 n,
+                 detail::density_percent(nnz, a_csr.rows, a_csr.cols)};
+    return cache_.get(kk, [&] { return measure_device_paths(b, a_csr, a_bitmap, n, opt); });
   }
 
   //! How many shapes were measured (not looked up) so far.
-  std::size_t measured() const {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return measured_;
-  }
+  std::size_t measured() const { return cache_.measured(); }
 
  private:
   using key = std::tuple<int, std::size_t, index_t, index_t, index_t, int>;
-  mutable std::mutex mutex_;
-  std::map<key, device_choice> known_;
-  std::size_t measured_ = 0;
+  detail::measured_cache<key, device_choice> cache_;
 };
 
 }  // namespace loom::sparse
