@@ -8,6 +8,7 @@
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/detail/gemm_engine.hpp>
 
+#include <support/allocations.hpp>
 #include <support/convert.hpp>
 #include <support/errors.hpp>
 #include <support/random.hpp>
@@ -186,4 +187,34 @@ TEST_CASE("linear attention as batched products: the workspace check", "[linear_
                                  "linear_attention::cublas::forward");
       },
       loom::errc::shape_mismatch, {"o"});
+}
+
+TEST_CASE("linear attention as batched products: the plan-taking call allocates nothing, and a plan serves many calls",
+          "[linear_attention][gemm_engine]") {
+  const problem p = loom::test::la::make_problem(131, 3, 8, 5, gating::scalar, {0, 40, 41, 131}, true, 11);
+  const auto q = cast<float>(p.q), k = cast<float>(p.k), v = cast<float>(p.v), lg = cast<float>(p.lg),
+             init = cast<float>(p.init);
+  const index_t T = p.T, H = p.H, docs = p.docs();
+  la::operands<loom::fp32> x{loom::tensor_view<const float, 3>(q.data(), {T, H, p.dk}),
+                             loom::tensor_view<const float, 3>(k.data(), {T, H, p.dk}),
+                             loom::tensor_view<const float, 3>(v.data(), {T, H, p.dv})};
+  x.initial_state = loom::tensor_view<const float, 4>(init.data(), {docs, H, p.dk, p.dv});
+  const la::scalar_gate<float> gate{loom::tensor_view<const float, 2>(lg.data(), {T, H})};
+  const loom::openmp b{.threads = 2};
+  const auto pl = la::make_plan(b, loom::segments<>{std::span<const index_t>(p.cu)}, {T, H, p.dk, p.dv},
+                                {.chunk = 16, .scale = p.scale});
+  const auto gl = la::detail::make_gemm_layout<float, float>(pl);
+  loom::workspace_buffer ws(gl.bytes);
+  std::vector<float> first(static_cast<std::size_t>(T * H * p.dv)), o(first.size()),
+      fin(static_cast<std::size_t>(docs * H * p.dk * p.dv));
+  auto call = [&](std::vector<float>& out) {
+    la::detail::gemm_forward(b, la::detail::host_gemm{}, pl, gl, gate, x,
+                             loom::tensor_view<float, 3>(out.data(), {T, H, p.dv}),
+                             loom::tensor_view<float, 4>(fin.data(), {docs, H, p.dk, p.dv}), ws.span(), "test");
+  };
+  call(first);
+  const auto counted = loom::test::count_allocations([&] { call(o); });
+  CHECK(counted.heap == 0);
+  CHECK(counted.temporaries == 0);
+  REQUIRE(std::memcmp(first.data(), o.data(), first.size() * sizeof(float)) == 0);  // the same bits again
 }
