@@ -39,23 +39,16 @@ struct block_affine_pair {
   T b[W];
 };
 
-//! The composition of block steps: first, then second (x -> a2 (a1 x + b1) + b2), each sum over
-//! the inner index in ascending order.
+//! The composition of block steps: first, then second (x -> a2 (a1 x + b1) + b2), through
+//! block_diagonal<W>'s own products (each sum over the inner index in ascending order).
 template <class T, int W>
 struct block_affine {
   using value_type = block_affine_pair<T, W>;
   LOOM_HD value_type combine(const value_type& first, const value_type& second) const {
     value_type r;
-    for (int i = 0; i < W; ++i) {
-      for (int j = 0; j < W; ++j) {
-        T s = T(0);
-        for (int l = 0; l < W; ++l) s += second.a[i * W + l] * first.a[l * W + j];
-        r.a[i * W + j] = s;
-      }
-      T s = T(0);
-      for (int l = 0; l < W; ++l) s += second.a[i * W + l] * first.b[l];
-      r.b[i] = s + second.b[i];
-    }
+    block_diagonal<W>::matmat(second.a, false, W, first.a, r.a);
+    block_diagonal<W>::matvec(second.a, false, W, first.b, r.b);
+    for (int i = 0; i < W; ++i) r.b[i] += second.b[i];
     return r;
   }
 };
@@ -147,25 +140,21 @@ struct affine_map {
       for (int l = 0; l < width; ++l) x.a[i * width + l] = head ? accum_type(0) : a_block(arow, c, i, l, k.adjoint);
     if (head && k.init != nullptr) {
       const index_t s = hs < 0 ? 0 : k.hd.segment(hs);
-      accum_type x0[width];
+      accum_type x0[width], ax0[width] = {};
       for (int i = 0; i < width; ++i) x0[i] = static_cast<accum_type>(k.init[s * k.init_stride + e0 + i]);
-      for (int i = 0; i < width; ++i) {
-        if (k.adjoint) {
-          x.b[i] += x0[i];
-        } else {
-          accum_type sum = accum_type(0);
-          for (int l = 0; l < width; ++l) sum += a_block(t, c, i, l, false) * x0[l];
-          x.b[i] += sum;
-        }
-      }
+      if (!k.adjoint) block_diagonal<width>::matvec(block_of(t, c), false, width, x0, ax0);
+      for (int i = 0; i < width; ++i) x.b[i] += k.adjoint ? x0[i] : ax0[i];
     }
     return x;
   }
+  //! Block c of A_row (row-major width x width, in A's storage type).
+  LOOM_HD auto block_of(index_t row, index_t c) const { return k.a + row * k.a_stride + c * width * width; }
   //! Entry (i, l) of block c of A_row, or of its transpose.
   LOOM_HD accum_type a_block(index_t row, index_t c, int i, int l, bool transposed) const {
-    const index_t at = row * k.a_stride + c * width * width;
-    return static_cast<accum_type>(transposed ? k.a[at + l * width + i] : k.a[at + i * width + l]);
+    const auto ab = block_of(row, c);
+    return static_cast<accum_type>(transposed ? ab[l * width + i] : ab[i * width + l]);
   }
+
   LOOM_HD void store(index_t j, const value_type& x) const {
     const index_t c = channel(j), t = k.row(position(j));
     using TH = std::remove_pointer_t<decltype(k.h)>;
@@ -196,12 +185,11 @@ struct affine_finals_step {
       using Acc = typename K::agg_type;
       if constexpr (affine_map<K, St>::width > 1) {  // element c of A_first^T lambda_first
         constexpr int W = affine_map<K, St>::width;
-        const index_t blk = c / W, r = c % W;
-        Acc sum = Acc(0);
-        for (int l = 0; l < W; ++l)
-          sum += m.a_block(first, blk, static_cast<int>(r), l, true) *
-                 static_cast<Acc>(k.h[first * k.h_stride + blk * W + l]);
-        k.fin[s * k.fin_stride + c] = static_cast<TH>(sum);
+        const index_t blk = c / W;
+        Acc lambda[W], out[W];
+        for (int l = 0; l < W; ++l) lambda[l] = static_cast<Acc>(k.h[first * k.h_stride + blk * W + l]);
+        block_diagonal<W>::matvec(m.block_of(first, blk), true, W, lambda, out);
+        k.fin[s * k.fin_stride + c] = static_cast<TH>(out[c % W]);
       } else {
         const auto lambda = static_cast<Acc>(k.h[first * k.h_stride + c]);
         k.fin[s * k.fin_stride + c] = static_cast<TH>(m.a_at(first, c) * lambda);
