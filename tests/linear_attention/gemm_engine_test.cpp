@@ -71,15 +71,6 @@ outputs run_engine(const B& b, const problem& p, index_t chunk) {
   return {widen(o), widen(fin)};
 }
 
-// Products read storage-type operands (S0 and the masked scores rounded to it): bfloat16 gets
-// twice the tiled kernels' tolerance.
-template <class P>
-loom::test::tolerance engine_tol(const std::vector<double>& want) {
-  auto tol = loom::test::la::scaled_tol<P>(want);
-  if constexpr (std::is_same_v<typename P::storage_type, loom::bfloat16>) tol.abs *= 2, tol.rel *= 2;
-  return tol;
-}
-
 template <class P>
 void check_engine(const problem& p0, index_t chunk, const std::string& what) {
   const problem p = loom::test::la::rounded<P>(p0);
@@ -88,8 +79,8 @@ void check_engine(const problem& p0, index_t chunk, const std::string& what) {
     const auto got =
         backend == 0 ? run_engine<P>(loom::serial{}, p, chunk) : run_engine<P>(loom::openmp{.threads = 2}, p, chunk);
     const std::string w = what + (backend == 0 ? " serial" : " openmp");
-    loom::test::require_close(got.o, want.o, engine_tol<P>(want.o), w + " o");
-    loom::test::require_close(got.fin, want.fin, engine_tol<P>(want.fin), w + " final state");
+    loom::test::require_close(got.o, want.o, loom::test::la::scaled_tol<P>(want.o), w + " o");
+    loom::test::require_close(got.fin, want.fin, loom::test::la::scaled_tol<P>(want.fin), w + " final state");
   }
 }
 
