@@ -180,18 +180,26 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
   auto c0 = random_values<TC>(static_cast<std::size_t>(m * n), stream + 2);
   if (beta == 0)
     for (auto& x : c0) x = TC(std::numeric_limits<float>::quiet_NaN());  // not read when beta == 0
-  std::vector<double> want(c0.size());
+  // want: alpha A B + beta C0; mag: |alpha| |A| |B| + |beta| |C0|, what the sums' rounding scales with
+  std::vector<double> want(c0.size()), mag(c0.size());
   for (index_t i = 0; i < m; ++i)
     for (index_t j = 0; j < n; ++j) {
-      double s = 0;
-      for (index_t l = 0; l < k; ++l)
-        s += w.dense[static_cast<std::size_t>(i * k + l)] *
-             static_cast<double>(static_cast<float>(bh[at(l, j, k, n, o)]));
+      double s = 0, sa = 0;
+      for (index_t l = 0; l < k; ++l) {
+        const double x = w.dense[static_cast<std::size_t>(i * k + l)] *
+                         static_cast<double>(static_cast<float>(bh[at(l, j, k, n, o)]));
+        s += x, sa += std::abs(x);
+      }
       const double c = beta == 0 ? 0.0 : static_cast<double>(static_cast<float>(c0[at(i, j, m, n, o)]));
       want[at(i, j, m, n, o)] = alpha * s + beta * c;
+      mag[at(i, j, m, n, o)] = std::abs(alpha) * sa + std::abs(beta * c);
     }
-  const double eps = std::is_same_v<T, double> ? 1e-13 : std::is_same_v<T, float> ? 1e-5 : 1e-2;
-  const double out_eps = std::is_same_v<TC, double> ? 0 : std::is_same_v<TC, float> ? 1e-6 : 8e-3;
+  // Twice the unit roundoff: of the accumulation, per term of the k-term sums, and of C's storage.
+  const double acc_eps = static_cast<double>(k + 2) * (std::is_same_v<T, double> ? 0x1p-52 : 0x1p-23);
+  const double out_eps = std::is_same_v<TC, double>       ? 0
+                         : std::is_same_v<TC, float>      ? 0x1p-23
+                         : std::is_same_v<TC, loom::half> ? 0x1p-10
+                                                          : 0x1p-7;
   const test::buffer<T> bd(bh);
   const loom::cuda b{};
   for (int form = 0; form < 2; ++form) {
@@ -209,14 +217,15 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
     }
     const auto got = cd.to_host();
     for (std::size_t i = 0; i < got.size(); ++i) {
-      double expect = want[i];
+      double expect = want[i], tol = acc_eps * mag[i] + out_eps * std::abs(want[i]);
       if (form == 0 && beta != 0) {  // the second call: alpha A B + beta (alpha A B + beta C0)
-        const double first = want[i];
-        expect = (first - beta * static_cast<double>(static_cast<float>(c0[i]))) + beta * first;
+        const double first = want[i], ab = first - beta * static_cast<double>(static_cast<float>(c0[i]));
+        expect = ab + beta * first;
+        tol = acc_eps * (mag[i] + std::abs(beta) * mag[i]) +
+              out_eps * (std::abs(expect) + 2 * std::abs(beta * first));  // C rounded after each call
       }
-      double scale = std::abs(alpha) * static_cast<double>(k) + std::abs(expect) + std::abs(beta) * 4;
       const double got_i = static_cast<double>(static_cast<float>(got[i]));
-      if (!(std::abs(got_i - expect) <= eps * scale + out_eps * std::abs(expect) + 1e-30)) {
+      if (!(std::abs(got_i - expect) <= tol + 1e-30)) {
         FAIL_CHECK("form " << form << " element " << i << ": got " << got_i << ", want " << expect);
         return;
       }

@@ -96,14 +96,19 @@ void check_product(index_t m, index_t k, index_t n, sparse::order o, double alph
   auto at = [&](index_t i, index_t j, index_t rows, index_t cols) {
     return static_cast<std::size_t>(rm ? i * cols + j : j * rows + i);
   };
-  std::vector<double> want(c0.size());
+  // want: alpha A B + beta C0; mag: |alpha| |A| |B| + |beta| |C0|, what the sums' rounding scales with
+  std::vector<double> want(c0.size()), mag(c0.size());
   for (index_t i = 0; i < m; ++i)
     for (index_t j = 0; j < n; ++j) {
-      double s = 0;
-      for (index_t l = 0; l < k; ++l)
-        s += w.dense[static_cast<std::size_t>(i * k + l)] * static_cast<double>(static_cast<float>(bh[at(l, j, k, n)]));
-      want[at(i, j, m, n)] =
-          alpha * s + (beta == 0 ? 0.0 : beta * static_cast<double>(static_cast<float>(c0[at(i, j, m, n)])));
+      double s = 0, sa = 0;
+      for (index_t l = 0; l < k; ++l) {
+        const double x =
+            w.dense[static_cast<std::size_t>(i * k + l)] * static_cast<double>(static_cast<float>(bh[at(l, j, k, n)]));
+        s += x, sa += std::abs(x);
+      }
+      const double c = beta == 0 ? 0.0 : beta * static_cast<double>(static_cast<float>(c0[at(i, j, m, n)]));
+      want[at(i, j, m, n)] = alpha * s + c;
+      mag[at(i, j, m, n)] = std::abs(alpha) * sa + std::abs(c);
     }
   const test::buffer<T> bd(bh), cd(c0);
   auto view = [&](T* p, index_t rows, index_t cols) {
@@ -115,10 +120,12 @@ void check_product(index_t m, index_t k, index_t n, sparse::order o, double alph
   const test::workspace ws(p.workspace_bytes());
   lt::spmm(b, p, tensor_view<const T, 2, cuda_memory>(view(bd.data(), k, n)), view(cd.data(), m, n), ws.span());
   const auto got = cd.to_host();
-  const double eps = std::is_same_v<T, loom::bfloat16> ? 8e-3 : 1e-3;
+  // Twice the unit roundoff: of the float accumulation per term of the k-term sums, and of C's storage.
+  const double acc_eps = static_cast<double>(k + 2) * 0x1p-23;
+  const double out_eps = std::is_same_v<T, loom::bfloat16> ? 0x1p-7 : 0x1p-10;
   for (std::size_t i = 0; i < got.size(); ++i) {
     const double x = static_cast<double>(static_cast<float>(got[i]));
-    if (!(std::abs(x - want[i]) <= eps * (std::abs(alpha) * static_cast<double>(k) / 2 + std::abs(want[i]) + 1))) {
+    if (!(std::abs(x - want[i]) <= acc_eps * mag[i] + out_eps * std::abs(want[i]) + 1e-30)) {
       FAIL_CHECK("element " << i << ": got " << x << ", want " << want[i]);
       return;
     }
