@@ -79,7 +79,7 @@ TEST_CASE("sparse::cusparse: the 32-bit row offsets, and the offsets they refuse
       [&] {
         (void)cs::detail::narrow_offsets({0, 4, 3, 5}, call);
       },
-      errc::invalid_argument, {"test", "non-decreasing", "row_ptr[2] = 3 after 4"});
+      errc::invalid_argument, {"test", "non-decreasing", "A.row_ptr[2] = 3 < A.row_ptr[1] = 4"});
   const index_t big = index_t{1} << 31;
   require_loom_error(
       [&] {

@@ -106,27 +106,17 @@ inline void check_arguments(const sizes& s, const options& opt, std::string_view
   LOOM_EXPECTS(s.m <= int32_max && s.k <= int32_max, errc::unsupported, call,
                ": A's extents must each be below 2^31 (cuSPARSE's 32-bit indices), got ", s.m, " x ", s.k);
   LOOM_EXPECTS(s.n <= int32_max, errc::unsupported, call, ": n must be below 2^31, got ", s.n);
-  LOOM_EXPECTS(opt.order == order::row_major || opt.order == order::col_major, errc::invalid_argument, call,
-               ": options.order must be order::row_major or order::col_major");
-  LOOM_EXPECTS(std::isfinite(opt.alpha) && std::isfinite(opt.beta), errc::invalid_argument, call,
-               ": options.alpha and options.beta must be finite, got ", opt.alpha, " and ", opt.beta);
+  sparse::detail::check_options(opt.alpha, opt.beta, opt.order, call);
 }
 
 //! The 32-bit copy of A's row offsets, from the int64 ones read to the host.
 //! @throws loom::error(invalid_argument) offsets not starting at 0 or decreasing;
 //!   (unsupported) 2^31 entries or more.
 inline std::vector<std::int32_t> narrow_offsets(const std::vector<index_t>& row_ptr, std::string_view call) {
-  LOOM_EXPECTS(!row_ptr.empty() && row_ptr.front() == 0, errc::invalid_argument, call, ": A.row_ptr[0] must be 0, got ",
-               row_ptr.empty() ? index_t{-1} : row_ptr.front());
-  std::vector<std::int32_t> out(row_ptr.size());
-  for (std::size_t r = 0; r < row_ptr.size(); ++r) {
-    LOOM_EXPECTS(r == 0 || row_ptr[r] >= row_ptr[r - 1], errc::invalid_argument, call,
-                 ": A.row_ptr must be non-decreasing, got row_ptr[", r, "] = ", row_ptr[r], " after ", row_ptr[r - 1]);
-    LOOM_EXPECTS(row_ptr[r] <= std::numeric_limits<std::int32_t>::max(), errc::unsupported, call, ": A holds ",
-                 row_ptr.back(), " entries; cuSPARSE's 32-bit CSR takes fewer than 2^31");
-    out[r] = static_cast<std::int32_t>(row_ptr[r]);
-  }
-  return out;
+  sparse::detail::check_row_offsets(row_ptr, call, "A.row_ptr");
+  LOOM_EXPECTS(row_ptr.back() <= std::numeric_limits<std::int32_t>::max(), errc::unsupported, call, ": A holds ",
+               row_ptr.back(), " entries; cuSPARSE's 32-bit CSR takes fewer than 2^31");
+  return std::vector<std::int32_t>(row_ptr.begin(), row_ptr.end());
 }
 
 using sparse::detail::dense_in;
@@ -278,19 +268,7 @@ void spmm(const loom::cuda& b, const plan<T, TC>& p, const csr_view<T, cuda_memo
   LOOM_EXPECTS(a.row_ptr == st.source_offsets, errc::invalid_argument, call,
                ": A.row_ptr is not the one the plan was made from (a plan is bound to A's sparsity pattern; make "
                "a plan per pattern)");
-  LOOM_EXPECTS(bm.extent(0) == p.cols() && bm.extent(1) == p.n(), errc::shape_mismatch, call, ": B must be ", p.cols(),
-               " x ", p.n(), ", got ", bm.extent(0), " x ", bm.extent(1));
-  LOOM_EXPECTS(c.extent(0) == p.rows() && c.extent(1) == p.n(), errc::shape_mismatch, call, ": C must be ", p.rows(),
-               " x ", p.n(), ", got ", c.extent(0), " x ", c.extent(1));
-  const bool rm = p.options().order == order::row_major;
-  LOOM_EXPECTS(detail::dense_in(bm, p.options().order), errc::invalid_argument, call, ": B must be dense and ",
-               rm ? "row-major" : "column-major", " (the plan's order), got strides (", bm.stride(0), ", ",
-               bm.stride(1), ")");
-  LOOM_EXPECTS(detail::dense_in(c, p.options().order), errc::invalid_argument, call, ": C must be dense and ",
-               rm ? "row-major" : "column-major", " (the plan's order), got strides (", c.stride(0), ", ", c.stride(1),
-               ")");
-  LOOM_EXPECTS(!overlaps(bm, c), errc::invalid_argument, call,
-               ": B and C share memory; cuSPARSE writes C while it reads B");
+  sparse::detail::check_dense_operands(bm, c, p.rows(), p.cols(), p.n(), p.options().order, call);
   check_workspace(workspace, p.workspace_bytes(), call);
   if (st.handle == nullptr) return;  // M == 0 or N == 0
   loom::detail::check_plan_device(st.device, call);

@@ -84,10 +84,7 @@ inline void check_arguments(index_t m, index_t k, index_t n, const options& opt,
                ": A's column count must be a multiple of 4 for cuSPARSELt's 2:4 "
                "groups (loom's n_m allows a narrower last group; cuSPARSELt does not), got ",
                k);
-  LOOM_EXPECTS(opt.order == order::row_major || opt.order == order::col_major, errc::invalid_argument, call,
-               ": options.order must be order::row_major or order::col_major");
-  LOOM_EXPECTS(std::isfinite(opt.alpha) && std::isfinite(opt.beta), errc::invalid_argument, call,
-               ": options.alpha and options.beta must be finite, got ", opt.alpha, " and ", opt.beta);
+  sparse::detail::check_options(opt.alpha, opt.beta, opt.order, call);
 }
 
 //! A's dense 2:4 form, row-major M x K (zeros where no slot points).
@@ -268,22 +265,10 @@ void spmm(const loom::cuda& b, const plan<T>& p, const BV& bm, const CV& c, std:
                     !std::is_const_v<typename CV::element_type>,
                 "sparse::cusparselt::spmm: B and C hold the plan's element type; C must be writable");
   detail::state& st = detail::plan_access::state_of(p, call);
-  LOOM_EXPECTS(bm.extent(0) == p.cols() && bm.extent(1) == p.n(), errc::shape_mismatch, call, ": B must be ", p.cols(),
-               " x ", p.n(), ", got ", bm.extent(0), " x ", bm.extent(1));
-  LOOM_EXPECTS(c.extent(0) == p.rows() && c.extent(1) == p.n(), errc::shape_mismatch, call, ": C must be ", p.rows(),
-               " x ", p.n(), ", got ", c.extent(0), " x ", c.extent(1));
-  const bool rm = p.options().order == order::row_major;
-  LOOM_EXPECTS(sparse::detail::dense_in(bm, p.options().order), errc::invalid_argument, call, ": B must be dense and ",
-               rm ? "row-major" : "column-major", " (the plan's order), got strides (", bm.stride(0), ", ",
-               bm.stride(1), ")");
-  LOOM_EXPECTS(sparse::detail::dense_in(c, p.options().order), errc::invalid_argument, call, ": C must be dense and ",
-               rm ? "row-major" : "column-major", " (the plan's order), got strides (", c.stride(0), ", ", c.stride(1),
-               ")");
+  sparse::detail::check_dense_operands(bm, c, p.rows(), p.cols(), p.n(), p.options().order, call);
   LOOM_EXPECTS(
       reinterpret_cast<std::uintptr_t>(bm.data()) % 16 == 0 && reinterpret_cast<std::uintptr_t>(c.data()) % 16 == 0,
       errc::invalid_argument, call, ": B and C must start on 16-byte boundaries (cuSPARSELt's alignment)");
-  LOOM_EXPECTS(!overlaps(bm, c), errc::invalid_argument, call,
-               ": B and C share memory; cuSPARSELt writes C while it reads B");
   check_workspace(workspace, p.workspace_bytes(), call);
   loom::detail::check_plan_device(st.device, call);
   const float alpha = static_cast<float>(p.options().alpha), beta = static_cast<float>(p.options().beta);

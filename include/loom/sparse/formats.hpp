@@ -19,6 +19,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -208,6 +210,18 @@ inline void check_extents(index_t rows, index_t cols, const char* what) {
 }
 }  // namespace detail
 
+namespace detail {
+//! CSR row offsets: offsets[0] == 0 and non-decreasing. `who` and `name` name the call and the
+//! array in the error. @throws loom::error(invalid_argument).
+inline void check_row_offsets(std::span<const index_t> offsets, std::string_view who, std::string_view name) {
+  LOOM_EXPECTS(!offsets.empty() && offsets[0] == 0, errc::invalid_argument, who, ": ", name, "[0] must be 0, got ",
+               offsets.empty() ? index_t{-1} : offsets[0]);
+  for (std::size_t r = 0; r + 1 < offsets.size(); ++r)
+    LOOM_EXPECTS(offsets[r + 1] >= offsets[r], errc::invalid_argument, who, ": ", name, " must be non-decreasing, but ",
+                 name, "[", r + 1, "] = ", offsets[r + 1], " < ", name, "[", r, "] = ", offsets[r]);
+}
+}  // namespace detail
+
 template <class T>
 void csr<T>::validate() const {
   detail::check_extents(rows_, cols_, "csr");
@@ -216,14 +230,10 @@ void csr<T>::validate() const {
   const index_t offsets = loom::detail::checked_add(rows_, index_t{1}, "csr: rows + 1");
   LOOM_EXPECTS(static_cast<index_t>(row_ptr_.size()) == offsets, errc::invalid_argument,
                "csr: row_ptr must hold rows + 1 = ", offsets, " offsets, got ", row_ptr_.size());
-  LOOM_EXPECTS(row_ptr_[0] == 0, errc::invalid_argument, "csr: row_ptr[0] must be 0, got ", row_ptr_[0]);
   const auto nnz = static_cast<index_t>(col_idx_.size());
   LOOM_EXPECTS(values_.size() == col_idx_.size(), errc::invalid_argument,
                "csr: values must hold as many entries as col_idx (", nnz, "), got ", values_.size());
-  for (index_t r = 0; r < rows_; ++r)
-    LOOM_EXPECTS(row_ptr_[r + 1] >= row_ptr_[r], errc::invalid_argument,
-                 "csr: row_ptr must be non-decreasing, but row_ptr[", r + 1, "] = ", row_ptr_[r + 1], " < row_ptr[", r,
-                 "] = ", row_ptr_[r]);
+  detail::check_row_offsets(row_ptr_, "csr", "row_ptr");
   LOOM_EXPECTS(row_ptr_[rows_] == nnz, errc::invalid_argument, "csr: row_ptr[rows] must equal col_idx.size() = ", nnz,
                ", got ", row_ptr_[rows_]);
   for (index_t r = 0; r < rows_; ++r) {
