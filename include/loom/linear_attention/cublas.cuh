@@ -151,10 +151,9 @@ plan<P> make_plan(const loom::cuda& b, const segments<D>& docs, const shape& sh,
   constexpr std::string_view call = "linear_attention::cublas::make_plan";
   plan<P> p;
   p.base_ = linear_attention::make_plan<P>(b, docs, sh, opt);
-  const index_t batch = loom::detail::checked_mul(p.base_.heads(), p.base_.chunks(), call);
-  LOOM_EXPECTS(batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", batch,
-               " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
   p.layout_ = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(p.base_);
+  LOOM_EXPECTS(p.layout_.batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", p.layout_.batch,
+               " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
   p.st_ = std::make_shared<detail::state>();
   p.st_->device = loom::detail::current_cuda_device();
   detail::check_cublas(cublasCreate(&p.st_->handle), call, "cublasCreate");

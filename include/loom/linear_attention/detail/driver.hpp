@@ -65,31 +65,29 @@ blocks<typename P::accum_type> carve(const plan<P>& pl, std::span<std::byte> ws,
   return w;
 }
 
-//! Validates the operands and the workspace and builds the kernels' problem over it.
+//! The kernels' problem of plan pl over operands x (the gate checked): operands, gate, sizes, scale
+//! and the chunk table, the plan's own where the memory is host-accessible, else copied into
+//! `chunks` and `doc_chunk` (room for the plan's table in the backend's memory).
 template <class B, class P, class Gating, class Space>
-auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
-           bool backward, std::string_view call) {
-  using S = typename P::storage_type;
+problem<typename P::storage_type, typename P::accum_type, Space> problem_of(const B& b, const plan<P>& pl,
+                                                                            const Gating& gating,
+                                                                            const operands<P, Space>& x,
+                                                                            chunk_info* chunks, index_t* doc_chunk) {
   using A = typename P::accum_type;
-  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
-  auto w = carve(pl, ws, backward, call);
-  problem<S, A, Space> p;
+  problem<typename P::storage_type, A, Space> p;
   p.q = x.q;
   p.k = x.k;
   p.v = x.v;
   p.gate = check_gating<A, Space>(gating, pl.tokens(), pl.heads());
+  const chunk_table& table = plan_access::table(pl);
   if constexpr (Space::host_accessible) {
-    p.chunks = plan_access::table(pl).chunks.data();
-    p.doc_chunk = plan_access::table(pl).doc_chunk.data();
-    w.cu = const_cast<index_t*>(pl.offsets().data());
+    p.chunks = table.chunks.data();
+    p.doc_chunk = table.doc_chunk.data();
   } else {
-    upload(b, w.chunks, plan_access::table(pl).chunks.data(),
-           sizeof(chunk_info) * plan_access::table(pl).chunks.size());
-    upload(b, w.doc_chunk, plan_access::table(pl).doc_chunk.data(),
-           sizeof(index_t) * plan_access::table(pl).doc_chunk.size());
-    upload(b, w.cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
-    p.chunks = w.chunks;
-    p.doc_chunk = w.doc_chunk;
+    upload(b, chunks, table.chunks.data(), sizeof(chunk_info) * table.chunks.size());
+    upload(b, doc_chunk, table.doc_chunk.data(), sizeof(index_t) * table.doc_chunk.size());
+    p.chunks = chunks;
+    p.doc_chunk = doc_chunk;
   }
   p.n_chunks = pl.chunks();
   p.docs = pl.docs();
@@ -98,6 +96,20 @@ auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P
   p.dv = pl.dv();
   p.c = pl.chunk();
   p.scale = pl.scale();
+  return p;
+}
+
+//! Validates the operands and the workspace and builds the kernels' problem over it.
+template <class B, class P, class Gating, class Space>
+auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
+           bool backward, std::string_view call) {
+  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
+  auto w = carve(pl, ws, backward, call);
+  auto p = problem_of(b, pl, gating, x, w.chunks, w.doc_chunk);
+  if constexpr (Space::host_accessible)
+    w.cu = const_cast<index_t*>(pl.offsets().data());
+  else
+    upload(b, w.cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
   p.states = w.states;
   p.log_decay = w.log_decay;
   p.scratch = w.scratch;

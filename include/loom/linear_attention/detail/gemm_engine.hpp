@@ -27,11 +27,10 @@
 //! leading dimensions as row-major row strides). host_gemm is the reference provider (plain loops
 //! in the accumulation type; host memory).
 
-#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/core/checked.hpp>
 #include <loom/core/workspace.hpp>
-#include <loom/linear_attention/detail/checks.hpp>
+#include <loom/linear_attention/detail/driver.hpp>
 #include <loom/linear_attention/detail/forward_kernels.hpp>
 #include <loom/linear_attention/detail/layout.hpp>
 #include <loom/linear_attention/plan.hpp>
@@ -50,6 +49,7 @@ enum class gemm_op { n, t };
 //! (S), per (head, chunk) L [dk, dv] (A) and S0 [dk, dv] (S), then Pf [rows, C] (A), Pm [rows, C]
 //! (S) and O [rows, dv] (A); rows = H x chunks x C.
 struct gemm_layout {
+  index_t batch = 0;  //!< (head, chunk) pairs: the batch count of every product
   std::size_t chunks = 0, doc_chunk = 0, b = 0, ep = 0, qg = 0, kg = 0, ks = 0, vg = 0, l = 0, s0 = 0, pf = 0, pm = 0,
               o = 0, bytes = 0;
 };
@@ -65,6 +65,7 @@ gemm_layout make_gemm_layout(const plan<P>& pl) {
   const index_t states = checked_mul(batch, checked_mul(pl.dk(), pl.dv(), what), what);
   workspace_layout l;
   gemm_layout g;
+  g.batch = batch;
   g.chunks = l.add<chunk_info>(pl.chunks());
   g.doc_chunk = l.add<index_t>(pl.docs() + 1);
   g.b = l.add<A>(rows);
@@ -229,22 +230,7 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
   check_workspace(ws, gl.bytes, call);
   const workspace_carver w(ws);
   gemm_pass<S, A, Space> g;
-  problem<S, A, Space>& p = g.p;
-  p.q = x.q, p.k = x.k, p.v = x.v;
-  p.gate = check_gating<A, Space>(gating, pl.tokens(), pl.heads());
-  const chunk_table& table = plan_access::table(pl);
-  if constexpr (Space::host_accessible) {
-    p.chunks = table.chunks.data();
-    p.doc_chunk = table.doc_chunk.data();
-  } else {
-    chunk_info* chunks = w.at<chunk_info>(gl.chunks);
-    index_t* doc_chunk = w.at<index_t>(gl.doc_chunk);
-    loom::copy_bytes(b, chunks, table.chunks.data(), sizeof(chunk_info) * table.chunks.size());
-    loom::copy_bytes(b, doc_chunk, table.doc_chunk.data(), sizeof(index_t) * table.doc_chunk.size());
-    p.chunks = chunks, p.doc_chunk = doc_chunk;
-  }
-  p.n_chunks = pl.chunks(), p.docs = pl.docs(), p.heads = pl.heads(), p.dk = pl.dk(), p.dv = pl.dv(), p.c = pl.chunk(),
-  p.scale = pl.scale();
+  g.p = problem_of(b, pl, gating, x, w.at<chunk_info>(gl.chunks), w.at<index_t>(gl.doc_chunk));
   g.b = w.at<A>(gl.b), g.ep = w.at<A>(gl.ep), g.l = w.at<A>(gl.l), g.pf = w.at<A>(gl.pf), g.o = w.at<A>(gl.o);
   g.qg = w.at<S>(gl.qg), g.kg = w.at<S>(gl.kg), g.ks = w.at<S>(gl.ks), g.vg = w.at<S>(gl.vg);
   g.s0 = w.at<S>(gl.s0), g.pm = w.at<S>(gl.pm);
@@ -253,7 +239,7 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
   g.out = o.data(), g.ot = o.stride(0), g.oh = o.stride(1), g.oe = o.stride(2);
 
   const index_t heads = pl.heads(), c = pl.chunk(), dk = pl.dk(), dv = pl.dv();
-  const index_t batch = heads * pl.chunks(), rows = batch * c;
+  const index_t batch = gl.batch, rows = batch * c;
   const A one = A(1), zero = A(0);
   if (batch > 0) {
     for_each_index(b, batch, gemm_gates<S, A, Space>{g});
