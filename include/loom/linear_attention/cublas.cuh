@@ -36,6 +36,7 @@
 //! predates it.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cublas_handle.hpp>
 #include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
@@ -65,12 +66,7 @@ using loom::detail::cuda_data_type;
 template <class S>
 inline constexpr bool storable = loom::detail::cuda_library_type<S>;
 
-inline void check_cublas(cublasStatus_t s, std::string_view call, std::string_view what) {
-  if (s == CUBLAS_STATUS_SUCCESS) return;
-  const errc code =
-      s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH ? errc::unsupported : errc::internal;
-  LOOM_EXPECTS(false, code, call, ": ", what, " failed: ", cublasGetStatusName(s), ": ", cublasGetStatusString(s));
-}
+using loom::detail::check_cublas;
 
 //! The engine's product provider: row-major c = alpha op(a) op(b) + beta c per batch entry as
 //! cuBLAS's column-major c^T = op(b)^T op(a)^T (the operands swapped, the same op flags).
@@ -96,15 +92,10 @@ struct cublas_gemm {
 
 //! A plan's cuBLAS handle and the device it lives on.
 struct state {
-  cublasHandle_t handle = nullptr;
-  int device = -1;
+  explicit state(std::string_view call) : handle(call), device(loom::detail::current_cuda_device()) {}
+  loom::detail::cublas_handle handle;
+  int device;
   std::mutex enqueue;  // cublasSetStream and the call's products on the shared handle
-  state() = default;
-  state(const state&) = delete;
-  state& operator=(const state&) = delete;
-  ~state() {
-    if (handle) cublasDestroy(handle);
-  }
 };
 
 }  // namespace detail
@@ -154,9 +145,7 @@ plan<P> make_plan(const loom::cuda& b, const segments<D>& docs, const shape& sh,
   p.layout_ = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(p.base_);
   LOOM_EXPECTS(p.layout_.batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", p.layout_.batch,
                " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
-  p.st_ = std::make_shared<detail::state>();
-  p.st_->device = loom::detail::current_cuda_device();
-  detail::check_cublas(cublasCreate(&p.st_->handle), call, "cublasCreate");
+  p.st_ = std::make_shared<detail::state>(call);
   return p;
 }
 
@@ -172,9 +161,9 @@ void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const 
   detail::state& st = p.device_state(call);
   loom::detail::check_plan_device(st.device, call);
   std::lock_guard lock(st.enqueue);
-  detail::check_cublas(cublasSetStream(st.handle, b.stream), call, "cublasSetStream");
-  linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle, call}, p.base(), p.layout(), gating, x, o,
-                                         final_state, workspace, call);
+  detail::check_cublas(cublasSetStream(st.handle.get(), b.stream), call, "cublasSetStream");
+  linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle.get(), call}, p.base(), p.layout(), gating, x,
+                                         o, final_state, workspace, call);
 }
 
 //! Convenience form: make_plan (precision of the operands), a temporary workspace, the plan form,

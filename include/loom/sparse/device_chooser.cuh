@@ -18,6 +18,7 @@
 //! later picks of the same shape do neither.
 
 #include <loom/backend/cuda.hpp>
+#include <loom/backend/detail/cublas_handle.hpp>
 #include <loom/backend/detail/cuda_vendor.hpp>
 #include <loom/backend/temporary.hpp>
 #include <loom/core/error.hpp>
@@ -28,7 +29,6 @@
 
 #include <cmath>
 #include <cstddef>
-#include <cublas_v2.h>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
@@ -109,23 +109,17 @@ device_choice measure_device_paths(const loom::cuda& b, const csr_view<T, cuda_m
   const tensor_view<const T, 2, cuda_memory> bv(bm.data(), {k, n});
   const tensor_view<T, 2, cuda_memory> cv(c.data(), {m, n});
 
-  cublasHandle_t h = nullptr;
-  LOOM_EXPECTS(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS, errc::internal, call, ": cublasCreate failed");
-  struct handle_guard {
-    cublasHandle_t h;
-    ~handle_guard() { cublasDestroy(h); }
-  } guard{h};
-  LOOM_EXPECTS(cublasSetStream(h, b.stream) == CUBLAS_STATUS_SUCCESS, errc::internal, call, ": cublasSetStream failed");
+  const loom::detail::cublas_handle h(call);
+  loom::detail::check_cublas(cublasSetStream(h.get(), b.stream), call, "cublasSetStream");
   const float one = 1, zero = 0;
   // Row-major C (M x n) = A (M x K) B (K x n) is column-major C^T = B^T A^T.
   const double t_dense = detail::best_seconds(b, opt.repetitions, [&] {
-    const cublasStatus_t s =
-        cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &one,
-                     bm.data(), loom::detail::cuda_data_type<T>(), static_cast<int>(n), dense.data(),
+    loom::detail::check_cublas(
+        cublasGemmEx(h.get(), CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(n), static_cast<int>(m), static_cast<int>(k),
+                     &one, bm.data(), loom::detail::cuda_data_type<T>(), static_cast<int>(n), dense.data(),
                      loom::detail::cuda_data_type<T>(), static_cast<int>(k), &zero, c.data(),
-                     loom::detail::cuda_data_type<T>(), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-    LOOM_EXPECTS(s == CUBLAS_STATUS_SUCCESS, errc::internal, call, ": cublasGemmEx failed (status ",
-                 static_cast<int>(s), ")");
+                     loom::detail::cuda_data_type<T>(), static_cast<int>(n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        call, "cublasGemmEx");
   });
   const auto csr_plan = cusparse::make_plan(b, a_csr, n);
   const temporary_buffer<loom::cuda, std::byte> csr_ws(b, static_cast<index_t>(csr_plan.workspace_bytes()));
