@@ -19,6 +19,7 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 using loom::index_t;
@@ -233,6 +234,26 @@ void check(const problem& p, bool states, bool in_place, const std::string& what
                     what + " tiled scan (tile " + std::to_string(tile) + ") vs sequential");
 }
 
+// Over h and lambda: the values outside inside(t, c) whose bits changed, and the non-finite ones
+// inside.
+template <class Inside>
+std::pair<std::size_t, std::size_t> compare_rows(const outputs& got, const outputs& want, const problem& p,
+                                                 Inside inside) {
+  std::size_t changed = 0, poisoned = 0;
+  for (index_t t = 0; t < p.n; ++t)
+    for (index_t c = 0; c < p.d; ++c) {
+      const auto i = static_cast<std::size_t>(t * p.d + c);
+      for (auto v : {&outputs::h, &outputs::lambda}) {
+        const double x = (got.*v)[i], y = (want.*v)[i];
+        if (inside(t, c))
+          poisoned += std::isfinite(x) ? 0 : 1;
+        else if (std::memcmp(&x, &y, sizeof x) != 0)
+          ++changed;
+      }
+    }
+  return {changed, poisoned};
+}
+
 const std::vector<std::int64_t> packed{0, 0, 1, 8, 8, 138, 141, 1021};  // empty documents, lengths 1, 7, 130, 3, 880
 
 }  // namespace
@@ -271,19 +292,8 @@ TEST_CASE("affine recurrences by key: a non-finite value in one document changes
     p.g[static_cast<std::size_t>(9 * p.d + 2)] = poison;    // document 4, adjoint
     p.a[static_cast<std::size_t>(120 * p.d)] = poison;      // and one of its transitions
     const auto got = run<double, ls::diagonal, std::int64_t>(p, true, false, true);
-    std::size_t changed_elsewhere = 0, poisoned_here = 0;
-    for (index_t t = 0; t < p.n; ++t)
-      for (index_t c = 0; c < p.d; ++c) {
-        const auto i = static_cast<std::size_t>(t * p.d + c);
-        const bool inside = t >= 8 && t < 138;
-        for (auto v : {&outputs::h, &outputs::lambda}) {
-          const double x = (got.*v)[i], y = (want.*v)[i];
-          if (inside)
-            poisoned_here += std::isfinite(x) ? 0 : 1;
-          else if (std::memcmp(&x, &y, sizeof x) != 0)
-            ++changed_elsewhere;
-        }
-      }
+    auto [changed_elsewhere, poisoned_here] =
+        compare_rows(got, want, p, [](index_t t, index_t) { return t >= 8 && t < 138; });
     for (index_t s = 0; s < p.segs(); ++s)
       for (index_t c = 0; c < p.d; ++c) {
         const auto i = static_cast<std::size_t>(s * p.d + c);
@@ -337,19 +347,8 @@ TEST_CASE("affine recurrences by key: block-diagonal, a non-finite value changes
   p.b[static_cast<std::size_t>(100 * p.d + 1)] = std::numeric_limits<double>::quiet_NaN();  // document 4, block 0
   p.g[static_cast<std::size_t>(9 * p.d + 2)] = std::numeric_limits<double>::infinity();     // document 4, block 0
   const auto got = run<double, ls::block_diagonal<3>, std::int64_t>(p, true, false, true);
-  std::size_t changed_elsewhere = 0, poisoned_here = 0;
-  for (index_t t = 0; t < p.n; ++t)
-    for (index_t c = 0; c < p.d; ++c) {
-      const auto i = static_cast<std::size_t>(t * p.d + c);
-      const bool inside = t >= 8 && t < 138 && c < 3;  // document 4, block 0
-      for (auto v : {&outputs::h, &outputs::lambda}) {
-        const double x = (got.*v)[i], y = (want.*v)[i];
-        if (inside)
-          poisoned_here += std::isfinite(x) ? 0 : 1;
-        else if (std::memcmp(&x, &y, sizeof x) != 0)
-          ++changed_elsewhere;
-      }
-    }
+  const auto [changed_elsewhere, poisoned_here] =
+      compare_rows(got, want, p, [](index_t t, index_t c) { return t >= 8 && t < 138 && c < 3; });  // doc 4, block 0
   CHECK(changed_elsewhere == 0);
   CHECK(poisoned_here > 0);
 }
