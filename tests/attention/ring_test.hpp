@@ -496,6 +496,22 @@ TEST_CASE("ring attention: make_plan agrees once, per-call checks against the pl
                 ws.span().first(ws.size() - 64));
   });
   CHECK(lt::all_contain(what, "ring::forward: workspace must hold at least"));
+  // The backward's workspace is its own size (backward_workspace_bytes), which its message names.
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    const auto rp = lr::make_plan(be, comm, plan, {4, 2, 8, 8});
+    const index_t n = rp.tokens();
+    std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
+        l(static_cast<std::size_t>(n * 4)), gq(q.size()), gk(kv.size()), gv(kv.size());
+    loom::workspace_buffer ws(rp.backward_workspace_bytes());
+    using cv3 = lt::dview_t<const float, 3>;
+    using v3 = lt::dview_t<float, 3>;
+    lr::backward(be, comm, rp, cv3(q.data(), {n, 4, 8}), cv3(kv.data(), {n, 2, 8}), cv3(kv.data(), {n, 2, 8}),
+                 cv3(o.data(), {n, 4, 8}), lt::dview_t<const float, 2>(l.data(), {n, 4}), cv3(o.data(), {n, 4, 8}),
+                 v3(gq.data(), {n, 4, 8}), v3(gk.data(), {n, 2, 8}), v3(gv.data(), {n, 2, 8}),
+                 ws.span().first(ws.size() - 64));
+  });
+  CHECK(lt::all_contain(what, "ring::backward: workspace must hold at least"));
+  CHECK(lt::all_contain(what, "(plan.backward_workspace_bytes())"));
   what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
     const auto rp = lr::make_plan(be, comm, lr::all_gather_kv{}, plan, {4, 2, 8, 8});
     const index_t n = rp.tokens();

@@ -21,8 +21,11 @@ struct device_memory<cuda_memory> {
     return p;
   }
   static void free(void* p) noexcept { cudaFree(p); }
+  // cudaMemcpy from pageable memory may return before its DMA lands, and it is ordered only with
+  // the legacy default stream: the device sync lets a rank's non-blocking stream read the bytes.
   static void upload(void* dst, const void* src, std::size_t bytes) {
     LOOM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    LOOM_CUDA_TRY(cudaDeviceSynchronize());
   }
   static void download(void* dst, const void* src, std::size_t bytes) {
     LOOM_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));

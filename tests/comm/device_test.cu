@@ -24,6 +24,7 @@
 #include <catch2/catch.hpp>
 
 #include <comm/device_memory.hpp>
+#include <algorithm>
 #include <cstddef>
 #include <mutex>
 #include <span>
@@ -178,7 +179,11 @@ void check_attention(Run run, int p, const Rows& rows, const attention_case& wan
         gq(static_cast<std::size_t>(n * hq * dim)), gk(static_cast<std::size_t>(n * hkv * dim)),
         gv(static_cast<std::size_t>(n * hkv * dim));
     const auto plan = make(b, comm);
-    device_workspace ws(plan.workspace_bytes());
+    // One workspace for both passes: the backward's may be the larger (ring::backward's is).
+    std::size_t bytes = plan.workspace_bytes();
+    if constexpr (requires { plan.backward_workspace_bytes(); })
+      if (bwd) bytes = std::max(bytes, plan.backward_workspace_bytes());
+    device_workspace ws(bytes);
     fwd(b, comm, plan, dview<const float, 3>(q.data(), {n, hq, dim}), dview<const float, 3>(k.data(), {n, hkv, dim}),
         dview<const float, 3>(v.data(), {n, hkv, dim}), dview<float, 3>(o.data(), {n, hq, dim}),
         dview<float, 2>(l.data(), {n, hq}), ws.span());

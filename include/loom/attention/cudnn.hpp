@@ -431,7 +431,12 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
     // Built for this batch exactly (no padding entries; cuDNN sizes its workspace from the dims)
     // and for the plan's token count (the bound of the packed token axis).
     key.batch = static_cast<index_t>(g.size());
-    key.max_q = key.max_k = 0;
+    // At least 2 on each side: cuDNN takes s_q = s_kv = 1 (a batch of one-token documents) to a
+    // kernel that, measured on an H200 with cuDNN 9.19, writes the lse of only the first query
+    // head of each kv group, and it has no backward for it; one-token entries of a graph sized 2
+    // are padded entries like any shorter document of a batch. (A sequence of one token in all
+    // still gets s = 1: its lse is exact only where each kv head serves one query head.)
+    key.max_q = key.max_k = std::min<index_t>(2, s.tokens);
     for (const auto& blk : g)
       key.max_q = std::max(key.max_q, blk.q_count), key.max_k = std::max(key.max_k, blk.k_count);
     key.total_q = key.total_k = s.tokens;
@@ -556,7 +561,7 @@ void backward(const loom::cuda& b, const plan<P>& p, Q q, K k, V v, O out, L lse
   LOOM_EXPECTS(st.backward_unsupported.empty(), errc::unsupported, call,
                ": cuDNN has no backward for this plan on this device (", st.backward_unsupported,
                "); loom::attention::backward runs it");
-  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  check_workspace(workspace, p.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   detail::run(st, b, detail::fused_pass::backward,
               {{detail::u_q, detail::address(q)},
                {detail::u_k, detail::address(k)},

@@ -682,7 +682,7 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, const coords<Space
   detail::check_gradients(pb, dout, dq, dk, dv, call);
   detail::check_coords(qc, pb.tq, call, "query");
   detail::check_coords(kc, pb.tk, call, "key");
-  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  check_workspace(workspace, p.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   detail::backward_on(b, pb, p.scale(), q, k, v, detail::coords_of(qc), detail::coords_of(kc), out, lse, dout, dq, dk,
                       dv, false, workspace, p.slot_cap());
 }
@@ -698,7 +698,7 @@ void backward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse, DO d
   const detail::problem& pb = p.problem();
   detail::check_views(pb, q, k, v, out, lse, call);
   detail::check_gradients(pb, dout, dq, dk, dv, call);
-  check_workspace(workspace, p.backward_workspace_bytes(), call);
+  check_workspace(workspace, p.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   const auto [qc, kc] = detail::segment_coords(b, p, workspace);
   detail::backward_on(b, pb, p.scale(), q, k, v, qc, kc, out, lse, dout, dq, dk, dv, false,
                       workspace.subspan(p.kernel_offset()), p.slot_cap());

@@ -214,7 +214,7 @@ void backward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O ou
   detail::check_comm(comm, st.ranks, st.me, call);
   detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
   detail::check_rank_gradients<T, true>(st.dims, st.mine, dout, dq, dk, dv, call);
-  check_workspace(workspace, rp.backward_workspace_bytes(), call);
+  check_workspace(workspace, rp.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   detail::runner<V>::template backward<T, Acc>(b, comm, st, q, k, v, out, lse, dout, dq, dk, dv, workspace);
 }
 

@@ -34,10 +34,11 @@ constexpr std::size_t workspace_round(std::size_t bytes) noexcept {
 }
 
 //! Throws loom::error(invalid_argument) naming `call` unless `ws` holds at least `need` bytes and
-//! starts on workspace_alignment.
-inline void check_workspace(std::span<std::byte> ws, std::size_t need, std::string_view call) {
-  LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, call, ": workspace must hold at least ", need,
-               " bytes (plan.workspace_bytes()), got ", ws.size());
+//! starts on workspace_alignment; the message names `size_call`, the plan's call that gives `need`.
+inline void check_workspace(std::span<std::byte> ws, std::size_t need, std::string_view call,
+                            std::string_view size_call = "plan.workspace_bytes()") {
+  LOOM_EXPECTS(ws.size() >= need, errc::invalid_argument, call, ": workspace must hold at least ", need, " bytes (",
+               size_call, "), got ", ws.size());
   LOOM_EXPECTS(need == 0 || reinterpret_cast<std::uintptr_t>(ws.data()) % workspace_alignment == 0,
                errc::invalid_argument, call, ": workspace must start on a ", workspace_alignment,
                "-byte boundary (loom::workspace_alignment)");

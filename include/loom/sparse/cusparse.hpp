@@ -29,9 +29,11 @@
 //! Workspace: cuSPARSE's buffer, in device memory, aligned to loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience form fences.
 //! Results: cuSPARSE's order of summation, not loom's (loom::sparse::spmm sums in a fixed order on
-//! every backend). The [gpu] case of tests/sparse/cusparse_test.cpp compares them with the fp64
-//! oracle; it has not run on a GPU (the one GPU run, docs/gpu.md: NVIDIA H100 80GB HBM3, 2026-11-23, commits 47efad8
-//! and d6dcb58, predates it).
+//! every backend). With float or double C the sums are one rounding from the exact product; with a
+//! bfloat16 or half C, cuSPARSE rounds partial sums to C's type when N > 1 (docs/gpu.md, run of
+//! 2026-11-28 on an H200: up to 1.22 units of 2^-8 of sum |a b| for bfloat16, against 0.5 for one
+//! rounding): plan a float C (make_plan<float>) for one rounding. The [gpu] cases of
+//! tests/sparse/cusparse_test.cpp compare with the fp64 oracle at those bounds.
 
 #include <loom/backend/cuda.hpp>
 #include <loom/backend/detail/cuda_vendor.hpp>

@@ -65,7 +65,11 @@ struct parallel_impl<cuda> {
   template <class F>
   static void for_each_team(const cuda& b, const team_policy& p, int size, const F& f) {
     const index_t grid = p.league_size < (index_t{1} << 20) ? p.league_size : (index_t{1} << 20);
-    for_each_team_kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(size), p.scratch_bytes, b.stream>>>(
+    // Whole alignment units: the compiler may read the scratch in aligned 16-byte vectors (an
+    // 8-byte tail would be read past), and the members may too.
+    const std::size_t shared = (p.scratch_bytes + team_scratch_alignment - 1) / team_scratch_alignment *
+                               team_scratch_alignment;
+    for_each_team_kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(size), shared, b.stream>>>(
         p.league_size, f);
     LOOM_CUDA_TRY(cudaGetLastError());
   }
