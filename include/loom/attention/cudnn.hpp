@@ -40,8 +40,9 @@
 //! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
 //! Results: cuDNN's order of summation, not loom's. The [gpu] case of tests/attention/cudnn_test.cpp
-//! compares them with the fp64 oracle at bfloat16 tolerances; the one GPU run in docs/gpu.md (H100,
-//! 2026-11-23, commits 47efad8, d6dcb58) predates it. The backward's deterministic algorithm is not requested: by the
+//! compares them with the fp64 oracle at bfloat16 tolerances (docs/gpu.md: on an H200, 2026-11-28,
+//! it found the s = 1 graphs' lse, see make_plan; the fix has not run on a GPU yet). The backward's
+//! deterministic algorithm is not requested: by the
 //! frontend's own checks, on sm_90 before cuDNN 9.25 it takes a workspace of batch x heads x Lq x
 //! Lk x 2 bytes (by that formula 34 GB for one document of 32768 tokens and 16 heads), so dQ need
 //! not repeat bit for bit.

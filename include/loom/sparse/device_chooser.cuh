@@ -10,9 +10,9 @@
 //!   auto c = chooser.pick(b, a_csr, a_bitmap, nnz, n);          // measures on first use of a shape
 //!   if (c.pick == loom::sparse::device_path::csr_cusparse) ...  // then looks up
 //!
-//! Compile with nvcc; link loom::cusparse and loom::cublas. On the one GPU run so far (docs/gpu.md: NVIDIA H100 80GB
-//! HBM3, 2026-11-23, commits 47efad8 and d6dcb58; its Bitmap SpMM table) loom's bitmap kernel ran at 0.09-0.26x
-//! cublasSgemm, and sparse::h100_fp32_model (chooser.hpp) picks the dense GEMM at every sparsity a pruned LLM weight
+//! Compile with nvcc; link loom::cusparse and loom::cublas. On both GPU runs so far (docs/gpu.md: an H100 on
+//! 2026-11-23 and an H200 on 2026-11-28) loom's bitmap kernel ran at 0.05-0.26x cublasSgemm, and
+//! sparse::h100_fp32_model (chooser.hpp) picks the dense GEMM at every sparsity a pruned LLM weight
 //! has; this chooser measures the three paths on the caller's device instead. Measuring allocates
 //! B, C, a dense A and the workspaces (device memory, freed on return) and synchronises the stream;
 //! later picks of the same shape do neither.
