@@ -16,6 +16,7 @@
 
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "oracle.hpp"
@@ -340,8 +341,17 @@ TEST_CASE(
 }
 
 TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND_TAG, "[attention][merge]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend: the partials are computed on the host, merged on the backend under test
     const auto b = make_backend();
+    // o, l = merge((o, l), (o2, l2)) on the backend: uploaded, merged, read back.
+    auto merge_on = [&b](auto& o, auto& l, const auto& o2, const auto& l2, index_t t, index_t h, index_t d) {
+      using T = typename std::decay_t<decltype(o)>::value_type;
+      buffer<T> ob(o), lb(l), o2b(o2), l2b(l2);
+      la::merge(b, view_of<T, 3>(ob, {t, h, d}), view_of<T, 2>(lb, {t, h}), view_of<const T, 3>(o2b, {t, h, d}),
+                view_of<const T, 2>(l2b, {t, h}));
+      o = ob.to_host();
+      l = lb.to_host();
+    };
     const lt::attn_shape s{257, 257, 4, 2, 64, 48, true};
     const auto in = make_inputs<double>(s, 60);
     const auto c = lt::packed({0, 100, 257});
@@ -370,17 +380,12 @@ TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND
                   loom::tensor_view<double, 3>(o.data(), {s.tq, s.hq, s.dv}),
                   loom::tensor_view<double, 2>(l.data(), {s.tq, s.hq}));
     }
-    la::merge(b, loom::tensor_view<double, 3>(out_a.data(), {s.tq, s.hq, s.dv}),
-              loom::tensor_view<double, 2>(lse_a.data(), {s.tq, s.hq}),
-              loom::tensor_view<const double, 3>(out_b.data(), {s.tq, s.hq, s.dv}),
-              loom::tensor_view<const double, 2>(lse_b.data(), {s.tq, s.hq}));
+    merge_on(out_a, lse_a, out_b, lse_b, s.tq, s.hq, s.dv);
     lt::require_close(out_a, want.out, {1e-12, 1e-12}, "merged out");
     lt::require_close(lse_a, want.lse, {1e-12, 1e-12}, "merged lse");
     // Large log-sum-exps in float: the stable form neither overflows nor loses the smaller part.
     std::vector<float> oa{1.0f, 2.0f}, ob{3.0f, 5.0f}, lsa{200.0f}, lsb{201.0f};  // exp(201) overflows float
-    la::merge(b, loom::tensor_view<float, 3>(oa.data(), {1, 1, 2}), loom::tensor_view<float, 2>(lsa.data(), {1, 1}),
-              loom::tensor_view<const float, 3>(ob.data(), {1, 1, 2}),
-              loom::tensor_view<const float, 2>(lsb.data(), {1, 1}));
+    merge_on(oa, lsa, ob, lsb, 1, 1, 2);
     const double wa = 1.0 / (1.0 + std::exp(1.0)), wb = 1.0 - wa;
     CHECK(std::abs(oa[0] - (wa * 1 + wb * 3)) < 1e-4);  // float lse of 200: ulp 1.5e-5
     CHECK(std::abs(oa[1] - (wa * 2 + wb * 5)) < 1e-4);
@@ -388,9 +393,7 @@ TEST_CASE("attention: merge of partial results over split key sets" LOOM_BACKEND
     CHECK(std::abs(lsa[0] - (201.0 + std::log1p(std::exp(-1.0)))) < 1e-4);
     // -inf rows are the identity.
     std::vector<float> oc{7.0f}, od{9.0f}, lc{-INFINITY}, ld{0.5f};
-    la::merge(b, loom::tensor_view<float, 3>(oc.data(), {1, 1, 1}), loom::tensor_view<float, 2>(lc.data(), {1, 1}),
-              loom::tensor_view<const float, 3>(od.data(), {1, 1, 1}),
-              loom::tensor_view<const float, 2>(ld.data(), {1, 1}));
+    merge_on(oc, lc, od, ld, 1, 1, 1);
     CHECK(oc[0] == 9.0f);
     CHECK(lc[0] == 0.5f);
   }

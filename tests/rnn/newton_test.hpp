@@ -210,7 +210,7 @@ void check_against_loop(MakeCell make, index_t n, index_t d, bool packed, lr::me
 }  // namespace
 
 TEST_CASE("rnn: each cell against the sequential fp64 loop" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     for (index_t n : {1, 2, 100, 4097})
       for (index_t d : {1, 5, 64}) {
         if (n == 4097 && d == 64) continue;  // the big sizes for the cheap cells only
@@ -224,7 +224,7 @@ TEST_CASE("rnn: each cell against the sequential fp64 loop" LOOM_BACKEND_TAG, "[
 }
 
 TEST_CASE("rnn: quasi-Newton, damped and Picard reach the same solution" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     for (auto meth : {lr::method::quasi_newton, lr::method::damped, lr::method::picard}) {
       check_against_loop(make_gru, 100, 5, true, meth, 1.0, "para_gru");
       check_against_loop(make_lstm, 100, 5, true, meth, 1.0, "para_lstm_cifg");
@@ -234,7 +234,7 @@ TEST_CASE("rnn: quasi-Newton, damped and Picard reach the same solution" LOOM_BA
 }
 
 TEST_CASE("rnn: a linear cell converges in one iteration" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     const problem p = make_problem(make_linear, 1000, 7, true, 1.0, 7);
     lr::options opt;
     opt.abs_tol = 1e-12;
@@ -248,7 +248,7 @@ TEST_CASE("rnn: a linear cell converges in one iteration" LOOM_BACKEND_TAG, "[rn
 }
 
 TEST_CASE("rnn: full Newton is exact on the first i steps after i iterations (chaotic map)" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     problem p;
     p.n = 32;
     p.d = p.m = 1;
@@ -272,7 +272,7 @@ TEST_CASE("rnn: full Newton is exact on the first i steps after i iterations (ch
 }
 
 TEST_CASE("rnn: ParaGRU with moderate weights converges to 1e-6 in a few iterations" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     const problem p = make_problem(make_gru, 4096, 16, false, 1.0, 11);
     lr::options opt;
     opt.abs_tol = 1e-6;
@@ -294,7 +294,7 @@ TEST_CASE("rnn: ParaGRU with moderate weights converges to 1e-6 in a few iterati
 }
 
 TEST_CASE("rnn: a chaotic, badly scaled cell falls back and returns the sequential result" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     // tanh RNN with weights of scale 3 (spectral radius well above 1): Newton from zeros needs
     // far more than a handful of iterations.
     const problem p = make_problem(make_rnn, 2000, 8, true, 3.0, 13);
@@ -333,7 +333,7 @@ TEST_CASE("rnn: a chaotic, badly scaled cell falls back and returns the sequenti
 }
 
 TEST_CASE("rnn: converged sequences stop early, warm start" LOOM_BACKEND_TAG, "[rnn]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend, device memory included (the inputs are uploaded, the results read back)
     // One easy sequence (tiny weights would converge at once) next to long ones: all match.
     const problem p = make_problem(make_gru, 3000, 4, true, 1.0, 19);
     lr::options opt;

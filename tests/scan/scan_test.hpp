@@ -490,7 +490,7 @@ TEST_CASE("recurrence: rotations keep the norm, closed-form geometric sums" LOOM
 
 TEST_CASE("recurrence: gradients of b, A and the initial state match finite differences" LOOM_BACKEND_TAG,
           "[scan][recurrence][gradient]") {
-  if constexpr (space::host_accessible) {
+  {  // every backend: the adjoint and the transition gradient run on the backend under test
     const auto b = make_backend();
     const index_t n = 9, d = 4;
     const std::vector<index_t> offsets{0, 4, 4, 9};
@@ -519,15 +519,13 @@ TEST_CASE("recurrence: gradients of b, A and the initial state match finite diff
     const rec_case c{lt::shape::block2, n, d, true, true};
     const auto h = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, bv, offsets, init, false, 0).first;
     const auto adj = run_recurrence<ls::block_diagonal<2>, double>(b, c, a, w, offsets, wf, true, 0);
-    std::vector<double> da(a.size());
-    const auto off = narrowed(offsets);
-    // (host memory, typed as the backend's space: this block runs on host backends only)
-    ls::transition_gradient(
-        b, ls::block_diagonal<2>{}, loom::tensor_view<const double, 2, space>(adj.first.data(), {n, d}),
-        loom::tensor_view<const double, 2, space>(h.data(), {n, d}),
-        loom::tensor_view<double, 4, space>(da.data(), {n, d / 2, 2, 2}),
-        loom::segments<space>(loom::tensor_view<const std::int32_t, 1, space>(off.data(), {segs + 1})),
-        ls::states<double, space>{loom::tensor_view<const double, 2, space>(init.data(), {segs, d}), {}});
+    buffer<double> adj_b(adj.first), h_b(h), da_b(std::vector<double>(a.size())), init_b(init);
+    buffer<std::int32_t> off_b(narrowed(offsets));
+    ls::transition_gradient(b, ls::block_diagonal<2>{}, view_of<const double, 2>(adj_b, {n, d}),
+                            view_of<const double, 2>(h_b, {n, d}), view_of<double, 4>(da_b, {n, d / 2, 2, 2}),
+                            docs_of(off_b, offsets.size()),
+                            ls::states<double, space>{view_of<const double, 2>(init_b, {segs, d}), {}});
+    const std::vector<double> da = da_b.to_host();
     for (std::size_t i = 0; i < bv.size(); ++i) REQUIRE(std::abs(adj.first[i] - fd(1, i)) < 1e-8);
     for (std::size_t i = 0; i < a.size(); ++i) REQUIRE(std::abs(da[i] - fd(0, i)) < 1e-8);
     for (std::size_t i = 0; i < init.size(); ++i) REQUIRE(std::abs(adj.second[i] - fd(2, i)) < 1e-8);
