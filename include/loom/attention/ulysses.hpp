@@ -60,12 +60,14 @@
 #include <loom/core/precision.hpp>
 #include <loom/core/workspace.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <memory>
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace loom::attention::ulysses {
@@ -81,6 +83,21 @@ using namespace loom::attention::detail;
 //! The plan of the local attention of one head segment, over the whole sequence's documents.
 template <class B, class P>
 using local_plan_t = attention::plan<B, P>;
+
+//! The local step on loom's kernel: the head shard's tokens with their (document, position)
+//! coordinates. Another local plan type (attention::cudnn's, ulysses_cudnn.cuh) brings its own
+//! local_forward / local_backward, found by argument-dependent lookup.
+template <class B, class P, class Coords, class Q, class K, class V, class O, class L>
+void local_forward(const B& b, const attention::plan<B, P>& lp, const Coords& c, Q q, K k, V v, O out, L lse,
+                   std::span<std::byte> ws) {
+  attention::forward(b, lp, q, k, v, c, c, out, lse, ws);
+}
+template <class B, class P, class Coords, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
+          class DV>
+void local_backward(const B& b, const attention::plan<B, P>& lp, const Coords& c, Q q, K k, V v, O out, L lse,
+                    DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
+  attention::backward(b, lp, q, k, v, c, c, out, lse, dout, dq, dk, dv, ws);
+}
 
 //! The checks of make_plan (Ulysses and hybrid): the local kernel's shape and option checks, and
 //! Ulysses' degree limit; `ranks` is the exchange group's size.
@@ -123,8 +140,12 @@ void check_views(const head_shape& s, index_t n, const Q& q, const K& k, const V
 
 }  // namespace detail
 
-template <class B, precision_policy P>
+template <class B, precision_policy P, class Local>
 class plan;
+
+namespace detail {
+struct plan_maker;
+}  // namespace detail
 
 //! Plans Ulysses attention on this rank for the rows `tokens` gives every rank (the same plan on
 //! every rank), heads and dims `s`, masks and scale `opt`. Collective over comm: one agreement.
@@ -133,12 +154,14 @@ class plan;
 //! bad options (those of attention::make_plan), or ranks disagreeing on the sharding, shape,
 //! options or precision.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s, const options& opt = {});
+plan<B, P, detail::local_plan_t<B, P>> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s,
+                                                 const options& opt = {});
 
 //! A Ulysses plan of one rank (see the file comment). Make it with ulysses::make_plan. Immutable;
 //! copies share one state; several threads may use one plan at once (each call with its own
-//! workspace, outputs and communicator).
-template <class B, precision_policy P = fp32>
+//! workspace, outputs and communicator). Local: the plan type of the local step (loom's kernel by
+//! default; attention::cudnn's with the make_plan of ulysses_cudnn.cuh).
+template <class B, precision_policy P = fp32, class Local = detail::local_plan_t<B, P>>
 class plan : public precision_types<P> {
  public:
   //! An empty plan (make one with make_plan).
@@ -169,61 +192,76 @@ class plan : public precision_types<P> {
       const noexcept {
     return s_->pipe;
   }
-  [[nodiscard]] const detail::local_plan_t<B, P>& local(std::size_t s) const { return s_->local[s]; }
+  [[nodiscard]] const Local& local(std::size_t s) const { return s_->local[s]; }
 
  private:
   struct state {
     head_shape dims;
     options opt;
-    std::vector<detail::local_plan_t<B, P>> local;
+    std::vector<Local> local;
     detail::head_pipeline<typename P::storage_type, typename P::accum_type> pipe;
   };
   explicit plan(std::shared_ptr<const state> s) : s_(std::move(s)) {}
   std::shared_ptr<const state> s_;
 
-  template <precision_policy Q, class B2, comm::communicator C>
-  friend plan<B2, Q> make_plan(const B2&, C&, const shard::plan&, const head_shape&, const options&);
+  friend struct detail::plan_maker;
 };
 
+namespace detail {
+//! make_plan's body for any local step: make_local(pipeline, segment) plans the local step of one
+//! head segment (inside the agreement, so a rejection there is every rank's).
+struct plan_maker {
+  template <class Local, precision_policy P, class B, comm::communicator C, class MakeLocal>
+  static plan<B, P, Local> make(const B&, C& comm, const shard::plan& tokens, const head_shape& s,
+                                const options& opt, std::string_view call, MakeLocal&& make_local) {
+    using T = typename P::storage_type;
+    using Acc = typename P::accum_type;
+    using state = typename plan<B, P, Local>::state;
+    static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
+                  "Ulysses attention: the communicator cannot move buffers of the backend's memory space (a host "
+                  "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
+    auto st = std::make_shared<state>();
+    comm::agree(comm, call, [&] {
+      check_shape(s, opt, comm.size(), call);
+      LOOM_EXPECTS(tokens.ranks() == comm.size(), errc::invalid_argument, call, ": the sharding is for ",
+                   tokens.ranks(), " ranks but the communicator has ", comm.size());
+      st->dims = s;
+      st->opt = opt;
+      st->pipe = head_pipeline<T, Acc>(tokens, {s.heads_q, s.heads_kv, comm.size()}, comm.rank(), s.dim_qk, s.dim_v);
+      std::size_t fwd = 0, bwd = 0;
+      for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
+        st->local.push_back(make_local(std::as_const(st->pipe), i));
+        fwd = std::max(fwd, st->local.back().workspace_bytes());
+        bwd = std::max(bwd, st->local.back().backward_workspace_bytes());
+      }
+      st->pipe.reserve_inner(fwd, bwd);
+      return attention_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
+    });
+    return plan<B, P, Local>(std::move(st));
+  }
+};
+}  // namespace detail
+
 template <precision_policy P, class B, comm::communicator C>
-plan<B, P> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s, const options& opt) {
-  constexpr std::string_view call = "ulysses::make_plan";
-  using T = typename P::storage_type;
-  using Acc = typename P::accum_type;
-  using state = typename plan<B, P>::state;
-  static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
-                "Ulysses attention: the communicator cannot move buffers of the backend's memory space (a host "
-                "communicator needs host-accessible memory; device memory needs a stream-ordered communicator)");
-  auto st = std::make_shared<state>();
-  comm::agree(comm, call, [&] {
-    detail::check_shape(s, opt, comm.size(), call);
-    LOOM_EXPECTS(tokens.ranks() == comm.size(), errc::invalid_argument, call, ": the sharding is for ", tokens.ranks(),
-                 " ranks but the communicator has ", comm.size());
-    st->dims = s;
-    st->opt = opt;
-    st->pipe =
-        detail::head_pipeline<T, Acc>(tokens, {s.heads_q, s.heads_kv, comm.size()}, comm.rank(), s.dim_qk, s.dim_v);
-    // The local plans take the token coordinates the pipeline keeps (documents and positions).
-    std::size_t fwd = 0, bwd = 0;
-    for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
-      const auto sh = st->pipe.segment(i);
-      st->local.push_back(attention::make_plan<P>(
-          b, attention::shape{st->pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
-      fwd = std::max(fwd, st->local.back().workspace_bytes());
-      bwd = std::max(bwd, st->local.back().backward_workspace_bytes());
-    }
-    st->pipe.reserve_inner(fwd, bwd);
-    return detail::attention_signature<T, Acc>(attention::detail::digest_of(tokens), s, opt);
-  });
-  return plan<B, P>(std::move(st));
+plan<B, P, detail::local_plan_t<B, P>> make_plan(const B& b, C& comm, const shard::plan& tokens, const head_shape& s,
+                                                 const options& opt) {
+  // The local plans take the token coordinates the pipeline keeps (documents and positions).
+  return detail::plan_maker::make<detail::local_plan_t<B, P>, P>(
+      b, comm, tokens, s, opt, "ulysses::make_plan", [&](const auto& pipe, std::size_t i) {
+        const auto sh = pipe.segment(i);
+        return attention::make_plan<P>(
+            b, attention::shape{pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt);
+      });
 }
+
 
 //! Ulysses forward on a plan: allocates nothing. `workspace`: at least plan.workspace_bytes()
 //! bytes starting on loom::workspace_alignment.
 //! @throws loom::error on this rank only: (shape_mismatch) views not of the plan's extents;
 //! (invalid_argument) a short or misaligned workspace, a communicator of another rank or size.
-template <class B, precision_policy P, comm::communicator C, class Q, class K, class V, class O, class L>
-void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L lse, std::span<std::byte> workspace) {
+template <class B, precision_policy P, class Local, comm::communicator C, class Q, class K, class V, class O, class L>
+void forward(const B& b, C& comm, const plan<B, P, Local>& up, Q q, K k, V v, O out, L lse,
+             std::span<std::byte> workspace) {
   constexpr std::string_view call = "ulysses::forward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
@@ -233,17 +271,18 @@ void forward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L 
   up.pipeline().forward(
       b, comm, q, k, v, out, lse, workspace,
       [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, std::span<std::byte> ws) {
-        attention::forward(b, up.local(s), qs, ks, vs, c, c, os, ls, ws);
+        using detail::local_forward;  // loom's kernel; other local plans bring their own (ADL)
+        local_forward(b, up.local(s), c, qs, ks, vs, os, ls, ws);
       });
 }
 
 //! Ulysses backward on a plan: q, k, v, out, lse (the forward's) and dout travel to head shards,
 //! the local backward runs, dq, dk, dv travel back (partial dK/dV of replicated kv heads summed)
 //! and overwrite dq, dk, dv. Allocates nothing; workspace and errors as forward.
-template <class B, precision_policy P, comm::communicator C, class Q, class K, class V, class O, class L, class DO,
-          class DQ, class DK, class DV>
-void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
-              std::span<std::byte> workspace) {
+template <class B, precision_policy P, class Local, comm::communicator C, class Q, class K, class V, class O, class L,
+          class DO, class DQ, class DK, class DV>
+void backward(const B& b, C& comm, const plan<B, P, Local>& up, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
+              DV dv, std::span<std::byte> workspace) {
   constexpr std::string_view call = "ulysses::backward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
@@ -255,7 +294,8 @@ void backward(const B& b, C& comm, const plan<B, P>& up, Q q, K k, V v, O out, L
   up.pipeline().backward(b, comm, q, k, v, out, lse, dout, dq, dk, dv, workspace,
                          [&](std::size_t s, const auto& c, auto qs, auto ks, auto vs, auto os, auto ls, auto ds,
                              auto dqs, auto dks, auto dvs, std::span<std::byte> ws) {
-                           attention::backward(b, up.local(s), qs, ks, vs, c, c, os, ls, ds, dqs, dks, dvs, ws);
+                           using detail::local_backward;
+                           local_backward(b, up.local(s), c, qs, ks, vs, os, ls, ds, dqs, dks, dvs, ws);
                          });
 }
 
