@@ -111,28 +111,44 @@ struct gemm_gates {
   }
 };
 
-//! Per (head, chunk, row): Q, K, V and Ks = K exp(b_{n-1} - b_i) into the padded layout.
+//! Where an elementwise pass's item falls: row r of the padded layout (head h, chunk ci, row i of
+//! the chunk) and column x of a row of `width` values. Items run column fastest, so neighbouring
+//! items (a device's neighbouring threads) touch neighbouring addresses.
+struct gemm_item {
+  index_t r, x, h, ci, i;
+  LOOM_HD gemm_item(index_t item, index_t width, index_t c, index_t n_chunks)
+      : r(item / width), x(item % width), h(r / c / n_chunks), ci(r / c % n_chunks), i(r % c) {}
+};
+
+//! Per (head, chunk, row, key column d): Q, K and Ks = K exp(b_{n-1} - b_i) into the padded
+//! layout (zeros past the chunk's end).
 template <class S, class A, class Space>
-struct gemm_gather {
+struct gemm_gather_qk {
   gemm_pass<S, A, Space> g;
   LOOM_HD void operator()(index_t item) const {
-    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
-    const index_t n = g.length(ci), r = g.row(h, ci, i), dk = g.p.dk, dv = g.p.dv;
-    S *q = g.qg + r * dk, *k = g.kg + r * dk, *ks = g.ks + r * dk, *v = g.vg + r * dv;
-    if (i >= n) {
-      for (index_t d = 0; d < dk; ++d) q[d] = S(0.0f), k[d] = S(0.0f), ks[d] = S(0.0f);
-      for (index_t e = 0; e < dv; ++e) v[e] = S(0.0f);
+    const gemm_item at(item, g.p.dk, g.p.c, g.p.n_chunks);
+    const index_t n = g.length(at.ci), to = at.r * g.p.dk + at.x;
+    if (at.i >= n) {
+      g.qg[to] = S(0.0f), g.kg[to] = S(0.0f), g.ks[to] = S(0.0f);
       return;
     }
-    const index_t t = g.p.chunks[ci].begin + i;
-    const A f = decay_between(g.b + g.row(h, ci, 0), g.ep + g.row(h, ci, 0), n - 1, i);
-    for (index_t d = 0; d < dk; ++d) {
-      const S kd = g.p.k(t, h, d);
-      q[d] = g.p.q(t, h, d);
-      k[d] = kd;
-      ks[d] = f == A(0) ? S(0.0f) : S(static_cast<A>(kd) * f);
-    }
-    for (index_t e = 0; e < dv; ++e) v[e] = g.p.v(t, h, e);
+    const index_t t = g.p.chunks[at.ci].begin + at.i;
+    const A f = decay_between(g.b + g.row(at.h, at.ci, 0), g.ep + g.row(at.h, at.ci, 0), n - 1, at.i);
+    const S kd = g.p.k(t, at.h, at.x);
+    g.qg[to] = g.p.q(t, at.h, at.x);
+    g.kg[to] = kd;
+    g.ks[to] = f == A(0) ? S(0.0f) : S(static_cast<A>(kd) * f);
+  }
+};
+
+//! Per (head, chunk, row, value column e): V into the padded layout (zeros past the chunk's end).
+template <class S, class A, class Space>
+struct gemm_gather_v {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
+    g.vg[at.r * g.p.dv + at.x] =
+        at.i >= g.length(at.ci) ? S(0.0f) : g.p.v(g.p.chunks[at.ci].begin + at.i, at.h, at.x);
   }
 };
 
@@ -155,38 +171,43 @@ struct gemm_state_pass {
   }
 };
 
-//! Per (head, chunk, row i): Pm(i, j) = scale exp(b_i - b_j) Pf(i, j) for j <= i inside the chunk
-//! (0 elsewhere), and O row i (= Q S0 so far) times scale exp(b_i) (0 after a full-decay token).
-//! A factor of 0 selects 0 (no 0 x inf).
+//! Per (head, chunk, row i, column j): Pm(i, j) = scale exp(b_i - b_j) Pf(i, j) for j <= i inside
+//! the chunk (0 elsewhere). A factor of 0 selects 0 (no 0 x inf).
 template <class S, class A, class Space>
-struct gemm_mask_scale {
+struct gemm_mask {
   gemm_pass<S, A, Space> g;
   LOOM_HD void operator()(index_t item) const {
-    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
-    const index_t n = g.length(ci), r = g.row(h, ci, i);
-    const A *b = g.b + g.row(h, ci, 0), *ep = g.ep + g.row(h, ci, 0), *pf = g.pf + r * c;
-    S* pm = g.pm + r * c;
-    for (index_t j = 0; j < c; ++j) {
-      const A f = i < n && j <= i ? decay_between(b, ep, i, j) : A(0);
-      pm[j] = f == A(0) ? S(0.0f) : S(g.p.scale * f * pf[j]);
-    }
-    const A f = i < n && ep[i] == A(0) ? g.p.scale * exp_acc(b[i]) : A(0);
-    A* o = g.o + r * g.p.dv;
-    for (index_t e = 0; e < g.p.dv; ++e) o[e] = f == A(0) ? A(0) : o[e] * f;
+    const gemm_item at(item, g.p.c, g.p.c, g.p.n_chunks);
+    const A *b = g.b + g.row(at.h, at.ci, 0), *ep = g.ep + g.row(at.h, at.ci, 0);
+    const A f = at.i < g.length(at.ci) && at.x <= at.i ? decay_between(b, ep, at.i, at.x) : A(0);
+    const index_t to = at.r * g.p.c + at.x;
+    g.pm[to] = f == A(0) ? S(0.0f) : S(g.p.scale * f * g.pf[to]);
   }
 };
 
-//! Per (head, chunk, row i < n): the output row into o (t, h, :).
+//! Per (head, chunk, row i, value column e): O (= Q S0 so far) times scale exp(b_i) (0 after a
+//! full-decay token, and past the chunk's end). A factor of 0 selects 0 (no 0 x inf).
+template <class S, class A, class Space>
+struct gemm_row_scale {
+  gemm_pass<S, A, Space> g;
+  LOOM_HD void operator()(index_t item) const {
+    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
+    const index_t r0 = g.row(at.h, at.ci, 0);
+    const A f = at.i < g.length(at.ci) && g.ep[r0 + at.i] == A(0) ? g.p.scale * exp_acc(g.b[r0 + at.i]) : A(0);
+    A& o = g.o[at.r * g.p.dv + at.x];
+    o = f == A(0) ? A(0) : o * f;
+  }
+};
+
+//! Per (head, chunk, row i < n, value column e): the output into o (t, h, e).
 template <class S, class A, class Space>
 struct gemm_scatter {
   gemm_pass<S, A, Space> g;
   LOOM_HD void operator()(index_t item) const {
-    const index_t c = g.p.c, i = item % c, hc = item / c, h = hc / g.p.n_chunks, ci = hc % g.p.n_chunks;
-    if (i >= g.length(ci)) return;
-    const index_t t = g.p.chunks[ci].begin + i;
-    const A* o = g.o + g.row(h, ci, i) * g.p.dv;
-    S* dst = g.out + t * g.ot + h * g.oh;
-    for (index_t e = 0; e < g.p.dv; ++e) dst[e * g.oe] = S(o[e]);
+    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
+    if (at.i >= g.length(at.ci)) return;
+    const index_t t = g.p.chunks[at.ci].begin + at.i;
+    g.out[t * g.ot + at.h * g.oh + at.x * g.oe] = S(g.o[at.r * g.p.dv + at.x]);
   }
 };
 
@@ -243,7 +264,8 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
   const A one = A(1), zero = A(0);
   if (batch > 0) {
     for_each_index(b, batch, gemm_gates<S, A, Space>{g});
-    for_each_index(b, rows, gemm_gather<S, A, Space>{g});
+    for_each_index(b, rows * dk, gemm_gather_qk<S, A, Space>{g});
+    for_each_index(b, rows * dv, gemm_gather_v<S, A, Space>{g});
     // L = Ks^T V per chunk
     gemm(gemm_op::t, gemm_op::n, dk, dv, c, one, static_cast<const S*>(g.ks), dk, c * dk, static_cast<const S*>(g.vg),
          dv, c * dv, zero, g.l, dv, dk * dv, batch);
@@ -255,10 +277,11 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
        c * dk, zero, g.pf, c, c * c, batch);
   gemm(gemm_op::n, gemm_op::n, c, dv, dk, one, static_cast<const S*>(g.qg), dk, c * dk, static_cast<const S*>(g.s0), dv,
        dk * dv, zero, g.o, dv, c * dv, batch);
-  for_each_index(b, rows, gemm_mask_scale<S, A, Space>{g});
+  for_each_index(b, rows * c, gemm_mask<S, A, Space>{g});
+  for_each_index(b, rows * dv, gemm_row_scale<S, A, Space>{g});
   gemm(gemm_op::n, gemm_op::n, c, dv, c, one, static_cast<const S*>(g.pm), c, c * c, static_cast<const S*>(g.vg), dv,
        c * dv, one, g.o, dv, c * dv, batch);
-  for_each_index(b, rows, gemm_scatter<S, A, Space>{g});
+  for_each_index(b, rows * dv, gemm_scatter<S, A, Space>{g});
 }
 
 }  // namespace loom::linear_attention::detail
