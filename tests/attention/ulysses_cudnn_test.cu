@@ -12,9 +12,9 @@
 
 #include <catch2/catch.hpp>
 
-#include <comm/device_memory.hpp>
 #include <algorithm>
 #include <cmath>
+#include <comm/device_memory.hpp>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -115,7 +115,8 @@ TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN att
   const la::head_shape hs{hq, hkv, d, d};
   la::options opt;
   opt.causal = true;
-  const auto q = to_bf16(lt::uniform<float>(t * hq * d, -1, 1, 1)), k = to_bf16(lt::uniform<float>(t * hkv * d, -1, 1, 2)),
+  const auto q = to_bf16(lt::uniform<float>(t * hq * d, -1, 1, 1)),
+             k = to_bf16(lt::uniform<float>(t * hkv * d, -1, 1, 2)),
              v = to_bf16(lt::uniform<float>(t * hkv * d, -1, 1, 3)),
              g = to_bf16(lt::uniform<float>(t * hq * d, -1, 1, 4));
   // One device: attention::cudnn over the same documents.
@@ -149,7 +150,8 @@ TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN att
       try {
         (void)la::ulysses::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, sp, hs, opt);
       } catch (const loom::error& e) {
-        what[static_cast<std::size_t>(comm.rank())] = std::string(e.what()) + (e.code() == loom::errc::unsupported ? "" : " (not unsupported)");
+        what[static_cast<std::size_t>(comm.rank())] =
+            std::string(e.what()) + (e.code() == loom::errc::unsupported ? "" : " (not unsupported)");
       }
     });
     for (const auto& w : what) {
@@ -166,8 +168,8 @@ TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN att
     loom::comm::run_device_local(p, [&](loom::comm::device_local& comm, loom::cuda b) {
       const int r = comm.rank();
       const index_t n = sp.rank(r).tokens;
-      lt::device_array<bf> qd(rows_of(sp, r, q, hq * d)), kd(rows_of(sp, r, k, hkv * d)), vd(rows_of(sp, r, v, hkv * d)),
-          gd(rows_of(sp, r, g, hq * d)), od(static_cast<std::size_t>(n * hq * d)),
+      lt::device_array<bf> qd(rows_of(sp, r, q, hq * d)), kd(rows_of(sp, r, k, hkv * d)),
+          vd(rows_of(sp, r, v, hkv * d)), gd(rows_of(sp, r, g, hq * d)), od(static_cast<std::size_t>(n * hq * d)),
           dqd(static_cast<std::size_t>(n * hq * d)), dkd(static_cast<std::size_t>(n * hkv * d)),
           dvd(static_cast<std::size_t>(n * hkv * d));
       lt::device_array<float> ld(static_cast<std::size_t>(n * hq));

@@ -23,8 +23,8 @@
 
 #include <catch2/catch.hpp>
 
-#include <comm/device_memory.hpp>
 #include <algorithm>
+#include <comm/device_memory.hpp>
 #include <cstddef>
 #include <mutex>
 #include <span>

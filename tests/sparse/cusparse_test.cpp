@@ -195,8 +195,7 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
     for (index_t j = 0; j < n; ++j) {
       double s = 0, sa = 0;
       for (index_t l = 0; l < k; ++l) {
-        const double x = w.dense[static_cast<std::size_t>(i * k + l)] *
-                         wide(bh[at(l, j, k, n, o)]);
+        const double x = w.dense[static_cast<std::size_t>(i * k + l)] * wide(bh[at(l, j, k, n, o)]);
         s += x, sa += std::abs(x);
       }
       const double c = beta == 0 ? 0.0 : wide(c0[at(i, j, m, n, o)]);

@@ -94,8 +94,8 @@ void local_forward(const B& b, const attention::plan<B, P>& lp, const Coords& c,
 }
 template <class B, class P, class Coords, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
           class DV>
-void local_backward(const B& b, const attention::plan<B, P>& lp, const Coords& c, Q q, K k, V v, O out, L lse,
-                    DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
+void local_backward(const B& b, const attention::plan<B, P>& lp, const Coords& c, Q q, K k, V v, O out, L lse, DO dout,
+                    DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   attention::backward(b, lp, q, k, v, c, c, out, lse, dout, dq, dk, dv, ws);
 }
 
@@ -212,8 +212,8 @@ namespace detail {
 //! head segment (inside the agreement, so a rejection there is every rank's).
 struct plan_maker {
   template <class Local, precision_policy P, class B, comm::communicator C, class MakeLocal>
-  static plan<B, P, Local> make(const B&, C& comm, const shard::plan& tokens, const head_shape& s,
-                                const options& opt, std::string_view call, MakeLocal&& make_local) {
+  static plan<B, P, Local> make(const B&, C& comm, const shard::plan& tokens, const head_shape& s, const options& opt,
+                                std::string_view call, MakeLocal&& make_local) {
     using T = typename P::storage_type;
     using Acc = typename P::accum_type;
     using state = typename plan<B, P, Local>::state;
@@ -253,7 +253,6 @@ plan<B, P, detail::local_plan_t<B, P>> make_plan(const B& b, C& comm, const shar
             b, attention::shape{pipe.tokens().total_tokens(), sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt);
       });
 }
-
 
 //! Ulysses forward on a plan: allocates nothing. `workspace`: at least plan.workspace_bytes()
 //! bytes starting on loom::workspace_alignment.

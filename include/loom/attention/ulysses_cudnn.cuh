@@ -50,8 +50,8 @@ void local_forward(const loom::cuda& b, const plan<P>& lp, const Coords&, Q q, K
 }
 template <precision_policy P, class Coords, class Q, class K, class V, class O, class L, class DO, class DQ, class DK,
           class DV>
-void local_backward(const loom::cuda& b, const plan<P>& lp, const Coords&, Q q, K k, V v, O out, L lse, DO dout,
-                    DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
+void local_backward(const loom::cuda& b, const plan<P>& lp, const Coords&, Q q, K k, V v, O out, L lse, DO dout, DQ dq,
+                    DK dk, DV dv, std::span<std::byte> ws) {
   backward(b, lp, q, k, v, out, lse, dout, dq, dk, dv, ws);
 }
 

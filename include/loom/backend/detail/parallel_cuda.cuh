@@ -67,10 +67,10 @@ struct parallel_impl<cuda> {
     const index_t grid = p.league_size < (index_t{1} << 20) ? p.league_size : (index_t{1} << 20);
     // Whole alignment units: the compiler may read the scratch in aligned 16-byte vectors (an
     // 8-byte tail would be read past), and the members may too.
-    const std::size_t shared = (p.scratch_bytes + team_scratch_alignment - 1) / team_scratch_alignment *
-                               team_scratch_alignment;
-    for_each_team_kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(size), shared, b.stream>>>(
-        p.league_size, f);
+    const std::size_t shared =
+        (p.scratch_bytes + team_scratch_alignment - 1) / team_scratch_alignment * team_scratch_alignment;
+    for_each_team_kernel<<<static_cast<unsigned>(grid), static_cast<unsigned>(size), shared, b.stream>>>(p.league_size,
+                                                                                                         f);
     LOOM_CUDA_TRY(cudaGetLastError());
   }
 

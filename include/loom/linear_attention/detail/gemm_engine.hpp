@@ -147,8 +147,7 @@ struct gemm_gather_v {
   gemm_pass<S, A, Space> g;
   LOOM_HD void operator()(index_t item) const {
     const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
-    g.vg[at.r * g.p.dv + at.x] =
-        at.i >= g.length(at.ci) ? S(0.0f) : g.p.v(g.p.chunks[at.ci].begin + at.i, at.h, at.x);
+    g.vg[at.r * g.p.dv + at.x] = at.i >= g.length(at.ci) ? S(0.0f) : g.p.v(g.p.chunks[at.ci].begin + at.i, at.h, at.x);
   }
 };
 
