@@ -19,11 +19,11 @@
 //! with its graphs. Compile with nvcc (the exchange runs loom kernels); link loom::cudnn.
 //!
 //! Needs what attention::cudnn needs (bfloat16 or half storage with float lse, dims multiples of 8
-//! up to 256) and each rank's query heads to be one GQA block (its heads read consecutive kv heads
-//! and no kv head is shared with a partial group beside it: true when the ranks divide heads_kv, or
-//! heads_q / heads_kv is a multiple of the ranks' share of it), so that the head shards are dense
-//! [T, h, d] tensors. Otherwise make_plan throws loom::error(unsupported) on every rank, naming the
-//! rank and its heads; the default ulysses::make_plan (loom's kernel) takes any split.
+//! up to 256) and each rank's query heads to be one GQA block: whole groups of heads_q / heads_kv
+//! query heads, or part of a single group (true when the number of ranks divides heads_kv, or when
+//! each rank's share heads_q / ranks divides heads_q / heads_kv), so that the head shards are
+//! dense [T, h, d] tensors. Otherwise make_plan throws loom::error(unsupported) on every rank,
+//! naming the rank and its heads; the default ulysses::make_plan (loom's kernel) takes any split.
 //!
 //! Not yet run on a GPU (docs/gpu.md); tests/attention/ulysses_cudnn_test.cu holds its [gpu] case
 //! (against one device's attention::cudnn over the same documents) for .ci/gpu.
