@@ -346,36 +346,29 @@ TEMPLATE_TEST_CASE("attention::cudnn: forward and backward agree with the fp64 o
     CHECK(std::count(lse_f.begin() + n * s.heads_q, lse_f.end(), 7.0f) == tail * s.heads_q);
     require_close(out_h, want.out, 1e-2, 1e-2, "out vs fp64", static_cast<std::size_t>(s.heads_q * s.dim_v));
     require_close(lse_h, want.lse, 1e-3, 2e-3, "lse vs fp64", static_cast<std::size_t>(s.heads_q));
+    const auto run_backward = [&] {
+      attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
+                                 cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
+                                 test::view_of<const float, 2>(lse, {n, s.heads_q}),
+                                 cview3(dout, n, s.heads_q, s.dim_v), view3(dq, n, s.heads_q, s.dim_qk),
+                                 view3(dk, n, s.heads_kv, s.dim_qk), view3(dv, n, s.heads_kv, s.dim_v), ws.span());
+    };
     if (!p.backward_supported()) {
-      // cuDNN's reason, as backward quotes it.
-      std::string reason;
-      try {
-        attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
-                                   cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
-                                   test::view_of<const float, 2>(lse, {n, s.heads_q}),
-                                   cview3(dout, n, s.heads_q, s.dim_v), view3(dq, n, s.heads_q, s.dim_qk),
-                                   view3(dk, n, s.heads_kv, s.dim_qk), view3(dv, n, s.heads_kv, s.dim_v), ws.span());
-      } catch (const loom::error& e) {
-        reason = e.what();
-      }
-      WARN("cuDNN has no backward for this plan on this device: only its rejection is checked (" << reason << ")");
+      std::string reason;  // cuDNN's, as backward quotes it
       test::require_loom_error(
           [&] {
-            attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
-                                       cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
-                                       test::view_of<const float, 2>(lse, {n, s.heads_q}),
-                                       cview3(dout, n, s.heads_q, s.dim_v), view3(dq, n, s.heads_q, s.dim_qk),
-                                       view3(dk, n, s.heads_kv, s.dim_qk), view3(dv, n, s.heads_kv, s.dim_v),
-                                       ws.span());
+            try {
+              run_backward();
+            } catch (const loom::error& e) {
+              reason = e.what();
+              throw;
+            }
           },
           errc::unsupported, {"attention::cudnn::backward", "no backward"});
+      WARN("cuDNN has no backward for this plan on this device: only its rejection is checked (" << reason << ")");
       continue;
     }
-    attention::cudnn::backward(b, p, cview3(q, n, s.heads_q, s.dim_qk), cview3(k, n, s.heads_kv, s.dim_qk),
-                               cview3(v, n, s.heads_kv, s.dim_v), cview3(out, n, s.heads_q, s.dim_v),
-                               test::view_of<const float, 2>(lse, {n, s.heads_q}), cview3(dout, n, s.heads_q, s.dim_v),
-                               view3(dq, n, s.heads_q, s.dim_qk), view3(dk, n, s.heads_kv, s.dim_qk),
-                               view3(dv, n, s.heads_kv, s.dim_v), ws.span());
+    run_backward();
     const auto dq_h = body(dq.to_host(), qh.size(), "dq"), dk_h = body(dk.to_host(), kh.size(), "dk"),
                dv_h = body(dv.to_host(), vh.size(), "dv");
     require_close(dq_h, want.dq, 1e-2, 2e-2, "dq vs fp64", static_cast<std::size_t>(s.heads_q * s.dim_qk));

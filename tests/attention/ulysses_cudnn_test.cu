@@ -8,12 +8,13 @@
 #include <loom/comm/device_local.hpp>
 #include <loom/shard/plan.hpp>
 
+#include <support/convert.hpp>
 #include <support/random.hpp>
+#include <support/tolerance.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <comm/device_memory.hpp>
 #include <cstddef>
 #include <cstdint>
@@ -72,33 +73,12 @@ std::vector<loom::bfloat16> to_bf16(const std::vector<float>& x) {
   return y;
 }
 
-// Rows of rank r (its local order) of a [T, width] global array, and back.
+// Rank r's rows (its local order) of a [T, width] global array.
 template <class T>
 std::vector<T> rows_of(const loom::shard::plan& sp, int r, const std::vector<T>& global, index_t width) {
-  const index_t n = sp.rank(r).tokens;
-  std::vector<T> out(static_cast<std::size_t>(n * width));
-  for (index_t i = 0; i < n; ++i) {
-    const index_t g = sp.to_global(r, i);
-    std::copy_n(global.begin() + g * width, width, out.begin() + i * width);
-  }
-  return out;
-}
-template <class T>
-void put_rows(const loom::shard::plan& sp, int r, const std::vector<T>& local, index_t width, std::vector<T>& global) {
-  for (index_t i = 0; i < sp.rank(r).tokens; ++i)
-    std::copy_n(local.begin() + i * width, width, global.begin() + sp.to_global(r, i) * width);
-}
-
-template <class T>
-std::size_t misses(const std::vector<T>& got, const std::vector<T>& want, double abs, double rel) {
-  double scale = 0;
-  for (const auto& w : want) scale = std::max(scale, std::abs(static_cast<double>(static_cast<float>(w))));
-  std::size_t bad = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const double a = static_cast<float>(got[i]), b = static_cast<float>(want[i]);
-    bad += !(std::abs(a - b) <= abs + rel * scale);
-  }
-  return bad;
+  std::vector<T> local(static_cast<std::size_t>(sp.rank(r).tokens * width));
+  sp.scatter<T>(r, global, width, local);
+  return local;
 }
 
 }  // namespace
@@ -187,17 +167,20 @@ TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN att
       LOOM_CUDA_TRY(cudaStreamSynchronize(b.stream));
       comm.synchronize();
       const std::lock_guard lock(mu);
-      put_rows(sp, r, od.to_host(), hq * d, out);
-      put_rows(sp, r, ld.to_host(), hq, lse);
-      put_rows(sp, r, dqd.to_host(), hq * d, dq);
-      put_rows(sp, r, dkd.to_host(), hkv * d, dk);
-      put_rows(sp, r, dvd.to_host(), hkv * d, dv);
+      sp.gather<bf>(r, od.to_host(), hq * d, out);
+      sp.gather<float>(r, ld.to_host(), hq, lse);
+      sp.gather<bf>(r, dqd.to_host(), hq * d, dq);
+      sp.gather<bf>(r, dkd.to_host(), hkv * d, dk);
+      sp.gather<bf>(r, dvd.to_host(), hkv * d, dv);
     });
+    // The same cuDNN kernels on fewer heads per call: bf16 storage tolerances (the partial dK/dV of
+    // kv heads that several ranks hold are summed once more, in float, then rounded).
     INFO("P = " << p);
-    CHECK(misses(out, out1, 1e-2, 1e-2) == 0);
-    CHECK(misses(lse, lse1, 1e-3, 1e-3) == 0);
-    CHECK(misses(dq, dq1, 1e-2, 2e-2) == 0);
-    CHECK(misses(dk, dk1, 1e-2, 2e-2) == 0);
-    CHECK(misses(dv, dv1, 1e-2, 2e-2) == 0);
+    constexpr lt::tolerance tol = lt::tolerance_for<loom::bf16>();
+    lt::require_close(lt::widen(out), lt::widen(out1), tol, "out");
+    lt::require_close(lt::widen(lse), lt::widen(lse1), lt::tolerance_for<loom::fp32>(), "lse");
+    lt::require_close(lt::widen(dq), lt::widen(dq1), tol, "dq");
+    lt::require_close(lt::widen(dk), lt::widen(dk1), tol, "dk");
+    lt::require_close(lt::widen(dv), lt::widen(dv1), tol, "dv");
   }
 }

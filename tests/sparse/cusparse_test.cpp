@@ -157,15 +157,6 @@ std::vector<T> random_values(std::size_t n, std::uint64_t stream) {
   return v;
 }
 
-// x as a double, through float for the 16-bit types (double stays double: no narrowing).
-template <class T>
-double wide(T x) {
-  if constexpr (std::is_same_v<T, double>)
-    return x;
-  else
-    return static_cast<double>(static_cast<float>(x));
-}
-
 // Element (i, j) of a dense M x N matrix in `o`.
 std::size_t at(index_t i, index_t j, index_t rows, index_t cols, cs::order o) {
   return static_cast<std::size_t>(o == cs::order::row_major ? i * cols + j : j * rows + i);
@@ -195,10 +186,10 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
     for (index_t j = 0; j < n; ++j) {
       double s = 0, sa = 0;
       for (index_t l = 0; l < k; ++l) {
-        const double x = w.dense[static_cast<std::size_t>(i * k + l)] * wide(bh[at(l, j, k, n, o)]);
+        const double x = w.dense[static_cast<std::size_t>(i * k + l)] * static_cast<double>(bh[at(l, j, k, n, o)]);
         s += x, sa += std::abs(x);
       }
-      const double c = beta == 0 ? 0.0 : wide(c0[at(i, j, m, n, o)]);
+      const double c = beta == 0 ? 0.0 : static_cast<double>(c0[at(i, j, m, n, o)]);
       want[at(i, j, m, n, o)] = alpha * s + beta * c;
       mag[at(i, j, m, n, o)] = std::abs(alpha) * sa + std::abs(beta * c);
     }
@@ -209,8 +200,8 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
                          : std::is_same_v<TC, loom::half> ? 0x1p-10
                                                           : 0x1p-7;
   // With a 16-bit C, cuSPARSE rounds partial sums to C's type (for N > 1; measured on an H200 with
-  // CUDA 13.0: up to 1.22 units of 2^-8 times the magnitudes for bfloat16, 0.77 units of 2^-11 for
-  // half, docs/gpu.md): four such units of the magnitudes, on top of the float accumulation.
+  // CUDA 13.0, docs/gpu.md, 2026-11-28, commit 4661c69: up to 1.22 units of 2^-8 times the magnitudes for bfloat16,
+  // 0.77 units of 2^-11 for half, docs/gpu.md): four such units of the magnitudes, on top of the float accumulation.
   constexpr bool narrow_c = std::is_same_v<TC, loom::half> || std::is_same_v<TC, loom::bfloat16>;
   const double partial_eps = !narrow_c ? 0 : 4 * (std::is_same_v<TC, loom::half> ? 0x1p-11 : 0x1p-8);
   const test::buffer<T> bd(bh);
@@ -232,12 +223,12 @@ void check_product(index_t m, index_t k, index_t n, double density, cs::order o,
     for (std::size_t i = 0; i < got.size(); ++i) {
       double expect = want[i], tol = (acc_eps + partial_eps) * mag[i] + out_eps * std::abs(want[i]);
       if (form == 0 && beta != 0) {  // the second call: alpha A B + beta (alpha A B + beta C0)
-        const double first = want[i], ab = first - beta * wide(c0[i]);
+        const double first = want[i], ab = first - beta * static_cast<double>(c0[i]);
         expect = ab + beta * first;
         tol = (acc_eps + partial_eps) * (mag[i] + std::abs(beta) * mag[i]) +
               out_eps * (std::abs(expect) + 2 * std::abs(beta * first));  // C rounded after each call
       }
-      const double got_i = wide(got[i]);
+      const double got_i = static_cast<double>(got[i]);
       if (!(std::abs(got_i - expect) <= tol + 1e-30)) {
         FAIL_CHECK("form " << form << " element " << i << ": got " << got_i << ", want " << expect);
         return;
