@@ -40,7 +40,7 @@
 //! Workspace: cuDNN's own (the largest graph's), in device memory, on loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream, no host sync; the convenience forms fence.
 //! Results: cuDNN's order of summation, not loom's. The [gpu] case of tests/attention/cudnn_test.cpp
-//! compares them with the fp64 oracle at bfloat16 tolerances (docs/gpu.md: on an H200, 2026-11-28,
+//! compares them with the fp64 oracle at bfloat16 tolerances (docs/gpu.md: on an H200, 2026-11-28, commit 29324c3,
 //! it found the s = 1 graphs' lse, see make_plan; the fix has not run on a GPU yet). The backward's
 //! deterministic algorithm is not requested: by the
 //! frontend's own checks, on sm_90 before cuDNN 9.25 it takes a workspace of batch x heads x Lq x
@@ -433,8 +433,8 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
     // and for the plan's token count (the bound of the packed token axis).
     key.batch = static_cast<index_t>(g.size());
     // At least 2 on each side: cuDNN takes s_q = s_kv = 1 (a batch of one-token documents) to a
-    // kernel that, measured on an H200 with cuDNN 9.19, writes the lse of only the first query
-    // head of each kv group, and it has no backward for it; one-token entries of a graph sized 2
+    // kernel that, measured on an H200 with cuDNN 9.19 (docs/gpu.md, 2026-11-28, commit 29324c3), writes the lse of
+    // only the first query head of each kv group, and it has no backward for it; one-token entries of a graph sized 2
     // are padded entries like any shorter document of a batch. (A sequence of one token in all
     // still gets s = 1: its lse is exact only where each kv head serves one query head.)
     key.max_q = key.max_k = std::min<index_t>(2, s.tokens);

@@ -31,7 +31,7 @@
 //! Results: cuSPARSE's order of summation, not loom's (loom::sparse::spmm sums in a fixed order on
 //! every backend). With float or double C the sums are one rounding from the exact product; with a
 //! bfloat16 or half C, cuSPARSE rounds partial sums to C's type when N > 1 (docs/gpu.md, run of
-//! 2026-11-28 on an H200: up to 1.22 units of 2^-8 of sum |a b| for bfloat16, against 0.5 for one
+//! 2026-11-28 on an H200, commit 4661c69: up to 1.22 units of 2^-8 of sum |a b| for bfloat16, against 0.5 for one
 //! rounding): plan a float C (make_plan<float>) for one rounding. The [gpu] cases of
 //! tests/sparse/cusparse_test.cpp compare with the fp64 oracle at those bounds.
 

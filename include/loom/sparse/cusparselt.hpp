@@ -25,7 +25,7 @@
 //! Workspace: cuSPARSELt's (plan.workspace_bytes()), device memory, loom::workspace_alignment.
 //! Completion: stream-ordered on b.stream (no host sync); the convenience form fences.
 //! Results: cuSPARSELt's order of summation. The [gpu] case of tests/sparse/cusparselt_test.cpp
-//! compares them with the fp64 oracle; it passed on an H200 (docs/gpu.md, 2026-11-28), clean under
+//! compares them with the fp64 oracle; it passed on an H200 (docs/gpu.md, 2026-11-28, commit 29324c3), clean under
 //! compute-sanitizer.
 
 #include <loom/backend/cuda.hpp>

@@ -11,7 +11,7 @@
 //!   if (c.pick == loom::sparse::device_path::csr_cusparse) ...  // then looks up
 //!
 //! Compile with nvcc; link loom::cusparse and loom::cublas. On both GPU runs so far (docs/gpu.md: an H100 on
-//! 2026-11-23 and an H200 on 2026-11-28) loom's bitmap kernel ran at 0.05-0.26x cublasSgemm, and
+//! 2026-11-23 and an H200 on 2026-11-28, commit 29324c3) loom's bitmap kernel ran at 0.05-0.26x cublasSgemm, and
 //! sparse::h100_fp32_model (chooser.hpp) picks the dense GEMM at every sparsity a pruned LLM weight
 //! has; this chooser measures the three paths on the caller's device instead. Measuring allocates
 //! B, C, a dense A and the workspaces (device memory, freed on return) and synchronises the stream;
