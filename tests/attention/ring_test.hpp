@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "fused_reference.hpp"
 #include "oracle.hpp"
 
 using loom::index_t;
@@ -70,8 +71,32 @@ auto counted_comm(loom::comm::local& c, std::shared_ptr<loom::comm::traffic> rec
       loom::comm::counting<loom::comm::local>(c, std::move(rec)));
 }
 #endif
+// Ring pass-KV with a fused band-mask local step (attention/detail/ring_fused.hpp), run on the
+// reference engine of fused_reference.hpp: the runner cuDNN's ring uses, on every backend.
+struct fused_ref {};
+constexpr int fused_ref_kind = 7;  // the local step's id in the agreement (any value but loom's 0)
+
 template <class V, class T>
-using rank_plan = lr::plan<V, lt::backend_under_test, loom::default_precision<T>>;
+using rank_plan = std::conditional_t<
+    std::is_same_v<V, fused_ref>,
+    lr::fused_plan<lt::backend_under_test, loom::default_precision<T>, lt::band_engine<T, loom::accum_t<T>>>,
+    lr::plan<V, lt::backend_under_test, loom::default_precision<T>>>;
+
+// make_plan of variant V, or the fused plan on the reference engine.
+template <class V, class P, class B, class C>
+auto make_rank_plan(const B& be, C& comm, const shard::plan& plan, const la::head_shape& s, const la::options& opt) {
+  if constexpr (std::is_same_v<V, fused_ref>) {
+    using T = typename P::storage_type;
+    using Acc = typename P::accum_type;
+    return lr::detail::make_fused_plan<P>(be, comm, plan, s, opt, "ring::make_plan (fused reference)", fused_ref_kind,
+                                          [&](const la::detail::fused_program& prog, index_t) {
+                                            return std::make_shared<lt::band_engine<T, Acc>>(
+                                                prog, s, la::detail::scale_of<Acc>(opt, s.dim_qk));
+                                          });
+  } else {
+    return lr::make_plan<P>(be, comm, V{}, plan, s, opt);
+  }
+}
 
 // Runs variant V (and its backward when `bwd`) on P in-process ranks through one plan per rank
 // and `calls` calls of each; gathers global results. The communicator's own allocations are not
@@ -103,7 +128,7 @@ ring_result run_ring(const global_inputs& g, int p, const shard::plan& plan, boo
     const lt::dview_t<const T, 3> qv(q.data(), {n, s.hq, s.dk}), kv(k.data(), {n, s.hkv, s.dk}),
         vv(v.data(), {n, s.hkv, s.dv});
     const auto rp = plans ? (*plans)[static_cast<std::size_t>(r)]
-                          : lr::make_plan<P>(be, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
+                          : make_rank_plan<V, P>(be, comm, plan, {s.hq, s.hkv, s.dk, s.dv}, opt);
     const long planned = rec->collectives.load(), gathered = rec->gathered_in.load();
     loom::workspace_buffer ws(std::max(rp.workspace_bytes(), rp.backward_workspace_bytes()));
     const long m0 = rec->messages.load();
@@ -254,6 +279,84 @@ TEST_CASE("ring attention: every variant and sharding equals the oracle, fp64, P
   }
 }
 
+TEST_CASE(
+    "ring attention on a fused band-mask engine: every sharding equals the oracle, fp64 and bf16" LOOM_BACKEND_TAG,
+    "[attention][ring][fused]") {
+  // The runner of ring_cudnn.cuh with the reference engine: per step the fused blocks of the
+  // shard plan (full, band or none), partial (out, lse) merged, dQ / dK / dV partials added in
+  // the accumulation type; the same traffic as pass_kv.
+  const std::vector<index_t> docs{0, 1, 8, 138, 141, 541};  // lengths 1, 7, 130, 3, 400
+  const auto g = make_global({0, 0, 4, 2, 16, 8, true}, docs, 1200);
+  for (int p : {1, 2, 3, 5}) {
+    if (lt::sanitized && lt::standin_ranks_run && p == 5) continue;
+    for (int strategy = 0; strategy < 3; ++strategy) {
+      const auto plan = strategy == 0   ? plan_of<shard::contiguous>(docs, p)
+                        : strategy == 1 ? plan_of<shard::zigzag>(docs, p)
+                                        : plan_of<shard::per_document>(docs, p);
+      INFO("P = " << p << ", strategy " << strategy);
+      const auto f = run_ring<fused_ref>(g, p, plan, true);
+      check(f, g, true, {1e-10, 1e-10}, "fused, fp64");
+      CHECK(f.sends_per_rank == 2 * (p - 1));
+      CHECK(f.backward_sends == 2 * (p - 1) + (p > 1 ? 2 * p : 0));
+    }
+  }
+  // bf16 storage: each step's partial out and dQ / dK / dV are rounded to bf16 (as a fused kernel
+  // writes them) before they are merged or added in float.
+  const auto b = make_global({0, 0, 4, 2, 64, 64, true}, docs, 1210);
+  check(run_ring<fused_ref, loom::bfloat16>(b, 4, plan_of<shard::zigzag>(docs, 4), true), b, true, {2e-2, 2e-2},
+        "fused, bf16");
+}
+
+TEST_CASE(
+    "ring attention on a fused engine: the local step is agreed, an engine's refusal is every rank's" LOOM_BACKEND_TAG,
+    "[attention][ring][fused][errors]") {
+  const std::vector<index_t> docs{0, 40};
+  const auto plan = plan_of<shard::contiguous>(docs, 2);
+  const la::head_shape hs{4, 2, 8, 8};
+  using P = loom::default_precision<float>;
+  // Rank 0 plans a fused step, rank 1 loom's kernel: both refuse. (Under one call name: a fused
+  // plan's own name, as ring_cudnn.cuh's, differs from make_plan's and is refused first.)
+  auto what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    if (comm.rank() == 0)
+      (void)lr::detail::make_fused_plan<P>(be, comm, plan, hs, {}, "ring::make_plan", fused_ref_kind,
+                                           [&](const la::detail::fused_program& prog, index_t) {
+                                             return std::make_shared<lt::band_engine<float, float>>(prog, hs, 1.0f);
+                                           });
+    else
+      (void)lr::make_plan<P>(be, comm, plan, hs);
+  });
+  CHECK(lt::all_contain(what, "ring::make_plan: ranks disagree on the local step"));
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    if (comm.rank() == 0)
+      (void)make_rank_plan<fused_ref, P>(be, comm, plan, hs, {});
+    else
+      (void)lr::make_plan<P>(be, comm, plan, hs);
+  });
+  CHECK(lt::all_contain(what, "ranks disagree on the call"));
+  // An engine that rejects the problem on rank 1 only (as cuDNN may reject a configuration).
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    (void)lr::detail::make_fused_plan<P>(be, comm, plan, hs, {}, "ring::make_plan (fused reference)", fused_ref_kind,
+                                         [&](const la::detail::fused_program& prog, index_t) {
+                                           LOOM_EXPECTS(comm.rank() != 1, loom::errc::unsupported,
+                                                        "the engine refuses rank 1");
+                                           return std::make_shared<lt::band_engine<float, float>>(prog, hs, 1.0f);
+                                         });
+  });
+  CHECK(lt::all_contain(what, "the engine refuses rank 1"));
+  // The engine reads q through element offsets: a strided q is refused, naming q.
+  what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
+    const auto rp = make_rank_plan<fused_ref, P>(be, comm, plan, hs, {});
+    const index_t n = rp.tokens();
+    std::vector<float> q(static_cast<std::size_t>(n * 4 * 16)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
+        l(static_cast<std::size_t>(n * 4));
+    loom::workspace_buffer ws(rp.workspace_bytes());
+    lr::forward(be, comm, rp, lt::dview_t<const float, 3>(q.data(), {n, 4, 8}, {64, 16, 1}),
+                lt::dview_t<const float, 3>(kv.data(), {n, 2, 8}), lt::dview_t<const float, 3>(kv.data(), {n, 2, 8}),
+                lt::dview_t<float, 3>(o.data(), {n, 4, 8}), lt::dview_t<float, 2>(l.data(), {n, 4}), ws.span());
+  });
+  CHECK(lt::all_contain(what, "ring::forward (fused): q must be dense [tokens, heads, dim]"));
+}
+
 TEST_CASE("ring attention: 8 heads with 8, 2 and 1 kv heads, dims 64 and 96, full and causal" LOOM_BACKEND_TAG,
           "[attention][ring]") {
   const std::vector<index_t> docs{0, 1, 8, 138, 141, lt::long_document_end};
@@ -381,8 +484,8 @@ std::vector<rank_plan<V, T>> make_plans(const global_inputs& g, int p, const sha
   const auto& s = g.s;
   std::vector<rank_plan<V, T>> plans(static_cast<std::size_t>(p));
   lt::run_ranks(p, [&](auto& comm, const auto& be) {
-    plans[static_cast<std::size_t>(comm.rank())] = lr::make_plan<loom::default_precision<T>>(
-        be, comm, V{}, plan, {s.hq, s.hkv, s.dk, s.dv}, la::options{s.causal, s.window, s.scale});
+    plans[static_cast<std::size_t>(comm.rank())] = make_rank_plan<V, loom::default_precision<T>>(
+        be, comm, plan, {s.hq, s.hkv, s.dk, s.dv}, la::options{s.causal, s.window, s.scale});
   });
   return plans;
 }
@@ -398,16 +501,18 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
   CHECK(one.plan_gathered == static_cast<long>((p - 1) * loom::comm::agreement_bytes));  // an all_gather
   CHECK(three.plan_collectives == 1);
   CHECK(three.forward_collectives == 3 * one.forward_collectives);
-  if (std::is_same_v<V, lr::pass_kv> || std::is_same_v<V, lr::bidirectional_kv>) CHECK(one.forward_collectives == 0);
+  if (!std::is_same_v<V, lr::pass_q> && !std::is_same_v<V, lr::all_gather_kv>) CHECK(one.forward_collectives == 0);
   // Nothing allocates on a plan-taking call, on any rank.
   CHECK(one.heap == 0);
   CHECK(one.temporaries == 0);
   CHECK(three.heap == 0);
   CHECK(bitwise(one, three));
   // The convenience form: the same bits, plus one agreement per call.
-  const auto conv = run_convenience<V, float>(g, p, plan, true);
-  CHECK(bitwise(one, conv));
-  CHECK(conv.forward_collectives == 1 + one.forward_collectives);
+  if constexpr (!std::is_same_v<V, fused_ref>) {
+    const auto conv = run_convenience<V, float>(g, p, plan, true);
+    CHECK(bitwise(one, conv));
+    CHECK(conv.forward_collectives == 1 + one.forward_collectives);
+  }
   // One set of plans shared by two groups of rank threads at once (each with its own
   // workspaces and outputs): the same bits as fresh plans.
   const auto plans = make_plans<V, float>(g, p, plan);
@@ -435,6 +540,7 @@ TEST_CASE(
     check_plan_lifecycle<lr::pass_q>(g, p, plan, "pass_q");
     check_plan_lifecycle<lr::all_gather_kv>(g, p, plan, "all_gather_kv");
     check_plan_lifecycle<lr::bidirectional_kv>(g, p, plan, "bidirectional_kv");
+    check_plan_lifecycle<fused_ref>(g, p, plan, "pass_kv on a fused engine");
   }
 }
 
@@ -450,6 +556,9 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BA
       const auto plan = plan_of<shard::zigzag>(docs, 3);
       check(run_ring<lr::pass_kv>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_kv");
       check(run_ring<lr::pass_q>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_q");
+      check(run_ring<fused_ref>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_kv on a fused engine");
+      check(run_ring<fused_ref>(g, 4, plan_of<shard::contiguous>(docs, 4), true), g, true, {1e-10, 1e-10},
+            "pass_kv on a fused engine, contiguous");
       check(run_ring<lr::all_gather_kv>(g, 2, plan_of<shard::per_document>(docs, 2), true), g, true, {1e-10, 1e-10},
             "all_gather_kv");
       check(run_ring<lr::bidirectional_kv>(g, 4, plan_of<shard::contiguous>(docs, 4), false), g, false, {1e-10, 1e-10},

@@ -77,6 +77,10 @@
 
 namespace loom::attention::cudnn {
 
+//! Selects cuDNN's fused attention as the local step of a distributed attention plan
+//! (ulysses_cudnn.cuh, ring_cudnn.cuh).
+struct fused {};
+
 namespace detail {
 
 using attention::detail::block_kind;
@@ -121,52 +125,9 @@ inline std::vector<fused_block> document_blocks(const segments<host_memory>& cu,
   return out;
 }
 
-//! Device tables of one ragged batch, in 64-bit words: the element offsets (batch + 1 each, int64)
-//! of the q, k, v, out and lse rows of each entry, then the query counts and the key counts
-//! (batch int32 each). Each of the seven regions starts on a 256-byte boundary.
-struct tables {
-  index_t batch = 0;
-  std::vector<std::int64_t> words;
-  //! Words per region: batch + 1 rounded up to 32.
-  static constexpr std::size_t region(index_t batch) { return (static_cast<std::size_t>(batch) + 1 + 31) / 32 * 32; }
-  static constexpr std::size_t size_of(index_t batch) { return 7 * region(batch); }
-  //! Word offset of the offsets of q (0), k, v, out, lse (4).
-  [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which) * region(batch); }
-  //! Word offset of the query (0) or key (1) counts.
-  [[nodiscard]] std::size_t lengths(int which) const { return static_cast<std::size_t>(5 + which) * region(batch); }
-  //! Count `entry` of the query (0) or key (1) counts (int32, packed two per word).
-  [[nodiscard]] std::int32_t count(int which, index_t entry) const {
-    std::int32_t v;
-    std::memcpy(&v, reinterpret_cast<const std::byte*>(words.data() + lengths(which)) + 4 * entry, sizeof v);
-    return v;
-  }
-  void set_count(int which, index_t entry, std::int32_t v) {
-    std::memcpy(reinterpret_cast<std::byte*>(words.data() + lengths(which)) + 4 * entry, &v, sizeof v);
-  }
-};
-
-//! The tables of `blocks` as one batch (every entry a block: the graph is built for this batch).
-inline tables tables_of(const std::vector<fused_block>& blocks, const shape& s) {
-  tables t;
-  t.batch = static_cast<index_t>(blocks.size());
-  t.words.assign(tables::size_of(t.batch), 0);
-  const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
-                                     s.heads_q * s.dim_v, s.heads_q};
-  for (std::size_t i = 0; i < blocks.size(); ++i) {
-    const fused_block& b = blocks[i];
-    const std::int64_t row[5] = {b.q_begin, b.k_begin, b.k_begin, b.q_begin, b.q_begin};
-    const std::int64_t count[5] = {b.q_count, b.k_count, b.k_count, b.q_count, b.q_count};
-    for (int w = 0; w < 5; ++w) {
-      t.words[t.ragged(w) + i] = row[w] * per_token[w];
-      // The last offset: the end of the furthest entry.
-      auto& end = t.words[t.ragged(w) + blocks.size()];
-      end = std::max(end, (row[w] + count[w]) * per_token[w]);
-    }
-    t.set_count(0, static_cast<index_t>(i), static_cast<std::int32_t>(b.q_count));  // < 2^31: make_plan checks
-    t.set_count(1, static_cast<index_t>(i), static_cast<std::int32_t>(b.k_count));
-  }
-  return t;
-}
+//! The ragged tables of a batch (fused_blocks.hpp): cuDNN reads them from device memory.
+using tables = attention::detail::fused_tables;
+using attention::detail::tables_of;
 
 namespace fe = cudnn_frontend;
 
@@ -346,6 +307,53 @@ struct state : device_resources {
   std::string backward_unsupported;  // why cuDNN cannot run the backward here (empty: it can)
 };
 
+//! Builds (or takes from st.cache) the forward and backward graphs of each group of blocks as one
+//! ragged batch and appends the batches to st, their variant packs holding every uid (null until
+//! set). Graphs are built for each batch exactly: its entry count, its largest block (at least
+//! 2 on each side, see below) and the packed token counts total_q / total_k the tables may
+//! address. A backward cuDNN rejects is recorded in st.backward_unsupported (the forward still
+//! runs). Returns the workspace bytes of the forward and of the backward, rounded.
+inline std::pair<std::size_t, std::size_t> add_batches(state& st, const std::vector<std::vector<fused_block>>& groups,
+                                                       const head_shape& hs, double scale, fused_element element,
+                                                       index_t total_q, index_t total_k, std::string_view call) {
+  auto build = [&](const graph_key& k) { return build_any(st.handle, k, call); };
+  std::int64_t fwd = 0, bwd = 0;
+  for (const auto& g : groups) {
+    auto key = attention::detail::key_of(fused_pass::forward, element, hs, scale, g);
+    key.batch = static_cast<index_t>(g.size());
+    // At least 2 on each side: cuDNN takes s_q = s_kv = 1 (a batch of one-token documents) to a
+    // kernel that, measured on an H200 with cuDNN 9.19 (docs/gpu.md, 2026-11-28, commit 29324c3), writes the lse of
+    // only the first query head of each kv group, and it has no backward for it; one-token entries of a graph sized 2
+    // are padded entries like any shorter document of a batch. (A sequence of one token in all
+    // still gets s = 1: its lse is exact only where each kv head serves one query head.)
+    key.max_q = std::min<index_t>(2, total_q);
+    key.max_k = std::min<index_t>(2, total_k);
+    for (const auto& blk : g) {
+      LOOM_EXPECTS(blk.q_count <= std::numeric_limits<std::int32_t>::max() &&
+                       blk.k_count <= std::numeric_limits<std::int32_t>::max(),
+                   errc::unsupported, call, ": cuDNN's sequence lengths are int32: a block of ", blk.q_count,
+                   " queries and ", blk.k_count, " keys");
+      key.max_q = std::max(key.max_q, blk.q_count), key.max_k = std::max(key.max_k, blk.k_count);
+    }
+    key.total_q = total_q;
+    key.total_k = total_k;
+    batch& bt = st.batches.emplace_back();
+    for (std::int64_t uid = u_q; uid <= u_len_k; ++uid) bt.pack[uid] = nullptr;
+    bt.forward = st.cache.get(key, build);
+    fwd = std::max(fwd, bt.forward->workspace);
+    if (!st.backward_unsupported.empty()) continue;
+    key.pass = fused_pass::backward;
+    try {  // a device where cuDNN rejects only the backward still runs the forward
+      bt.backward = st.cache.get(key, build);
+      bwd = std::max(bwd, bt.backward->workspace);
+    } catch (const loom::error& e) {
+      if (e.code() != errc::unsupported) throw;
+      st.backward_unsupported = e.what();
+    }
+  }
+  return {workspace_round(static_cast<std::size_t>(fwd)), workspace_round(static_cast<std::size_t>(bwd))};
+}
+
 }  // namespace detail
 
 //! A plan of cuDNN fused attention over packed documents (see the file comment). P: loom::bf16
@@ -423,62 +431,24 @@ plan<P> make_plan(const loom::cuda& b, const segments<Space>& docs, const shape&
   LOOM_CUDA_TRY(cudaMalloc(reinterpret_cast<void**>(&st.device_tables), host.size() * sizeof(std::int64_t)));
   LOOM_CUDA_TRY(cudaMemcpy(st.device_tables, host.data(), host.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice));
   const head_shape hs{s.heads_q, s.heads_kv, s.dim_qk, s.dim_v};
-  constexpr auto element = detail::element_of<typename P::storage_type>();
-  auto build = [&](const attention::detail::graph_key& k) { return detail::build_any(st.handle, k, call); };
-  std::int64_t fwd = 0, bwd = 0;
+  const auto [fwd, bwd] = detail::add_batches(st, groups, hs, static_cast<double>(p.scale_),
+                                              detail::element_of<typename P::storage_type>(), s.tokens, s.tokens, call);
   for (std::size_t i = 0; i < groups.size(); ++i) {
-    const auto& g = groups[i];
-    auto key = attention::detail::key_of(detail::fused_pass::forward, element, hs, static_cast<double>(p.scale_), g);
-    // Built for this batch exactly (no padding entries; cuDNN sizes its workspace from the dims)
-    // and for the plan's token count (the bound of the packed token axis).
-    key.batch = static_cast<index_t>(g.size());
-    // At least 2 on each side: cuDNN takes s_q = s_kv = 1 (a batch of one-token documents) to a
-    // kernel that, measured on an H200 with cuDNN 9.19 (docs/gpu.md, 2026-11-28, commit 29324c3), writes the lse of
-    // only the first query head of each kv group, and it has no backward for it; one-token entries of a graph sized 2
-    // are padded entries like any shorter document of a batch. (A sequence of one token in all
-    // still gets s = 1: its lse is exact only where each kv head serves one query head.)
-    key.max_q = key.max_k = std::min<index_t>(2, s.tokens);
-    for (const auto& blk : g)
-      key.max_q = std::max(key.max_q, blk.q_count), key.max_k = std::max(key.max_k, blk.k_count);
-    key.total_q = key.total_k = s.tokens;
-    detail::batch& bt = st.batches.emplace_back();
-    const detail::tables layout{key.batch, {}};
+    const detail::tables layout{static_cast<index_t>(groups[i].size()), {}};
     std::int64_t* t = st.device_tables + at[i];
-    for (int w = 0; w < 5; ++w) bt.pack[detail::u_rq + w] = t + layout.ragged(w);
-    bt.pack[detail::u_len_q] = t + layout.lengths(0);
-    bt.pack[detail::u_len_k] = t + layout.lengths(1);
-    for (std::int64_t uid = detail::u_q; uid <= detail::u_dv; ++uid) bt.pack[uid] = nullptr;
-    bt.forward = st.cache.get(key, build);
-    fwd = std::max(fwd, bt.forward->workspace);
-    if (!st.backward_unsupported.empty()) continue;
-    key.pass = detail::fused_pass::backward;
-    try {  // a device where cuDNN rejects only the backward still runs the forward
-      bt.backward = st.cache.get(key, build);
-      bwd = std::max(bwd, bt.backward->workspace);
-    } catch (const loom::error& e) {
-      if (e.code() != errc::unsupported) throw;
-      st.backward_unsupported = e.what();
-    }
+    auto& pack = st.batches[i].pack;
+    for (int w = 0; w < 5; ++w) pack[detail::u_rq + w] = t + layout.ragged(w);
+    pack[detail::u_len_q] = t + layout.lengths(0);
+    pack[detail::u_len_k] = t + layout.lengths(1);
   }
-  p.fwd_bytes_ = workspace_round(static_cast<std::size_t>(fwd));
-  p.bwd_bytes_ = workspace_round(static_cast<std::size_t>(bwd));
+  p.fwd_bytes_ = fwd;
+  p.bwd_bytes_ = bwd;
   return p;
 }
 
 namespace detail {
 
-template <class V>
-void expect_dense(const V& v, std::string_view call, std::string_view name) {
-  if constexpr (V::rank == 3)
-    LOOM_EXPECTS(v.stride(2) == 1 && v.stride(1) == v.extent(2) && v.stride(0) == v.extent(1) * v.extent(2),
-                 errc::invalid_argument, call, ": ", name, " must be dense [tokens, heads, dim] (strides ",
-                 v.extent(1) * v.extent(2), ", ", v.extent(2), ", 1), got strides ", v.stride(0), ", ", v.stride(1),
-                 ", ", v.stride(2));
-  else
-    LOOM_EXPECTS(v.stride(1) == 1 && v.stride(0) == v.extent(1), errc::invalid_argument, call, ": ", name,
-                 " must be dense [tokens, heads] (strides ", v.extent(1), ", 1), got strides ", v.stride(0), ", ",
-                 v.stride(1));
-}
+using attention::detail::expect_dense;
 
 template <class P, class... V>
 constexpr void expect_storage() {
@@ -510,6 +480,16 @@ inline void check_device(const state& st, std::string_view call) {
   loom::detail::check_plan_device(st.device, call);
 }
 
+//! Executes one batch's graph of `pass` on b.stream with the call's pointers (uid, pointer); the
+//! caller holds st.enqueue and has set the handle's stream.
+inline void run_batch(state& st, batch& bt, fused_pass pass,
+                      std::initializer_list<std::pair<std::int64_t, void*>> views, std::span<std::byte> ws,
+                      std::string_view call) {
+  for (const auto& [uid, ptr] : views) bt.pack.at(uid) = ptr;
+  const built& g = pass == fused_pass::forward ? *bt.forward : *bt.backward;
+  check_fe(g.graph->execute(st.handle, bt.pack, ws.data()), call, "execute");
+}
+
 //! Executes every batch's graph of `pass` on b.stream with the call's views (uid, pointer).
 inline void run(state& st, const loom::cuda& b, fused_pass pass,
                 std::initializer_list<std::pair<std::int64_t, void*>> views, std::span<std::byte> ws,
@@ -517,11 +497,7 @@ inline void run(state& st, const loom::cuda& b, fused_pass pass,
   if (st.batches.empty()) return;  // a plan of no tokens
   std::lock_guard lock(st.enqueue);
   check_cudnn(cudnnSetStream(st.handle, b.stream), call, "cudnnSetStream");
-  for (auto& bt : st.batches) {
-    for (const auto& [uid, ptr] : views) bt.pack.at(uid) = ptr;
-    const built& g = pass == fused_pass::forward ? *bt.forward : *bt.backward;
-    check_fe(g.graph->execute(st.handle, bt.pack, ws.data()), call, "execute");
-  }
+  for (auto& bt : st.batches) run_batch(st, bt, pass, views, ws, call);
 }
 
 }  // namespace detail

@@ -99,7 +99,7 @@ class plan;
 namespace detail {
 template <class P, class V, class B, comm::communicator C, class Local>
 plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding, const shape& s, const options& opt,
-                                std::string_view call, Local&& local_checks);
+                                std::string_view call, Local&& local_checks, int local_kind = 0);
 }
 
 //! A ring attention plan of one rank for variant V (see the file comment). Make it with
@@ -131,13 +131,13 @@ class plan : public precision_types<P> {
 
   template <class P2, class V2, class B2, comm::communicator C, class Local>
   friend plan<V2, B2, P2> detail::make_plan_checked(const B2&, C&, const shard::plan&, const shape&, const options&,
-                                                    std::string_view, Local&&);
+                                                    std::string_view, Local&&, int);
 };
 
 namespace detail {
 template <class P, class V, class B, comm::communicator C, class Local>
 plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding, const shape& s, const options& opt,
-                                std::string_view call, Local&& local_checks) {
+                                std::string_view call, Local&& local_checks, int local_kind) {
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
   static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
@@ -153,7 +153,9 @@ plan<V, B, P> make_plan_checked(const B& b, C& comm, const shard::plan& sharding
     st = std::make_shared<ring_state>(sharding, s, opt, comm.size(), comm.rank());
     st->cap = slot_cap(b);
     runner<V>::template size<T, Acc>(*st);
-    return attention_signature<T, Acc>(digest_of(sharding), s, opt).add("the ring variant", id_of<V>());
+    return attention_signature<T, Acc>(digest_of(sharding), s, opt)
+        .add("the ring variant", id_of<V>())
+        .add("the local step (0: loom's kernel)", local_kind);
   });
   return plan<V, B, P>(std::move(st));
 }

@@ -25,7 +25,7 @@
 //! dense [T, h, d] tensors. Otherwise make_plan throws loom::error(unsupported) on every rank,
 //! naming the rank and its heads; the default ulysses::make_plan (loom's kernel) takes any split.
 //!
-//! Not yet run on a GPU (docs/gpu.md); tests/attention/ulysses_cudnn_test.cu holds its [gpu] case
+//! Not yet run on a GPU (docs/gpu.md); tests/attention/distributed_cudnn_test.cu holds its [gpu] case
 //! (against one device's attention::cudnn over the same documents) for .ci/gpu.
 
 #include <loom/attention/cudnn.hpp>
@@ -37,9 +37,6 @@
 #include <string_view>
 
 namespace loom::attention::cudnn {
-
-//! Selects cuDNN's fused attention as the local step of a distributed attention plan.
-struct fused {};
 
 //! The local step of a Ulysses plan on cuDNN (found by argument-dependent lookup): the documents
 //! are the plan's, so the pipeline's token coordinates are not read.

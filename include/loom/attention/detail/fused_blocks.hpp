@@ -42,6 +42,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -116,6 +117,71 @@ inline std::vector<fused_block> fused_blocks(const shard::rank_plan& q, const sh
       }
     }
   return out;
+}
+
+//! The tables of one ragged batch, in 64-bit words, as a fused kernel reads them (cuDNN's ragged
+//! offsets and sequence lengths): the element offsets (batch + 1 each, int64) of the q, k, v, out
+//! and lse rows of each entry, then the query counts and the key counts (batch int32 each). Each
+//! of the seven regions starts on a 256-byte boundary of the table.
+struct fused_tables {
+  index_t batch = 0;
+  std::vector<std::int64_t> words;
+  //! Words per region: batch + 1 rounded up to 32.
+  static constexpr std::size_t region(index_t batch) { return (static_cast<std::size_t>(batch) + 1 + 31) / 32 * 32; }
+  static constexpr std::size_t size_of(index_t batch) { return 7 * region(batch); }
+  //! Word offset of the offsets of q (0), k, v, out, lse (4).
+  [[nodiscard]] std::size_t ragged(int which) const { return static_cast<std::size_t>(which) * region(batch); }
+  //! Word offset of the query (0) or key (1) counts.
+  [[nodiscard]] std::size_t lengths(int which) const { return static_cast<std::size_t>(5 + which) * region(batch); }
+  //! Count `entry` of the query (0) or key (1) counts (int32, packed two per word).
+  [[nodiscard]] std::int32_t count(int which, index_t entry) const {
+    std::int32_t v;
+    std::memcpy(&v, reinterpret_cast<const std::byte*>(words.data() + lengths(which)) + 4 * entry, sizeof v);
+    return v;
+  }
+  void set_count(int which, index_t entry, std::int32_t v) {
+    std::memcpy(reinterpret_cast<std::byte*>(words.data() + lengths(which)) + 4 * entry, &v, sizeof v);
+  }
+};
+
+//! The tables of `blocks` as one batch (every entry a block), for heads and dims `s` (any shape
+//! with heads_q, heads_kv, dim_qk, dim_v). Counts must fit int32 (the callers check).
+template <class Shape>
+fused_tables tables_of(const std::vector<fused_block>& blocks, const Shape& s) {
+  fused_tables t;
+  t.batch = static_cast<index_t>(blocks.size());
+  t.words.assign(fused_tables::size_of(t.batch), 0);
+  const std::int64_t per_token[5] = {s.heads_q * s.dim_qk, s.heads_kv * s.dim_qk, s.heads_kv * s.dim_v,
+                                     s.heads_q * s.dim_v, s.heads_q};
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const fused_block& b = blocks[i];
+    const std::int64_t row[5] = {b.q_begin, b.k_begin, b.k_begin, b.q_begin, b.q_begin};
+    const std::int64_t count[5] = {b.q_count, b.k_count, b.k_count, b.q_count, b.q_count};
+    for (int w = 0; w < 5; ++w) {
+      t.words[t.ragged(w) + i] = row[w] * per_token[w];
+      // The last offset: the end of the furthest entry.
+      auto& end = t.words[t.ragged(w) + blocks.size()];
+      end = std::max(end, (row[w] + count[w]) * per_token[w]);
+    }
+    t.set_count(0, static_cast<index_t>(i), static_cast<std::int32_t>(b.q_count));
+    t.set_count(1, static_cast<index_t>(i), static_cast<std::int32_t>(b.k_count));
+  }
+  return t;
+}
+
+//! The views a fused kernel reads through element offsets must be dense: [tokens, heads, dim]
+//! with strides (heads dim, dim, 1), or [tokens, heads] with strides (heads, 1).
+template <class V>
+void expect_dense(const V& v, std::string_view call, std::string_view name) {
+  if constexpr (V::rank == 3)
+    LOOM_EXPECTS(v.stride(2) == 1 && v.stride(1) == v.extent(2) && v.stride(0) == v.extent(1) * v.extent(2),
+                 errc::invalid_argument, call, ": ", name, " must be dense [tokens, heads, dim] (strides ",
+                 v.extent(1) * v.extent(2), ", ", v.extent(2), ", 1), got strides ", v.stride(0), ", ", v.stride(1),
+                 ", ", v.stride(2));
+  else
+    LOOM_EXPECTS(v.stride(1) == 1 && v.stride(0) == v.extent(1), errc::invalid_argument, call, ": ", name,
+                 " must be dense [tokens, heads] (strides ", v.extent(1), ", 1), got strides ", v.stride(0), ", ",
+                 v.stride(1));
 }
 
 enum class fused_pass : std::uint8_t { forward, backward };

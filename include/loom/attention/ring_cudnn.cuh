@@ -1,0 +1,165 @@
+#pragma once
+
+//! @file
+//! Ring pass-KV attention (ring.hpp) whose local step is cuDNN's fused attention (cudnn.hpp)
+//! instead of loom's tile kernel, on loom::cuda over a stream-ordered communicator (comm::nccl,
+//! comm::device_local):
+//!
+//!   auto rp = loom::attention::ring::make_plan<loom::bf16>(b, comm, loom::attention::cudnn::fused{},
+//!                                                         sharding, {heads_q, heads_kv, dim_qk, dim_v}, opts);
+//!   loom::temporary_buffer<loom::cuda, std::byte> ws(b, std::max(rp.workspace_bytes(),
+//!                                                                rp.backward_workspace_bytes()));
+//!   loom::attention::ring::forward(b, comm, rp, q, k, v, out, lse, ws.bytes());     allocates nothing
+//!   loom::attention::ring::backward(b, comm, rp, q, k, v, out, lse, dout, dq, dk, dv, ws.bytes());
+//!
+//! The views, results, traffic and agreement are ring::pass_kv's (ring.hpp): K/V travel the ring
+//! (P - 1 transfers each way per call, the next block's posted before the current block's
+//! compute), dK/dV accumulators travel in the backward and arrive home. What differs is the local
+//! step (attention/detail/ring_fused.hpp): make_plan derives from the shard plan, per step, the
+//! fused blocks of this rank's queries against the visiting rank's keys (full, causal or windowed
+//! as cuDNN's top-left diagonal band, cropped to the rows that see a key; none where nothing is
+//! visible) and groups them into ragged batches; each batch is one cuDNN graph, built once per
+//! plan (graphs of equal bounds and sizes shared between steps). A call uploads the batches'
+//! ragged tables into its workspace and runs, per step, every batch of the step on b.stream:
+//! forward, each batch's (out, lse) merged into the running pair in float; backward, each batch's
+//! dQ, dK, dV added in float into dQ and the travelling dK/dV accumulators.
+//!
+//! Needs what attention::cudnn needs (bfloat16 or half storage with float lse; dims multiples of 8
+//! up to 256; blocks under 2^31 tokens) and dense q, out, lse, dout ([n, H, D] with strides
+//! (H D, D, 1)). make_plan runs its checks and builds the graphs inside the ring's agreement, so a
+//! rejection on one rank (cuDNN's reason quoted) is loom::error(unsupported) on every rank; a
+//! device where cuDNN has no backward for a graph gets the error from backward, before anything is
+//! sent. Results: each step's partial out and dQ / dK / dV are rounded to the storage type by
+//! cuDNN before loom merges or adds them in float; cuDNN's order of summation, not loom's (dQ need
+//! not repeat bit for bit). Compile with nvcc; link loom::cudnn.
+//!
+//! The runner is tested on the CPU with a reference engine that reads the same tables
+//! (tests/attention/ring_test.hpp, serial and the device stand-in); the cuDNN form has a [gpu]
+//! case in tests/attention/distributed_cudnn_test.cu for .ci/gpu. Not yet run on a GPU
+//! (docs/gpu.md).
+
+#include <loom/attention/cudnn.hpp>
+#include <loom/attention/detail/ring_fused.hpp>
+#include <loom/backend/cuda.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace loom::attention::cudnn {
+
+namespace detail {
+
+//! The fused ring engine on cuDNN: one handle, the graphs of every batch of the program (from one
+//! cache), the batch sizes; the tables come with each call (in its workspace).
+class ring_engine {
+ public:
+  [[nodiscard]] std::size_t workspace_bytes(fused_pass pass) const noexcept {
+    return pass == fused_pass::forward ? fwd_ : bwd_;
+  }
+  //! The checks a call makes before it sends anything: the plan's device current, and for the
+  //! backward, a backward cuDNN can run.
+  void check_call(fused_pass pass, std::string_view call) const {
+    check_device(st_, call);
+    LOOM_EXPECTS(pass == fused_pass::forward || st_.backward_unsupported.empty(), errc::unsupported, call,
+                 ": cuDNN has no backward for this plan on this device (", st_.backward_unsupported,
+                 "); ring::backward on a loom-kernel plan runs it");
+  }
+  template <class T, class Acc>
+  void forward(const loom::cuda& b, std::size_t i, const std::int64_t* tables, const T* q, const T* k, const T* v, T* o,
+               Acc* lse, std::span<std::byte> ws) {
+    static_assert(std::is_same_v<Acc, float>, "ring over cuDNN: lse is float");
+    run(b, i, tables, fused_pass::forward,
+        {{u_q, ptr(q)}, {u_k, ptr(k)}, {u_v, ptr(v)}, {u_o, ptr(o)}, {u_lse, ptr(lse)}}, ws);
+  }
+  template <class T, class Acc>
+  void backward(const loom::cuda& b, std::size_t i, const std::int64_t* tables, const T* q, const T* k, const T* v,
+                const T* o, const Acc* lse, const T* dout, T* dq, T* dk, T* dv, std::span<std::byte> ws) {
+    static_assert(std::is_same_v<Acc, float>, "ring over cuDNN: lse is float");
+    run(b, i, tables, fused_pass::backward,
+        {{u_q, ptr(q)},
+         {u_k, ptr(k)},
+         {u_v, ptr(v)},
+         {u_o, ptr(o)},
+         {u_lse, ptr(lse)},
+         {u_do, ptr(dout)},
+         {u_dq, ptr(dq)},
+         {u_dk, ptr(dk)},
+         {u_dv, ptr(dv)}},
+        ws);
+  }
+
+  //! Builds the graphs of `prog` (queries: `rows_q` tokens; key blocks: at most `rows_k`).
+  template <precision_policy P>
+  void build(const attention::detail::fused_program& prog, const head_shape& s, const options& opt, index_t rows_q,
+             index_t rows_k, std::string_view call) {
+    if (prog.batches.empty()) return;
+    st_.device = loom::detail::current_cuda_device();
+    check_cudnn(cudnnCreate(&st_.handle), call, "cudnnCreate");
+    std::vector<std::vector<fused_block>> groups;
+    for (const auto& fb : prog.batches) {
+      groups.push_back(fb.blocks);
+      entries_.push_back(static_cast<index_t>(fb.blocks.size()));
+    }
+    std::tie(fwd_, bwd_) = add_batches(st_, groups, s, attention::detail::scale_of<double>(opt, s.dim_qk),
+                                       element_of<typename P::storage_type>(), rows_q, rows_k, call);
+  }
+
+ private:
+  template <class T>
+  static void* ptr(const T* p) {
+    return const_cast<void*>(static_cast<const void*>(p));
+  }
+  void run(const loom::cuda& b, std::size_t i, const std::int64_t* tables, fused_pass pass,
+           std::initializer_list<std::pair<std::int64_t, void*>> views, std::span<std::byte> ws) {
+    constexpr std::string_view call = "ring over cuDNN";
+    const attention::detail::fused_tables layout{entries_[i], {}};
+    auto* t = const_cast<std::int64_t*>(tables);
+    std::lock_guard lock(st_.enqueue);
+    check_cudnn(cudnnSetStream(st_.handle, b.stream), call, "cudnnSetStream");
+    batch& bt = st_.batches[i];
+    for (int w = 0; w < 5; ++w) bt.pack.at(u_rq + w) = t + layout.ragged(w);
+    bt.pack.at(u_len_q) = t + layout.lengths(0);
+    bt.pack.at(u_len_k) = t + layout.lengths(1);
+    run_batch(st_, bt, pass, views, ws, call);
+  }
+
+  state st_;
+  std::vector<index_t> entries_;
+  std::size_t fwd_ = 0, bwd_ = 0;
+};
+
+}  // namespace detail
+
+}  // namespace loom::attention::cudnn
+
+namespace loom::attention::ring {
+
+//! Plans ring pass-KV attention whose local step is cuDNN's (see the file comment). Collective
+//! over comm: one agreement (the ring's, naming the local step), with the cuDNN checks and graph
+//! builds inside it. @throws loom::error on every rank: as ring::make_plan; (unsupported) dims,
+//! precision or a configuration cuDNN does not take (its reason quoted); (internal) a failing
+//! CUDA or cuDNN call.
+template <precision_policy P = bf16, comm::communicator C>
+fused_plan<loom::cuda, P, cudnn::detail::ring_engine> make_plan(const loom::cuda& b, C& comm, cudnn::fused,
+                                                                const shard::plan& sharding, const shape& s,
+                                                                const options& opt = {}) {
+  static_assert(cudnn::detail::storable<typename P::storage_type>,
+                "ring over cuDNN: the fused kernels take bfloat16 or half storage (loom::bf16, loom::fp16)");
+  constexpr std::string_view call = "ring::make_plan (cuDNN)";
+  constexpr int cudnn_local_step = 1;
+  return detail::make_fused_plan<P>(
+      b, comm, sharding, s, opt, call, cudnn_local_step, [&](const attention::detail::fused_program& prog, index_t n) {
+        (void)cudnn::detail::check_arguments({n, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v}, opt, call);
+        index_t rows_k = 0;
+        for (int r = 0; r < sharding.ranks(); ++r) rows_k = std::max(rows_k, sharding.rank(r).tokens);
+        auto e = std::make_shared<cudnn::detail::ring_engine>();
+        e->build<P>(prog, s, opt, n, rows_k, call);
+        return e;
+      });
+}
+
+}  // namespace loom::attention::ring
