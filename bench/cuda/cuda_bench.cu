@@ -12,6 +12,11 @@
 //             shifts of a K/V block, T_xfer), all ranks at once, slowest rank, median of 7;
 //             hidden = 1 - (T_ring - T_comp) / T_xfer, the share of the transfer time that did not
 //             lengthen the call (target >= 0.9 where a step's compute outlasts its transfer).
+//   ring      (where loom::cudnn is built) ring pass-KV through cuDNN (ring_cudnn.cuh) on P = 1, 2,
+//             4 ranks sharing this GPU, bf16, 16/4 heads, d = 128, causal, 16384 tokens in zigzag
+//             shards, against attention::cudnn on the whole sequence on one rank: T_one / T_ring
+//             (the same work on the same GPU: 1.0 means the ring's blocks, merges and transfers
+//             cost nothing); printed with the overlap rows;
 //   linear    chunked linear attention forward through linear_attention::cublas (cuBLAS strided-batched
 //             products), bf16 storage, fixed decay, H = 16, dk = dv = 128, C = 64, T = 8192 and 32768:
 //             TFLOP/s of the chunked algorithm's useful work (per chunk of c tokens and head,
@@ -22,6 +27,9 @@
 //   loom.bench.cuda [--quick | --scan | --overlap | --linear]   (--quick: small sizes; the others: those rows only)
 
 #include <loom/attention/ring.hpp>
+#if LOOM_BENCH_CUDNN
+#include <loom/attention/ring_cudnn.cuh>
+#endif
 #include <loom/backend/cuda.hpp>
 #include <loom/comm/device_local.hpp>
 #include <loom/linear_attention/cublas.cuh>
@@ -326,6 +334,67 @@ void overlap_rows(index_t per_rank) {
   }
 }
 
+#if LOOM_BENCH_CUDNN
+//! Ring pass-KV with cuDNN as its local step, P ranks sharing this GPU over comm::device_local,
+//! against attention::cudnn on the whole sequence on one rank: bf16, 16 query heads on 4 kv heads,
+//! d = 128, causal, one document of `tokens` tokens in zigzag shards. The ranks share one GPU, so
+//! the work is the same as the single call's: the ratio T_one / T_ring is what the ring's blocks,
+//! merges and transfers cost (1.0: nothing).
+void ring_cudnn_rows(index_t tokens) {
+  namespace la = loom::attention;
+  using bf = loom::bfloat16;
+  constexpr index_t hq = 16, hkv = 4, dim = 128;
+  la::options causal;
+  causal.causal = true;
+  const std::vector<index_t> docs{0, tokens};
+  using cview = loom::tensor_view<const bf, 3, loom::cuda_memory>;
+  using view = loom::tensor_view<bf, 3, loom::cuda_memory>;
+  using lview = loom::tensor_view<float, 2, loom::cuda_memory>;
+  struct buffers {
+    loom::temporary_buffer<loom::cuda, bf> q, k, v, o;
+    loom::temporary_buffer<loom::cuda, float> lse;
+    buffers(const loom::cuda& b, index_t rows)
+        : q(b, rows * hq * dim),
+          k(b, rows * hkv * dim),
+          v(b, rows * hkv * dim),
+          o(b, rows * hq * dim),
+          lse(b, rows * hq) {
+      for (const auto* x : {&q, &k, &v}) LOOM_CUDA_TRY(cudaMemsetAsync(x->data(), 0, x->bytes().size(), b.stream));
+    }
+  };
+  std::printf(
+      "\n### ring pass-KV through cuDNN over comm::device_local (one GPU), bf16, %lld tokens, 16/4 heads, "
+      "d = 128, causal, zigzag\n\n| P | T_one ms | T_ring ms | T_one / T_ring |\n|---|---|---|---|\n",
+      static_cast<long long>(tokens));
+  const double one = ranks_median_ms(1, 7, [&](loom::comm::device_local&, const loom::cuda& b, auto&& timed) {
+    const auto lp = la::cudnn::make_plan<loom::bf16>(b, loom::segments{std::span<const index_t>(docs)},
+                                                     {tokens, hq, hkv, dim, dim}, causal);
+    const buffers x(b, tokens);
+    const loom::temporary_buffer<loom::cuda, std::byte> ws(b, static_cast<index_t>(lp.workspace_bytes()));
+    timed([&] {
+      la::cudnn::forward(b, lp, cview(x.q.data(), {tokens, hq, dim}), cview(x.k.data(), {tokens, hkv, dim}),
+                         cview(x.v.data(), {tokens, hkv, dim}), view(x.o.data(), {tokens, hq, dim}),
+                         lview(x.lse.data(), {tokens, hq}), ws.bytes());
+    });
+  });
+  for (int p : {1, 2, 4}) {
+    const auto shard = loom::shard::make_plan(std::span<const index_t>(docs), p, loom::shard::zigzag{});
+    const double ring = ranks_median_ms(p, 7, [&](loom::comm::device_local& comm, const loom::cuda& b, auto&& timed) {
+      const auto rp = la::ring::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, shard, {hq, hkv, dim, dim}, causal);
+      const index_t n = rp.tokens();
+      const buffers x(b, n);
+      const loom::temporary_buffer<loom::cuda, std::byte> ws(b, static_cast<index_t>(rp.workspace_bytes()));
+      timed([&] {
+        la::ring::forward(b, comm, rp, cview(x.q.data(), {n, hq, dim}), cview(x.k.data(), {n, hkv, dim}),
+                          cview(x.v.data(), {n, hkv, dim}), view(x.o.data(), {n, hq, dim}),
+                          lview(x.lse.data(), {n, hq}), ws.bytes());
+      });
+    });
+    std::printf("| %d | %.3f | %.3f | %.3f |\n", p, one, ring, one / ring);
+  }
+}
+#endif
+
 int main(int argc, char** argv) {
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   const bool scan_only = argc > 1 && std::strcmp(argv[1], "--scan") == 0;
@@ -344,6 +413,9 @@ int main(int argc, char** argv) {
   }
   if (!overlap_only) scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
   overlap_rows(quick ? 1024 : 8192);
+#if LOOM_BENCH_CUDNN
+  ring_cudnn_rows(quick ? 2048 : 16384);
+#endif
   if (overlap_only) return 0;
   if (scan_only) return 0;
   cublasHandle_t h;

@@ -1,4 +1,4 @@
-// Ulysses and ring pass-KV attention with cuDNN's fused attention as their local step
+// Ulysses, ring pass-KV and hybrid attention with cuDNN's fused attention as their local step
 // (ulysses_cudnn.cuh, ring_cudnn.cuh). [host]: which head splits give every rank one dense GQA
 // block (the condition of Ulysses' cuDNN local step), against an independent count of the kv
 // groups a rank's heads touch. [gpu]: forward and backward over comm::device_local (P ranks
@@ -76,13 +76,33 @@ std::vector<loom::bfloat16> to_bf16(const std::vector<float>& x) {
   return y;
 }
 
-// Rank r's rows (its local order) of a [T, width] global array.
-template <class T>
-std::vector<T> rows_of(const loom::shard::plan& sp, int r, const std::vector<T>& global, index_t width) {
-  std::vector<T> local(static_cast<std::size_t>(sp.rank(r).tokens * width));
-  sp.scatter<T>(r, global, width, local);
-  return local;
-}
+// Which rows each rank holds: a shard plan's ranks (Ulysses, ring), or the hybrid grid's (ring
+// shard g = r / U of `sp`, split contiguously over its U ranks).
+struct row_layout {
+  loom::shard::plan sp;
+  int ulysses = 1;
+  [[nodiscard]] index_t begin(int r) const {
+    const index_t n = sp.rank(r / ulysses).tokens;
+    return n * (r % ulysses) / ulysses;
+  }
+  [[nodiscard]] index_t tokens(int r) const {
+    const index_t n = sp.rank(r / ulysses).tokens;
+    return n * (r % ulysses + 1) / ulysses - begin(r);
+  }
+  [[nodiscard]] index_t global_row(int r, index_t i) const { return sp.to_global(r / ulysses, begin(r) + i); }
+  template <class T>
+  [[nodiscard]] std::vector<T> scatter(int r, const std::vector<T>& global, index_t width) const {
+    std::vector<T> local(static_cast<std::size_t>(tokens(r) * width));
+    for (index_t i = 0; i < tokens(r); ++i)
+      std::copy_n(global.begin() + global_row(r, i) * width, width, local.begin() + i * width);
+    return local;
+  }
+  template <class T>
+  void gather(int r, const std::vector<T>& local, index_t width, std::vector<T>& global) const {
+    for (index_t i = 0; i < tokens(r); ++i)
+      std::copy_n(local.begin() + i * width, width, global.begin() + global_row(r, i) * width);
+  }
+};
 
 // Packed documents (one-token documents included), causal or windowed, and one device's
 // attention::cudnn results over them.
@@ -123,15 +143,15 @@ struct problem {
   // returns, gathered, against the one-device results: bf16 storage tolerances (the ranks sum
   // partial results once more, in float, then round).
   template <class Make>
-  void check_distributed(int p, const loom::shard::plan& sp, Make&& make) const {
+  void check_distributed(int p, const row_layout& sp, Make&& make) const {
     std::vector<bf> o2(out.size()), dq2(dq.size()), dk2(dk.size()), dv2(dv.size());
     std::vector<float> l2(lse.size());
     std::mutex mu;
     loom::comm::run_device_local(p, [&](loom::comm::device_local& comm, loom::cuda b) {
       const int r = comm.rank();
-      const index_t n = sp.rank(r).tokens;
-      lt::device_array<bf> qd(rows_of(sp, r, q, hq * d)), kd(rows_of(sp, r, k, hkv * d)),
-          vd(rows_of(sp, r, v, hkv * d)), gd(rows_of(sp, r, g, hq * d)), od(static_cast<std::size_t>(n * hq * d)),
+      const index_t n = sp.tokens(r);
+      lt::device_array<bf> qd(sp.scatter(r, q, hq * d)), kd(sp.scatter(r, k, hkv * d)), vd(sp.scatter(r, v, hkv * d)),
+          gd(sp.scatter(r, g, hq * d)), od(static_cast<std::size_t>(n * hq * d)),
           dqd(static_cast<std::size_t>(n * hq * d)), dkd(static_cast<std::size_t>(n * hkv * d)),
           dvd(static_cast<std::size_t>(n * hkv * d));
       lt::device_array<float> ld(static_cast<std::size_t>(n * hq));
@@ -152,11 +172,11 @@ struct problem {
       LOOM_CUDA_TRY(cudaStreamSynchronize(b.stream));
       comm.synchronize();
       const std::lock_guard lock(mu);
-      sp.gather<bf>(r, od.to_host(), hq * d, o2);
-      sp.gather<float>(r, ld.to_host(), hq, l2);
-      sp.gather<bf>(r, dqd.to_host(), hq * d, dq2);
-      sp.gather<bf>(r, dkd.to_host(), hkv * d, dk2);
-      sp.gather<bf>(r, dvd.to_host(), hkv * d, dv2);
+      sp.gather(r, od.to_host(), hq * d, o2);
+      sp.gather(r, ld.to_host(), hq, l2);
+      sp.gather(r, dqd.to_host(), hq * d, dq2);
+      sp.gather(r, dkd.to_host(), hkv * d, dk2);
+      sp.gather(r, dvd.to_host(), hkv * d, dv2);
     });
     constexpr lt::tolerance tol = lt::tolerance_for<loom::bf16>();
     lt::require_close(lt::widen(o2), lt::widen(out), tol, "out");
@@ -204,7 +224,7 @@ TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN att
   for (int p : {1, 2, 4}) {
     INFO("P = " << p);
     const auto sp = loom::shard::make_plan(std::span<const index_t>(pb.docs), p, loom::shard::zigzag{});
-    pb.check_distributed(p, sp, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+    pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
       return la::ulysses::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, sp, pb.heads(), pb.opt);
     });
   }
@@ -229,9 +249,41 @@ TEST_CASE(
         const auto sp = strategy == 0
                             ? loom::shard::make_plan(std::span<const index_t>(pb.docs), p, loom::shard::zigzag{})
                             : loom::shard::make_plan(std::span<const index_t>(pb.docs), p, loom::shard::per_document{});
-        pb.check_distributed(p, sp, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+        pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
           return la::ring::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, sp, pb.heads(), pb.opt);
         });
       }
+  }
+}
+
+TEST_CASE(
+    "hybrid with cuDNN's ring inside: forward and backward equal one device's cuDNN attention, U x R in "
+    "{1x2, 2x1, 2x2}; U = 3 is refused",
+    "[attention][cudnn][gpu]") {
+  if (gpus() < 1) {
+    WARN("no GPU: not run");
+    return;
+  }
+  const problem pb(causal());
+  for (const auto [u, r] : {std::pair{1, 2}, std::pair{2, 1}, std::pair{2, 2}}) {
+    INFO("U x R = " << u << " x " << r);
+    const auto ring = loom::shard::make_plan(std::span<const index_t>(pb.docs), r, loom::shard::zigzag{});
+    pb.check_distributed(u * r, {ring, u}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+      return la::hybrid::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, ring, pb.heads(), pb.opt);
+    });
+  }
+  // U = 3 over 8 query heads on 2 kv heads: rank 1's heads straddle two kv groups.
+  const auto ring = loom::shard::make_plan(std::span<const index_t>(pb.docs), 1, loom::shard::zigzag{});
+  std::vector<std::string> what(3);
+  loom::comm::run_device_local(3, [&](loom::comm::device_local& comm, loom::cuda b) {
+    try {
+      (void)la::hybrid::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, ring, pb.heads(), pb.opt);
+    } catch (const loom::error& e) {
+      what[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  for (const auto& w : what) {
+    INFO(w);
+    CHECK(w.find("dense head shards: Ulysses rank 1 computes query heads [2, 5)") != std::string::npos);
   }
 }

@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fused_reference.hpp"
 #include "oracle.hpp"
 
 using loom::index_t;
@@ -241,6 +242,34 @@ sp_result run_hybrid(const global_inputs& g, lh::grid gd, bool bwd, std::vector<
       hybrid_fwd, hybrid_bwd);
 }
 
+// The hybrid whose inner ring runs a fused band-mask engine (ring_fused.hpp) through the
+// reference of fused_reference.hpp: the make_plan body of the hybrid over cuDNN, with dense head
+// shards required of every Ulysses rank.
+template <class T = double, class S = shard::zigzag>
+sp_result run_hybrid_fused(const global_inputs& g, lh::grid gd, bool bwd) {
+  const auto ring = shard::make_plan(std::span<const index_t>(g.cu), gd.ring, S{});
+  using P = prec<T>;
+  using Acc = loom::accum_t<T>;
+  return run<T>(
+      g, gd.ulysses * gd.ring, bwd,
+      [&](auto& c, const auto& be) {
+        using inner = loom::attention::ring::fused_plan<std::decay_t<decltype(be)>, P, lt::band_engine<T, Acc>>;
+        const auto opt = opts_of(g.s);
+        return lh::detail::hybrid_maker::make<inner, P>(
+            be, c, ring, shape_of(g.s), opt, "hybrid::make_plan (fused reference)",
+            [&](const lh::grid& grid) { lh::detail::require_dense_heads(shape_of(g.s), grid.ulysses, "hybrid"); },
+            [&](auto& rc, const shard::plan& sp, const la::head_shape& hs) {
+              return loom::attention::ring::detail::make_fused_plan<P>(
+                  be, rc, sp, hs, opt, "ring::make_plan (fused reference)", 7,
+                  [&](const la::detail::fused_program& prog, index_t) {
+                    return std::make_shared<lt::band_engine<T, Acc>>(prog, hs,
+                                                                     la::detail::scale_of<Acc>(opt, hs.dim_qk));
+                  });
+            });
+      },
+      hybrid_fwd, hybrid_bwd);
+}
+
 void check(const sp_result& got, const global_inputs& g, bool bwd, lt::tolerance tol, const char* what) {
   INFO(what);
   lt::require_close(got.out, g.want.out, tol, "out");
@@ -320,6 +349,33 @@ TEST_CASE("hybrid: fp64 equals the oracle, U x R in {1x1, 1x3, 5x1, 2x2, 2x3, 4x
     if (gd.ulysses <= 5)
       check(run_hybrid<double, shard::contiguous>(g5, gd, true), g5, true, tol, "5/1 heads causal contiguous");
   }
+}
+
+TEST_CASE("hybrid with a fused inner ring: equals the oracle; a head split that is not one GQA block is refused",
+          "[attention][hybrid][fused]") {
+  const lt::tolerance tol{1e-10, 1e-10};
+  const auto g8 = make_global({0, 0, 8, 2, 8, 8, true}, docs, 530);
+  for (lh::grid gd : {lh::grid{1, 1}, lh::grid{1, 3}, lh::grid{2, 2}, lh::grid{4, 1}, lh::grid{2, 3}}) {
+    if (lt::sanitized && gd.ulysses * gd.ring > 4) continue;
+    INFO("U x R = " << gd.ulysses << " x " << gd.ring);
+    check(run_hybrid_fused(g8, gd, true), g8, true, tol, "8/2 heads causal zigzag");
+  }
+  const auto g12 = make_global({0, 0, 12, 4, 8, 8, false}, docs, 540);
+  check(run_hybrid_fused<double, shard::per_document>(g12, {2, 2}, true), g12, true, tol,
+        "12/4 heads full per_document");
+  // U = 3 splits 8 heads over 2 kv heads 2, 3, 3: rank 1's straddle two groups; every rank refuses.
+  const auto ring = shard::make_plan(std::span<const index_t>(docs), 1, shard::zigzag{});
+  const auto what = lt::errors_on_ranks_of(3, [&](auto& comm, const auto& be) {
+    (void)lh::detail::hybrid_maker::make<lh::detail::ring_plan_t<std::decay_t<decltype(be)>, loom::fp32>, loom::fp32>(
+        be, comm, ring, {8, 2, 8, 8}, {}, "hybrid::make_plan (fused)",
+        [&](const lh::grid& grid) {
+          lh::detail::require_dense_heads({8, 2, 8, 8}, grid.ulysses, "hybrid");
+        },
+        [&](auto& rc, const shard::plan& sp, const la::head_shape& hs) {
+          return loom::attention::ring::make_plan(be, rc, sp, hs);
+        });
+  });
+  CHECK(lt::all_contain(what, "the inner ring needs dense head shards: Ulysses rank 1 computes query heads [2, 5)"));
 }
 
 TEST_CASE("ulysses and hybrid: fp32 and bf16 storage", "[attention][ulysses][hybrid]") {

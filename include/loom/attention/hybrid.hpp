@@ -34,11 +34,13 @@
 //! T hkv_u (Dqk + Dv) A (the travelling dK/dV accumulators). Memory as ulysses.hpp: host memory over
 //! a host communicator, device memory over a stream-ordered one (both groups are splits of comm).
 
+#include <loom/attention/detail/ring_fused.hpp>  // the inner ring on a fused engine (ring_cudnn.cuh)
 #include <loom/attention/ring.hpp>
 #include <loom/attention/ulysses.hpp>
 
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -59,6 +61,16 @@ using ring_plan_t = ring::plan<ring::pass_kv, B, P>;
 //! Rows [a, b) of ring shard g held by Ulysses rank u of U: a contiguous split.
 inline index_t split_begin(index_t n, int u, int U) { return n * u / U; }
 
+//! Refuses, naming the first rank, a grid where some Ulysses rank's query heads are not one GQA
+//! block (fused_heads_problem): an inner ring that reads dense head shards needs it.
+inline void require_dense_heads(const head_shape& s, int ulysses, std::string_view call) {
+  const attention::detail::head_split h{s.heads_q, s.heads_kv, ulysses};
+  for (int u = 0; u < ulysses; ++u) {
+    const std::string why = fused_heads_problem(h, u);
+    LOOM_EXPECTS(why.empty(), errc::unsupported, call, ": the inner ring needs dense head shards: Ulysses ", why);
+  }
+}
+
 //! The contiguous sharding of a ring shard of n rows over U ranks.
 inline shard::plan group_sharding(index_t n, int U) {
   const std::array<index_t, 2> one{0, n};
@@ -66,19 +78,24 @@ inline shard::plan group_sharding(index_t n, int U) {
 }
 }  // namespace detail
 
-template <class B, class C, precision_policy P>
+template <class B, class C, precision_policy P, class Inner>
 class plan;
+
+namespace detail {
+struct hybrid_maker;
+}
 
 //! Plans hybrid attention on this rank: the ring sharding over R ring ranks (the same on every
 //! rank), heads and dims `s`, masks and scale `opt`. Collective over comm (see the file comment).
 //! @throws loom::error(invalid_argument) on every rank: R not dividing comm.size(), U > heads_q,
 //! the shape and option errors of ulysses::make_plan, ranks disagreeing.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const head_shape& s,
-                        const options& opt = {});
+plan<B, C, P, detail::ring_plan_t<B, P>> make_plan(const B& b, C& comm, const shard::plan& ring_sharding,
+                                                   const head_shape& s, const options& opt = {});
 
-//! A hybrid plan of one rank (file comment). Make it with hybrid::make_plan.
-template <class B, class C, precision_policy P = fp32>
+//! A hybrid plan of one rank (file comment). Make it with hybrid::make_plan. Inner: the plan type
+//! of the inner ring (loom's kernel by default; ring_cudnn.cuh's make_plan gives a ring over cuDNN).
+template <class B, class C, precision_policy P = fp32, class Inner = detail::ring_plan_t<B, P>>
 class plan : public precision_types<P> {
  public:
   //! An empty plan (make one with make_plan).
@@ -143,7 +160,7 @@ class plan : public precision_types<P> {
       const noexcept {
     return s_->pipe;
   }
-  [[nodiscard]] const detail::ring_plan_t<B, P>& ring(std::size_t s) const { return s_->inner[s]; }
+  [[nodiscard]] const Inner& ring(std::size_t s) const { return s_->inner[s]; }
 
  private:
   struct state {
@@ -153,7 +170,7 @@ class plan : public precision_types<P> {
     options opt;
     shard::plan ring;
     C ucomm, rcomm;
-    std::vector<detail::ring_plan_t<B, P>> inner;
+    std::vector<Inner> inner;
     attention::detail::head_pipeline<typename P::storage_type, typename P::accum_type> pipe;
   };
   explicit plan(std::shared_ptr<state> s) : s_(std::move(s)) {}
@@ -180,14 +197,26 @@ class plan : public precision_types<P> {
                  row);
   }
 
-  template <precision_policy Q, class B2, comm::communicator C2>
-  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const shard::plan&, const head_shape&, const options&);
+  friend struct detail::hybrid_maker;
 };
 
-template <precision_policy P, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, const head_shape& s,
-                        const options& opt) {
-  constexpr std::string_view call = "hybrid::make_plan";
+namespace detail {
+//! The body of every hybrid make_plan: the agreement (with `check_grid(grid)` inside it, for what
+//! the inner ring needs of the grid), the two groups, the head pipeline, and one inner ring plan
+//! per head segment, made by `make_inner(ring_comm, ring_sharding, segment_shape)` (a ring
+//! make_plan over the ring group: one agreement there).
+struct hybrid_maker {
+  template <class Inner, precision_policy P, class B, comm::communicator C, class CheckGrid, class MakeInner>
+  static plan<B, C, P, Inner> make(const B& b, C& comm, const shard::plan& ring_sharding, const head_shape& s,
+                                   const options& opt, std::string_view call, CheckGrid&& check_grid,
+                                   MakeInner&& make_inner);
+};
+}  // namespace detail
+
+template <class Inner, precision_policy P, class B, comm::communicator C, class CheckGrid, class MakeInner>
+plan<B, C, P, Inner> detail::hybrid_maker::make([[maybe_unused]] const B& b, C& comm, const shard::plan& ring_sharding,
+                                                const head_shape& s, const options& opt, std::string_view call,
+                                                CheckGrid&& check_grid, MakeInner&& make_inner) {
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
   static_assert(comm::moves<C, typename backend_traits<B>::memory_space>,
@@ -200,11 +229,12 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
                  " ranks, which must divide the communicator's size, ", p);
     g = {p / rr, rr};
     detail::check_shape(s, opt, g.ulysses, call);
+    check_grid(g);
     return detail::attention_signature<T, Acc>(
         comm::hasher{}.add(g.ulysses, g.ring, attention::detail::digest_of(ring_sharding)).value(), s, opt);
   });
   // The Ulysses group (consecutive ranks) and the ring group (stride U), kept in the plan.
-  using state = typename plan<B, C, P>::state;
+  using state = typename plan<B, C, P, Inner>::state;
   const int ur = me % g.ulysses;
   auto st =
       std::shared_ptr<state>(new state{g,
@@ -222,21 +252,31 @@ plan<B, C, P> make_plan(const B& b, C& comm, const shard::plan& ring_sharding, c
   std::size_t fwd = 0, bwd = 0;
   for (std::size_t i = 0; i < st->pipe.segments().size(); ++i) {
     const auto sh = st->pipe.segment(i);
-    st->inner.push_back(
-        ring::make_plan<P>(b, st->rcomm, st->ring, head_shape{sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}, opt));
+    st->inner.push_back(make_inner(st->rcomm, st->ring, head_shape{sh.heads_q, sh.heads_kv, sh.dim_qk, sh.dim_v}));
     fwd = std::max(fwd, st->inner.back().workspace_bytes());
     bwd = std::max(bwd, st->inner.back().backward_workspace_bytes());
   }
   st->pipe.reserve_inner(fwd, bwd);
-  return plan<B, C, P>(std::move(st));
+  return plan<B, C, P, Inner>(std::move(st));
+}
+
+template <precision_policy P, class B, comm::communicator C>
+plan<B, C, P, detail::ring_plan_t<B, P>> make_plan(const B& b, C& comm, const shard::plan& ring_sharding,
+                                                   const head_shape& s, const options& opt) {
+  return detail::hybrid_maker::make<detail::ring_plan_t<B, P>, P>(
+      b, comm, ring_sharding, s, opt, "hybrid::make_plan", [](const grid&) {},
+      [&](C& ring_comm, const shard::plan& sp, const head_shape& hs) {
+        return ring::make_plan<P>(b, ring_comm, sp, hs, opt);
+      });
 }
 
 //! Hybrid forward on a plan: allocates nothing; `workspace` as ulysses::forward. `comm` is the
 //! communicator the plan was made on (checked: rank and size); the data moves over the plan's
 //! groups.
 //! @throws loom::error on this rank only, as ulysses::forward.
-template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L>
-void forward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out, L lse,
+template <class B, class C, precision_policy P, class Inner, comm::communicator C0, class Q, class K, class V, class O,
+          class L>
+void forward(const B& b, C0& comm, const plan<B, C, P, Inner>& hp, Q q, K k, V v, O out, L lse,
              std::span<std::byte> workspace) {
   constexpr std::string_view call = "hybrid::forward";
   using T = typename P::storage_type;
@@ -252,10 +292,10 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out
 }
 
 //! Hybrid backward on a plan (ring pass-KV backward inside); dq, dk, dv are overwritten.
-template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L,
-          class DO, class DQ, class DK, class DV>
-void backward(const B& b, C0& comm, const plan<B, C, P>& hp, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
-              std::span<std::byte> workspace) {
+template <class B, class C, precision_policy P, class Inner, comm::communicator C0, class Q, class K, class V, class O,
+          class L, class DO, class DQ, class DK, class DV>
+void backward(const B& b, C0& comm, const plan<B, C, P, Inner>& hp, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
+              DV dv, std::span<std::byte> workspace) {
   constexpr std::string_view call = "hybrid::backward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;

@@ -192,11 +192,8 @@ void forward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O out
   constexpr std::string_view call = "ring::forward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
-  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
-                "ring::forward: the views must live in the backend's memory space");
   const auto& st = rp.state();
-  detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_ring_call<B, T, Acc>(comm, st, q, k, v, out, lse, call);
   check_workspace(workspace, rp.workspace_bytes(), call);
   detail::runner<V>::template forward<T, Acc>(b, comm, st, q, k, v, out, lse, workspace);
 }
@@ -210,11 +207,8 @@ void backward(const B& b, C& comm, const plan<V, B, P>& rp, Q q, K k, Vv v, O ou
   constexpr std::string_view call = "ring::backward";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
-  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
-                "ring::backward: the views must live in the backend's memory space");
   const auto& st = rp.state();
-  detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_ring_call<B, T, Acc>(comm, st, q, k, v, out, lse, call);
   detail::check_rank_gradients<T, true>(st.dims, st.mine, dout, dq, dk, dv, call);
   check_workspace(workspace, rp.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   detail::runner<V>::template backward<T, Acc>(b, comm, st, q, k, v, out, lse, dout, dq, dk, dv, workspace);

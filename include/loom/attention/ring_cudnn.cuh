@@ -33,6 +33,10 @@
 //! cuDNN before loom merges or adds them in float; cuDNN's order of summation, not loom's (dQ need
 //! not repeat bit for bit). Compile with nvcc; link loom::cudnn.
 //!
+//! Hybrid Ulysses x ring with this ring inside: hybrid::make_plan<P>(b, comm, cudnn::fused{},
+//! ring_sharding, shape, opts) (below); it also needs each Ulysses rank's query heads to be one
+//! GQA block, so that the head shards the ring reads are dense.
+//!
 //! The runner is tested on the CPU with a reference engine that reads the same tables
 //! (tests/attention/ring_test.hpp, serial and the device stand-in); the cuDNN form has a [gpu]
 //! case in tests/attention/distributed_cudnn_test.cu for .ci/gpu. Not yet run on a GPU
@@ -40,6 +44,7 @@
 
 #include <loom/attention/cudnn.hpp>
 #include <loom/attention/detail/ring_fused.hpp>
+#include <loom/attention/hybrid.hpp>
 #include <loom/backend/cuda.hpp>
 
 #include <cstddef>
@@ -163,3 +168,29 @@ fused_plan<loom::cuda, P, cudnn::detail::ring_engine> make_plan(const loom::cuda
 }
 
 }  // namespace loom::attention::ring
+
+namespace loom::attention::hybrid {
+
+//! Plans hybrid Ulysses x ring attention (hybrid.hpp) whose inner ring runs its steps through
+//! cuDNN (ring::make_plan with cudnn::fused, above). Needs, besides what the ring over cuDNN
+//! needs, every Ulysses rank's query heads to be one GQA block (dense head shards, as
+//! ulysses_cudnn.cuh): checked for every rank inside the hybrid's agreement. Collective over comm
+//! as hybrid::make_plan (its agreement, the group splits, one ring agreement per head segment
+//! over the ring group, with the graphs built inside it).
+//! @throws loom::error on every rank: as hybrid::make_plan; (unsupported) a head split that is
+//! not one GQA block per Ulysses rank; as ring::make_plan with cudnn::fused on every rank of a ring
+//! group.
+template <precision_policy P = bf16, comm::communicator C>
+plan<loom::cuda, C, P, ring::fused_plan<loom::cuda, P, cudnn::detail::ring_engine>> make_plan(
+    const loom::cuda& b, C& comm, cudnn::fused, const shard::plan& ring_sharding, const head_shape& s,
+    const options& opt = {}) {
+  constexpr std::string_view call = "hybrid::make_plan (cuDNN)";
+  using inner = ring::fused_plan<loom::cuda, P, cudnn::detail::ring_engine>;
+  return detail::hybrid_maker::make<inner, P>(
+      b, comm, ring_sharding, s, opt, call, [&](const grid& g) { detail::require_dense_heads(s, g.ulysses, call); },
+      [&](C& ring_comm, const shard::plan& sp, const head_shape& hs) {
+        return ring::make_plan<P>(b, ring_comm, cudnn::fused{}, sp, hs, opt);
+      });
+}
+
+}  // namespace loom::attention::hybrid

@@ -65,12 +65,27 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace loom::attention::ulysses {
+
+namespace detail {
+//! Why rank j's query heads under split h are not one dense GQA block (empty: they are): whole
+//! groups of heads_q / heads_kv heads, or part of one group. A local step that reads dense head
+//! shards (cuDNN's) needs it.
+inline std::string fused_heads_problem(const attention::detail::head_split& h, int j) {
+  const auto segs = attention::detail::segments_of(h, j);
+  if (segs.size() <= 1) return {};
+  return loom::detail::concat("rank ", j, " computes query heads [", h.q_begin(j), ", ", h.q_end(j), ") of ", h.hq,
+                              " over ", h.hkv, " kv heads: ", segs.size(),
+                              " GQA blocks, not one (choose ranks that divide the kv heads, or the default "
+                              "make_plan)");
+}
+}  // namespace detail
 
 //! Bytes one rank sends to the other ranks in one call (see the file comment's formulas).
 struct traffic {

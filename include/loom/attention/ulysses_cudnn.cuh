@@ -56,18 +56,6 @@ void local_backward(const loom::cuda& b, const plan<P>& lp, const Coords&, Q q, 
 
 namespace loom::attention::ulysses {
 
-namespace detail {
-//! Why rank j's head shard is not one dense GQA block (empty: it is).
-inline std::string fused_heads_problem(const head_split& h, int j) {
-  const auto segs = segments_of(h, j);
-  if (segs.size() <= 1) return {};
-  return loom::detail::concat("rank ", j, " computes query heads [", h.q_begin(j), ", ", h.q_end(j), ") of ", h.hq,
-                              " over ", h.hkv, " kv heads: ", segs.size(),
-                              " GQA blocks, not one (choose ranks that divide the kv heads, or the default "
-                              "ulysses::make_plan)");
-}
-}  // namespace detail
-
 //! Plans Ulysses attention whose local step is cuDNN's (see the file comment). Collective over
 //! comm: one agreement, as ulysses::make_plan.
 //! @throws loom::error on every rank: as ulysses::make_plan and attention::cudnn::make_plan;

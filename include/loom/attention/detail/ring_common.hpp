@@ -109,6 +109,17 @@ void check_rank_gradients(const head_shape& s, index_t n, const DO& dout, const 
   expect_rank_view<unit_stride>(dv, {n, s.heads_kv, s.dim_v}, call, "dv");
 }
 
+//! The per-call checks of every ring plan's forward and backward, on this rank: the views in the
+//! backend's memory space, the communicator the plan's, the views of the plan's extents.
+template <class B, class T, class Acc, class St, comm::communicator C, class Q, class K, class V, class O, class L>
+void check_ring_call(C& comm, const St& st, const Q& q, const K& k, const V& v, const O& out, const L& lse,
+                     std::string_view call) {
+  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
+                "ring attention: the views must live in the backend's memory space");
+  check_comm(comm, st.ranks, st.me, call);
+  check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+}
+
 inline int ring_next(int r, int p, int s = 1) { return ((r + s) % p + p) % p; }
 
 //! Everything a ring plan derives from the shard plan, the shapes and the options on one rank.

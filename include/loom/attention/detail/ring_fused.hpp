@@ -329,11 +329,8 @@ void forward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v,
   constexpr std::string_view call = "ring::forward (fused)";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
-  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
-                "ring::forward: the views must live in the backend's memory space");
   const auto& st = fp.state();
-  detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_ring_call<B, T, Acc>(comm, st, q, k, v, out, lse, call);
   detail::check_fused_views(q, out, lse, false, call);
   check_workspace(workspace, fp.workspace_bytes(), call);
   fp.fused().engine->check_call(attention::detail::fused_pass::forward, call);
@@ -348,11 +345,8 @@ void backward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v
   constexpr std::string_view call = "ring::backward (fused)";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
-  static_assert(std::is_same_v<typename Q::space, typename backend_traits<B>::memory_space>,
-                "ring::backward: the views must live in the backend's memory space");
   const auto& st = fp.state();
-  detail::check_comm(comm, st.ranks, st.me, call);
-  detail::check_rank_views<T, Acc, true>(st.dims, st.mine, q, k, v, out, lse, call);
+  detail::check_ring_call<B, T, Acc>(comm, st, q, k, v, out, lse, call);
   detail::check_rank_gradients<T, true>(st.dims, st.mine, dout, dq, dk, dv, call);
   detail::check_fused_views(q, out, lse, true, call);
   attention::detail::expect_dense(dout, call, "dout");
