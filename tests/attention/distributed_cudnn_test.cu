@@ -265,7 +265,7 @@ TEST_CASE(
     return;
   }
   const problem pb(causal());
-  for (const auto [u, r] : {std::pair{1, 2}, std::pair{2, 1}, std::pair{2, 2}}) {
+  for (const auto& [u, r] : {std::pair{1, 2}, std::pair{2, 1}, std::pair{2, 2}}) {
     INFO("U x R = " << u << " x " << r);
     const auto ring = loom::shard::make_plan(std::span<const index_t>(pb.docs), r, loom::shard::zigzag{});
     pb.check_distributed(u * r, {ring, u}, [&](const loom::cuda& b, loom::comm::device_local& comm) {

@@ -4,7 +4,9 @@
 // presets.
 
 #define LOOM_TEST_BACKEND_CUDA 1
+#include <loom/comm/device_local.hpp>
 #include <loom/linear_attention/cublas.cuh>
+#include <loom/linear_attention/lasp2.hpp>
 
 #include <support/backends.hpp>
 #include <support/convert.hpp>
@@ -15,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -86,6 +89,51 @@ void check(const problem& p0, index_t chunk, const std::string& what) {
   }
 }
 
+// LASP-2's forward with cuBLAS as its local step on P ranks of comm::device_local (one GPU),
+// slices of about T / P tokens: o gathered, the final states summed (each written by one rank).
+template <class P>
+std::pair<std::vector<double>, std::vector<double>> run_lasp2(const problem& p, int ranks, index_t chunk) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
+  std::vector<double> o(static_cast<std::size_t>(T * H * p.dv)), fin(static_cast<std::size_t>(docs * H * sz));
+  std::mutex mu;
+  loom::comm::run_device_local(ranks, [&](loom::comm::device_local& comm, loom::cuda b) {
+    const int r = comm.rank();
+    const index_t from = T * r / ranks, n = T * (r + 1) / ranks - from;
+    auto slice = [&](const std::vector<double>& x, index_t row) {
+      return std::vector<double>(x.begin() + from * row, x.begin() + (from + n) * row);
+    };
+    buffer<S> q(cast<S>(slice(p.q, H * p.dk))), k(cast<S>(slice(p.k, H * p.dk))), v(cast<S>(slice(p.v, H * p.dv))),
+        od(static_cast<std::size_t>(n * H * p.dv));
+    buffer<A> lg(cast<A>(slice(p.lg, H))), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)),
+        fd(std::vector<A>(static_cast<std::size_t>(docs * H * sz), A(0))), xin(static_cast<std::size_t>(H * sz));
+    la::operands<P, cuda_memory> x{dv<const S, 3>(q.data(), {n, H, p.dk}), dv<const S, 3>(k.data(), {n, H, p.dk}),
+                                   dv<const S, 3>(v.data(), {n, H, p.dv})};
+    if (!p.init.empty()) x.initial_state = dv<const A, 4>(init.data(), {docs, H, p.dk, p.dv});
+    const auto pl =
+        la::lasp2::make_plan<P>(b, comm, la::cublas::batched{}, loom::segments<>{std::span<const index_t>(p.cu)}, from,
+                                {n, H, p.dk, p.dv}, {.chunked = {.chunk = chunk, .scale = p.scale}});
+    const loom::test::workspace ws(pl.forward_workspace_bytes());
+    auto call = [&](const auto& gate) {
+      la::lasp2::forward(b, comm, pl, gate, x, dv<S, 3>(od.data(), {n, H, p.dv}),
+                         dv<A, 4>(fd.data(), {docs, H, p.dk, p.dv}), dv<A, 3>(xin.data(), {H, p.dk, p.dv}), ws.span());
+    };
+    if (p.mode == gating::none)
+      call(la::no_decay{});
+    else if (p.mode == gating::fixed)
+      call(la::fixed_decay<A, cuda_memory>{dv<const A, 1>(hlg.data(), {H})});
+    else
+      call(la::scalar_gate<A, cuda_memory>{dv<const A, 2>(lg.data(), {n, H})});
+    loom::fence(b);
+    const auto oh = widen(od.to_host()), fh = widen(fd.to_host());
+    const std::lock_guard lock(mu);
+    std::copy(oh.begin(), oh.end(), o.begin() + from * H * p.dv);
+    for (std::size_t i = 0; i < fh.size(); ++i) fin[i] += fh[i];
+  });
+  return {o, fin};
+}
+
 const char* name(gating g) {
   return g == gating::none ? "no_decay" : g == gating::fixed ? "fixed_decay" : "scalar_gate";
 }
@@ -121,4 +169,24 @@ TEST_CASE("linear_attention::cublas: a plan not made by make_plan is rejected", 
                             dv<float, 3>(o.data(), {8, 2, 4}), {}, ws.span());
       },
       loom::errc::invalid_argument, {"linear_attention::cublas::forward", "not made by"});
+}
+
+TEST_CASE("linear_attention::cublas: LASP-2's forward with cuBLAS as its local step against the recurrent oracle",
+          "[linear_attention][cublas][lasp2][gpu]") {
+  const index_t T = 1009;
+  for (const auto mode : {gating::none, gating::fixed, gating::scalar}) {
+    const auto p0 = loom::test::la::make_problem(T, 3, 16, 24, mode, loom::test::la::random_docs(T, 4, 90), true, 91);
+    for (const int ranks : {1, 2, 3, 4}) {
+      const std::string what = std::string(name(mode)) + " P=" + std::to_string(ranks);
+      auto one = [&]<class P>(P, const char* prec) {
+        const problem p = loom::test::la::rounded<P>(p0);
+        const auto want = loom::test::la::oracle(p);
+        const auto [o, fin] = run_lasp2<P>(p, ranks, 64);
+        loom::test::require_close(o, want.o, loom::test::la::scaled_tol<P>(want.o), what + prec + " o");
+        loom::test::require_close(fin, want.fin, loom::test::la::scaled_tol<P>(want.fin), what + prec + " final state");
+      };
+      one(loom::fp32{}, " fp32");
+      one(loom::bf16{}, " bf16");
+    }
+  }
 }

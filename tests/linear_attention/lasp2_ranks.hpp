@@ -95,7 +95,8 @@ inline bool same_bits(const outputs& a, const outputs& b) {
 //! LASP-2 forward then backward in precision P on the slices (on the backend under test, or with
 //! Space = host_memory and host_ranks on the host path) `splits` (tokens [splits[r],
 //! splits[r + 1]) on rank r), chunk `chunk`, one plan and one workspace per rank for both passes.
-template <class P, class Space = space, class Ranks = ranks_under_test>
+//! Engine: void (loom's kernels) or a products tag given to make_plan (the forward's local step).
+template <class P, class Space = space, class Ranks = ranks_under_test, class Engine = void>
 outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const std::vector<double>& d_o,
                   const std::vector<double>& dfin, schedule sc, index_t chunk = 16, Ranks ranks = {}) {
   using S = typename P::storage_type;
@@ -130,7 +131,12 @@ outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const st
     // reads them with a copy and a fence).
     const loom::segments<Space> docs_view(
         view_in<Space>(static_cast<const index_t*>(p.cu.data()), {static_cast<index_t>(p.cu.size())}));
-    const auto pl = lasp2::make_plan<P>(b, comm, docs_view, from, {n, H, dk, dv}, opt);
+    const auto pl = [&] {
+      if constexpr (std::is_void_v<Engine>)
+        return lasp2::make_plan<P>(b, comm, docs_view, from, {n, H, dk, dv}, opt);
+      else
+        return lasp2::make_plan<P>(b, comm, Engine{}, docs_view, from, {n, H, dk, dv}, opt);
+    }();
     loom::workspace_buffer ws(pl.workspace_bytes());
     auto both = [&](const auto& g) {
       lasp2::forward(b, comm, pl, g, x, view_in<Space>(o.data(), {n, H, dv}),

@@ -166,6 +166,63 @@ void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const 
                                          o, final_state, workspace, call);
 }
 
+//! LASP-2's forward local step on cuBLAS: lasp2::make_plan<P>(b, comm, cublas::batched{}, docs,
+//! token_begin, slice, opts) (lasp2.hpp) makes a LASP-2 plan whose forward runs the batched
+//! engine (gemm_engine.hpp: the chunk states before the exchange, document 0's again from the
+//! incoming state after it, then the outputs) on its own cuBLAS handle; the backward runs loom's
+//! kernels. Stream-ordered as lasp2::forward; the products of a call are enqueued under the
+//! engine's lock (held through the call's exchange).
+struct batched {
+  template <class P>
+  struct engine {
+    static_assert(detail::storable<typename P::storage_type>,
+                  "linear_attention::cublas: storage float, double, bfloat16 or half");
+    linear_attention::detail::gemm_layout layout;
+    std::shared_ptr<detail::state> st;
+
+    static std::shared_ptr<const engine> make(const loom::cuda&, const linear_attention::plan<P>& pl,
+                                              std::string_view call) {
+      auto e = std::make_shared<engine>();
+      e->layout = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(pl);
+      LOOM_EXPECTS(e->layout.batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", e->layout.batch,
+                   " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
+      e->st = std::make_shared<detail::state>(call);
+      return e;
+    }
+    [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout.bytes; }
+
+    template <class Gating>
+    void forward(const loom::cuda& b, const linear_attention::plan<P>& pl, const Gating& gating,
+                 const operands<P, cuda_memory>& x, tensor_view<typename P::storage_type, 3, cuda_memory> o,
+                 tensor_view<typename P::accum_type, 4, cuda_memory> fin, std::span<std::byte> ws,
+                 std::string_view call) const {
+      const auto lock = enter(b, call);
+      linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st->handle.get(), call}, pl, layout, gating, x, o,
+                                             fin, ws, call);
+    }
+    template <class Gating, class Post, class Finish>
+    bool forward_incoming(const loom::cuda& b, const linear_attention::plan<P>& pl, const Gating& gating,
+                          const operands<P, cuda_memory>& x, tensor_view<typename P::storage_type, 3, cuda_memory> o,
+                          tensor_view<typename P::accum_type, 4, cuda_memory> fin, std::span<std::byte> ws,
+                          typename P::accum_type* end_state, linear_attention::detail::incoming_roles roles,
+                          Post&& post, Finish&& finish, std::string_view call) const {
+      const auto lock = enter(b, call);
+      return linear_attention::detail::gemm_forward_incoming(
+          b, detail::cublas_gemm{st->handle.get(), call}, pl, layout, gating, x, o, fin, ws, end_state, roles,
+          std::forward<Post>(post), std::forward<Finish>(finish), call);
+    }
+
+   private:
+    //! The device check, then the handle's stream set under the lock held while enqueueing.
+    std::unique_lock<std::mutex> enter(const loom::cuda& b, std::string_view call) const {
+      loom::detail::check_plan_device(st->device, call);
+      std::unique_lock lock(st->enqueue);
+      detail::check_cublas(cublasSetStream(st->handle.get(), b.stream), call, "cublasSetStream");
+      return lock;
+    }
+  };
+};
+
 //! Convenience form: make_plan (precision of the operands), a temporary workspace, the plan form,
 //! fence.
 template <memory_space D = host_memory, class Gating, precision_policy P>

@@ -58,6 +58,7 @@
 #include <loom/linear_attention/detail/lasp2_impl.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <string_view>
 #include <type_traits>
@@ -80,16 +81,27 @@ namespace detail {
 struct access;
 }  // namespace detail
 
+//! A local engine of batched products for LASP-2's forward: Tag::engine<P> makes one per plan
+//! (linear_attention::cublas::batched on cuBLAS; linear_attention::detail::host_products, the
+//! reference provider, in loom's CPU tests).
+template <class Tag, class P>
+concept products_tag = requires {
+  typename Tag::template engine<P>;
+};
+
 //! One rank's LASP-2 plan: its slice, the chunk plan of the slice, the agreed call and the layout of
 //! every buffer a call needs (local states, the exchange's message, receive buffer and requests,
 //! the fused schedule's scratch, the kernels' workspace), made once by make_plan and reused by
 //! every forward / backward given it (layer after layer, step after step): such calls allocate
 //! nothing and repeat no agreement. Immutable; holds no reference to the communicator (any
 //! communicator of the same size, used on the same rank, will do). Shareable between threads for
-//! reading; each call needs its own workspace.
-template <precision_policy P = fp32>
+//! reading; each call needs its own workspace. Engine: the forward's local step, loom's chunked
+//! kernels (linear_attention::detail::kernel_step) or an engine of batched products (make_plan
+//! with a products tag); the backward runs loom's kernels either way.
+template <precision_policy P = fp32, class Engine = linear_attention::detail::kernel_step>
 class plan {
  public:
+  using engine_type = Engine;
   int rank() const noexcept { return c_.rank; }
   int ranks() const noexcept { return c_.ranks; }
   index_t token_begin() const noexcept { return c_.begin; }
@@ -106,10 +118,13 @@ class plan {
   std::size_t backward_workspace_bytes() const noexcept { return c_.bwd.bytes; }
   //! Bytes of a workspace that serves both passes.
   std::size_t workspace_bytes() const noexcept { return c_.fwd.bytes > c_.bwd.bytes ? c_.fwd.bytes : c_.bwd.bytes; }
+  //! The forward's engine of batched products (null for loom's kernels).
+  const Engine* engine() const noexcept { return e_.get(); }
 
  private:
   friend struct detail::access;
   linear_attention::detail::lasp2_core<P> c_;
+  std::shared_ptr<const Engine> e_;
 };
 
 namespace detail {
@@ -124,21 +139,33 @@ constexpr void check_spaces() {
                 "needs host-accessible memory; device memory needs a stream-ordered communicator)");
 }
 
+//! No engine to make: loom's kernels.
+struct no_engine {
+  template <class P, class B>
+  std::shared_ptr<const linear_attention::detail::kernel_step> operator()(const B&, const linear_attention::plan<P>&,
+                                                                          std::string_view) const {
+    return nullptr;
+  }
+};
+
 struct access {
-  template <class P>
-  static const linear_attention::detail::lasp2_core<P>& core(const plan<P>& p) noexcept {
+  template <class P, class E>
+  static const linear_attention::detail::lasp2_core<P>& core(const plan<P, E>& p) noexcept {
     return p.c_;
   }
 
   //! make_plan with `check(core)` run on this rank inside the agreement (the convenience forms
-  //! check their views there).
-  template <class P, class B, class C, class Check>
-  static plan<P> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
-                      const shape& slice, const options& opt, std::string_view call, Check&& check) {
+  //! check their views there); `make_engine(b, slice_plan, call)` makes the forward's engine, also
+  //! inside the agreement (a rank whose engine cannot be made fails every rank).
+  template <class P, class E = linear_attention::detail::kernel_step, class B, class C, class Check,
+            class MakeEngine = no_engine>
+  static plan<P, E> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
+                         const shape& slice, const options& opt, std::string_view call, Check&& check,
+                         MakeEngine make_engine = {}) {
     using Space = typename backend_traits<B>::memory_space;
     check_spaces<B, C, Space>();
     static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
-    plan<P> p;
+    plan<P, E> p;
     auto& c = p.c_;
     const auto slices = comm::agree(comm, call, [&] {
       LOOM_EXPECTS(!docs_in.implicit() || comm.size() == 1, errc::invalid_argument, call,
@@ -170,6 +197,10 @@ struct access {
       }
       c.pl = linear_attention::make_plan<P>(b, segments<host_memory>(std::span<const index_t>(c.s.local_cu)),
                                             {slice.tokens, slice.heads, slice.dk, slice.dv}, chunked);
+      if constexpr (!std::is_same_v<E, linear_attention::detail::kernel_step>) {
+        p.e_ = make_engine(b, c.pl, call);
+        c.engine_bytes = p.e_->workspace_bytes();
+      }
       c.make_moves();
       c.fwd = c.make_layout(false);
       c.bwd = c.make_layout(true);
@@ -208,6 +239,27 @@ plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t t
   });
 }
 
+//! Plans LASP-2 (as above) whose forward runs its local step as batched dense products through the
+//! engine of Tag (linear_attention::cublas::batched: cuBLAS's strided-batched products on
+//! loom::cuda, cublas.cuh): the chunk states before the exchange, document 0's again from the
+//! incoming state after it, then the outputs (gemm_engine.hpp). The backward runs loom's kernels.
+//! The engine is made inside the agreement. @throws as make_plan, and what the engine's make throws.
+template <precision_policy P = fp32, backend B, comm::communicator C, class Tag, memory_space DocSpace = host_memory>
+requires products_tag<Tag, P> plan<P, typename Tag::template engine<P>> make_plan(const B& b, C& comm, Tag,
+                                                                                  const segments<DocSpace>& docs,
+                                                                                  index_t token_begin,
+                                                                                  const shape& slice,
+                                                                                  const options& opt = {}) {
+  using E = typename Tag::template engine<P>;
+  return loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
+    return detail::access::make<P, E>(
+        b, comm, h, token_begin, slice, opt, "lasp2::make_plan", [](const auto&) {},
+        [](const auto& be, const linear_attention::plan<P>& pl, std::string_view call) {
+          return E::make(be, pl, call);
+        });
+  });
+}
+
 //! LASP-2 forward on this rank's slice with a caller's workspace (at least
 //! plan.forward_workspace_bytes(), aligned to loom::workspace_alignment). x.q/k/v and o: the
 //! plan's [T_r, H, d]; gating as in chunked.hpp on the slice's tokens; x.initial_state and
@@ -221,14 +273,18 @@ plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t t
 //!         (the message names the argument); comm errors of the communicator.
 //! Communication: one all_gather (or the same volume posted) of H (1 + dk dv) + 1 Accum values
 //! per rank.
-template <backend B, comm::communicator C, precision_policy P, class Gating, memory_space Space>
-void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+template <backend B, comm::communicator C, precision_policy P, class E, class Gating, memory_space Space>
+void forward(const B& b, C& comm, const plan<P, E>& pl, const Gating& gating, const operands<P, Space>& x,
              tensor_view<typename P::storage_type, 3, Space> o,
              tensor_view<typename P::accum_type, 4, Space> final_state,
              tensor_view<typename P::accum_type, 3, Space> incoming_state, std::span<std::byte> workspace) {
   detail::check_spaces<B, C, Space>();
-  linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
-                                                  incoming_state, workspace);
+  if constexpr (std::is_same_v<E, linear_attention::detail::kernel_step>)
+    linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
+                                                    incoming_state, workspace);
+  else
+    linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
+                                                    incoming_state, workspace, pl.engine());
 }
 
 //! LASP-2 backward with a caller's workspace (at least plan.backward_workspace_bytes()). d_o:
@@ -238,8 +294,8 @@ void forward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const
 //! written for the documents whose first token this rank holds. Allocates nothing; no agreement.
 //! @throws as forward.
 //! Communication: one all_gather of H (1 + dk dv) + 1 Accum values per rank.
-template <backend B, comm::communicator C, precision_policy P, class Gating, memory_space Space>
-void backward(const B& b, C& comm, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+template <backend B, comm::communicator C, precision_policy P, class E, class Gating, memory_space Space>
+void backward(const B& b, C& comm, const plan<P, E>& pl, const Gating& gating, const operands<P, Space>& x,
               tensor_view<const typename P::storage_type, 3, Space> d_o,
               tensor_view<const typename P::accum_type, 4, Space> d_final_state,
               tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,

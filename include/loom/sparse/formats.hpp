@@ -208,9 +208,7 @@ inline void check_extents(index_t rows, index_t cols, const char* what) {
   LOOM_EXPECTS(rows >= 0 && cols >= 0, errc::invalid_argument, what, ": rows and cols must be >= 0, got ", rows, " x ",
                cols);
 }
-}  // namespace detail
 
-namespace detail {
 //! CSR row offsets: offsets[0] == 0 and non-decreasing. `who` and `name` name the call and the
 //! array in the error. @throws loom::error(invalid_argument).
 inline void check_row_offsets(std::span<const index_t> offsets, std::string_view who, std::string_view name) {

@@ -27,6 +27,7 @@
 //! leading dimensions as row-major row strides). host_gemm is the reference provider (plain loops
 //! in the accumulation type; host memory).
 
+#include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>
 #include <loom/core/checked.hpp>
 #include <loom/core/workspace.hpp>
@@ -37,8 +38,10 @@
 #include <loom/linear_attention/types.hpp>
 
 #include <cstddef>
+#include <memory>
 #include <span>
 #include <string_view>
+#include <utility>
 
 namespace loom::linear_attention::detail {
 
@@ -235,13 +238,13 @@ struct host_gemm {
   }
 };
 
-//! The forward of plan pl through provider gemm on backend b, with the engine's layout gl (from
-//! make_gemm_layout for pl) in `ws`. Checks as linear_attention::forward. Allocates nothing; no
-//! fence (stream-ordered where b and gemm are).
-template <class B, class G, class P, class Gating, class Space>
-void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const Gating& gating,
-                  const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
-                  tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, std::string_view call) {
+//! The elementwise passes' state of one call: the checks of linear_attention::forward, the
+//! workspace carved at gl, the operands, gate and outputs bound.
+template <class B, class P, class Gating, class Space>
+gemm_pass<typename P::storage_type, typename P::accum_type, Space> gemm_setup(
+    const B& b, const plan<P>& pl, const gemm_layout& gl, const Gating& gating, const operands<P, Space>& x,
+    tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
+    std::span<std::byte> ws, std::string_view call) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
@@ -257,20 +260,35 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
   g.init = present(x.initial_state) ? x.initial_state.data() : nullptr;
   g.fin = present(fin) ? fin.data() : nullptr;
   g.out = o.data(), g.ot = o.stride(0), g.oh = o.stride(1), g.oe = o.stride(2);
+  return g;
+}
 
+//! The first phase: gates, the padded operands, every chunk's own state L = Ks^T V, and the pass
+//! over the chunk states of every document (S0 of each chunk, the final states).
+template <class B, class G, class P, class S, class A, class Space>
+void gemm_states(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const gemm_pass<S, A, Space>& g) {
   const index_t heads = pl.heads(), c = pl.chunk(), dk = pl.dk(), dv = pl.dv();
   const index_t batch = gl.batch, rows = batch * c;
-  const A one = A(1), zero = A(0);
   if (batch > 0) {
     for_each_index(b, batch, gemm_gates<S, A, Space>{g});
     for_each_index(b, rows * dk, gemm_gather_qk<S, A, Space>{g});
     for_each_index(b, rows * dv, gemm_gather_v<S, A, Space>{g});
     // L = Ks^T V per chunk
-    gemm(gemm_op::t, gemm_op::n, dk, dv, c, one, static_cast<const S*>(g.ks), dk, c * dk, static_cast<const S*>(g.vg),
-         dv, c * dv, zero, g.l, dv, dk * dv, batch);
+    gemm(gemm_op::t, gemm_op::n, dk, dv, c, A(1), static_cast<const S*>(g.ks), dk, c * dk, static_cast<const S*>(g.vg),
+         dv, c * dv, A(0), g.l, dv, dk * dv, batch);
   }
   for_each_index(b, pl.docs() * heads * dk * dv, gemm_state_pass<S, A, Space>{g});
+}
+
+//! The second phase: the scores, the inter-chunk term Q S0, the mask and row scale, the intra-chunk
+//! term, and the outputs scattered to o.
+template <class B, class G, class P, class S, class A, class Space>
+void gemm_outputs(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl,
+                  const gemm_pass<S, A, Space>& g) {
+  const index_t c = pl.chunk(), dk = pl.dk(), dv = pl.dv();
+  const index_t batch = gl.batch, rows = batch * c;
   if (batch == 0) return;
+  const A one = A(1), zero = A(0);
   // Pf = Q K^T, O = Q S0, then the mask and row scale, then O += Pm V
   gemm(gemm_op::n, gemm_op::t, c, c, dk, one, static_cast<const S*>(g.qg), dk, c * dk, static_cast<const S*>(g.kg), dk,
        c * dk, zero, g.pf, c, c * c, batch);
@@ -282,5 +300,82 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
        c * dv, one, g.o, dv, c * dv, batch);
   for_each_index(b, rows * dv, gemm_scatter<S, A, Space>{g});
 }
+
+//! The forward of plan pl through provider gemm on backend b, with the engine's layout gl (from
+//! make_gemm_layout for pl) in `ws`. Checks as linear_attention::forward. Allocates nothing; no
+//! fence (stream-ordered where b and gemm are).
+template <class B, class G, class P, class Gating, class Space>
+void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const Gating& gating,
+                  const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
+                  tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, std::string_view call) {
+  const auto g = gemm_setup(b, pl, gl, gating, x, o, fin, ws, call);
+  gemm_states(b, gemm, pl, gl, g);
+  gemm_outputs(b, gemm, pl, gl, g);
+}
+
+//! The forward with a state X entering document 0 from outside (LASP-2; the contract of
+//! run_forward_incoming in driver.hpp): the states phase from the given initial states (zero for a
+//! document 0 that continues from an earlier rank), end_state = the last document's final state
+//! when roles.publish, post(); X = finish(); where X is given, document 0's chunk states and final
+//! state again from X (every chunk of document 0 then starts from S0 + exp(B) X, as the chunk-
+//! parallel schedule's), then the outputs phase. Returns whether document 0's final state in fin
+//! includes X. fin is required.
+template <class B, class G, class P, class Gating, class Space, class Post, class Finish>
+bool gemm_forward_incoming(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const Gating& gating,
+                           const operands<P, Space>& x, tensor_view<typename P::storage_type, 3, Space> o,
+                           tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
+                           typename P::accum_type* end_state, incoming_roles roles, Post&& post, Finish&& finish,
+                           std::string_view call) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  LOOM_EXPECTS(present(fin), errc::invalid_argument, call, ": final_state: the LASP-2 schedule needs it");
+  const auto g = gemm_setup(b, pl, gl, gating, x, o, fin, ws, call);
+  gemm_states(b, gemm, pl, gl, g);
+  const index_t one = pl.heads() * pl.dk() * pl.dv();
+  if (roles.publish && pl.docs() > 0)
+    loom::copy_bytes(b, end_state, g.fin + (pl.docs() - 1) * one, sizeof(A) * static_cast<std::size_t>(one));
+  post();
+  const A* xin = finish();
+  const bool with_x = xin != nullptr && pl.docs() > 0;
+  if (with_x) {
+    auto g0 = g;  // document 0 only (items [0, H dk dv)), from X ([H, dk, dv]: document 0's initial state)
+    g0.init = xin;
+    for_each_index(b, one, gemm_state_pass<S, A, Space>{g0});
+  }
+  gemm_outputs(b, gemm, pl, gl, g);
+  return with_x;
+}
+
+//! The batched-product engine on the reference provider (host memory), for the CPU tests of the
+//! paths that run on cuBLAS: LASP-2's local step (lasp2::make_plan with host_products{}).
+struct host_products {
+  template <class P>
+  struct engine {
+    gemm_layout layout;
+    template <class B>
+    static std::shared_ptr<const engine> make(const B&, const plan<P>& pl, std::string_view) {
+      static_assert(backend_traits<B>::memory_space::host_accessible,
+                    "host_products: the reference provider reads host memory");
+      return std::make_shared<const engine>(
+          engine{make_gemm_layout<typename P::storage_type, typename P::accum_type>(pl)});
+    }
+    [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout.bytes; }
+    template <class B, class Gating, class Space>
+    void forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                 tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
+                 std::span<std::byte> ws, std::string_view call) const {
+      gemm_forward(b, host_gemm{}, pl, layout, gating, x, o, fin, ws, call);
+    }
+    template <class B, class Gating, class Space, class Post, class Finish>
+    bool forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                          tensor_view<typename P::storage_type, 3, Space> o,
+                          tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
+                          typename P::accum_type* end_state, incoming_roles roles, Post&& post, Finish&& finish,
+                          std::string_view call) const {
+      return gemm_forward_incoming(b, host_gemm{}, pl, layout, gating, x, o, fin, ws, end_state, roles,
+                                   std::forward<Post>(post), std::forward<Finish>(finish), call);
+    }
+  };
+};
 
 }  // namespace loom::linear_attention::detail

@@ -21,6 +21,7 @@
 #include <new>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace loom::linear_attention::detail {
@@ -287,6 +288,7 @@ struct lasp2_core {
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
   bool posted_exchange = false;
   std::size_t request_bytes = 0;  //!< sizeof the requests of make_plan's communicator (0: stream-ordered, none)
+  std::size_t engine_bytes = 0;   //!< the forward's local engine's workspace, when not loom's kernels
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
@@ -374,7 +376,7 @@ struct lasp2_core {
     w.reqs = l.add<std::byte>(
         posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
     w.table = l.add<index_t>(static_cast<index_t>(table.size()));
-    w.kernel_bytes = backward ? pl.backward_workspace_bytes() : pl.forward_workspace_bytes();
+    w.kernel_bytes = backward ? pl.backward_workspace_bytes() : std::max(pl.forward_workspace_bytes(), engine_bytes);
     w.kernels = l.add<std::byte>(static_cast<index_t>(w.kernel_bytes));
     w.bytes = l.bytes();
     return w;
@@ -460,11 +462,19 @@ void check_forward_call(const C& comm, const B& b, const lasp2_core<P>& w, const
   }
 }
 
-template <class P, class C, class B, class Gating, class Space>
+//! The local step of a LASP-2 forward when no engine is given: loom's chunked kernels.
+struct kernel_step {};
+
+//! The LASP-2 forward on this rank. Engine: kernel_step (loom's kernels: run_forward /
+//! run_forward_incoming), or an engine of batched products (gemm_engine.hpp: forward and
+//! forward_incoming with the contracts of gemm_forward and gemm_forward_incoming), given by pointer.
+template <class P, class C, class B, class Gating, class Space, class Engine = kernel_step>
 void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gating& gating, const operands<P, Space>& x,
                         tensor_view<typename P::storage_type, 3, Space> o,
                         tensor_view<typename P::accum_type, 4, Space> fin,
-                        tensor_view<typename P::accum_type, 3, Space> incoming, std::span<std::byte> ws) {
+                        tensor_view<typename P::accum_type, 3, Space> incoming, std::span<std::byte> ws,
+                        const Engine* engine = nullptr) {
+  constexpr bool kernels = std::is_same_v<Engine, kernel_step>;
   using A = typename P::accum_type;
   constexpr std::string_view call = "lasp2::forward";
   check_forward_call(comm, b, w, gating, x, o, fin, incoming, call);
@@ -485,7 +495,10 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
     // One rank: nothing enters the slice and nothing needs exchanging; the plain forward (fused
     // when the plan says so, without a chunk-state buffer).
     loom::detail::fill(b, xin, one, A(0));
-    run_forward(b, w.pl, gating, xl, o, fin_view, buf.kernels);
+    if constexpr (kernels)
+      run_forward(b, w.pl, gating, xl, o, fin_view, buf.kernels);
+    else
+      engine->forward(b, w.pl, gating, xl, o, fin_view, buf.kernels, call);
   } else {
     state_exchange<C, B, A> ex(b, H, sz, w.ranks, w.posted_exchange, buf[blk::send], buf[blk::recv], buf.reqs);
     ex.clear();
@@ -493,18 +506,22 @@ void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gatin
     // Only later ranks fold this rank's element; the last rank's is never read (it sends a = 1,
     // M = 0 and skips computing its end state before the exchange).
     const incoming_roles roles{s.continues_left, comm.rank() + 1 < comm.size()};
-    with_x = run_forward_incoming(
-        b, w.pl, gating, xl, o, fin_view, buf.kernels, ex.m(), roles, buf.inc,
-        [&] {
-          ex.set(gate, w.tokens, roles.publish && !reset, roles.publish ? A(0) : A(1), roles.publish && reset);
-          ex.post(comm);
-        },
-        [&]() -> const A* {
-          ex.finish(comm);
-          // X = fold over the ranks before this one, in rank order.
-          ex.fold(0, comm.rank(), false, xin);
-          return s.continues_left ? static_cast<const A*>(xin) : nullptr;
-        });
+    auto post = [&] {
+      ex.set(gate, w.tokens, roles.publish && !reset, roles.publish ? A(0) : A(1), roles.publish && reset);
+      ex.post(comm);
+    };
+    auto finish = [&]() -> const A* {
+      ex.finish(comm);
+      // X = fold over the ranks before this one, in rank order.
+      ex.fold(0, comm.rank(), false, xin);
+      return s.continues_left ? static_cast<const A*>(xin) : nullptr;
+    };
+    if constexpr (kernels)
+      with_x =
+          run_forward_incoming(b, w.pl, gating, xl, o, fin_view, buf.kernels, ex.m(), roles, buf.inc, post, finish);
+    else
+      with_x =
+          engine->forward_incoming(b, w.pl, gating, xl, o, fin_view, buf.kernels, ex.m(), roles, post, finish, call);
   }
   if (present(incoming)) loom::copy_bytes(b, incoming.data(), xin, sizeof(A) * static_cast<std::size_t>(one));
   if (s.continues_left && !with_x && one > 0) {
