@@ -20,6 +20,7 @@
 #include <array>
 #include <chrono>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "lasp2_ranks.hpp"
@@ -97,6 +98,10 @@ const std::vector<index_t> mixed_docs{0, 40, 41, 41, 100, 157};
 }  // namespace
 
 TEST_CASE("lasp2 over ranks equals single-device chunked attention", "[linear_attention][lasp2][comm]") {
+  // With loom's kernels as the forward's local step on the backend under test and, on host memory,
+  // with batched products through the reference provider (the schedule LASP-2 runs on cuBLAS,
+  // linear_attention::cublas::batched: chunk states before the exchange, document 0's again from
+  // the incoming state, then the outputs), fp64 and fp32.
   const int P = GENERATE(1, 2, 3, 4, 5, 7);
   const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
   const index_t T = 157;
@@ -106,39 +111,18 @@ TEST_CASE("lasp2 over ranks equals single-device chunked attention", "[linear_at
   const auto want = single(p, d_o, dfin, 64);
   for (const auto& sc : lt::la::schedules())
     for (const auto& splits : {random_splits(T, P, static_cast<std::uint64_t>(P)), random_splits(T, P, 99)}) {
-      const auto got = lt::la::run_lasp2<loom::fp64>(p, splits, d_o, dfin, sc);
-      compare(got, want, {1e-11, 1e-11},
-              "P=" + std::to_string(P) + " exchange " + std::to_string(static_cast<int>(sc.ex)) +
-                  (sc.fused ? " chunk-parallel" : ""));
+      const std::string what = "P=" + std::to_string(P) + " exchange " + std::to_string(static_cast<int>(sc.ex)) +
+                               (sc.fused ? " chunk-parallel" : "");
+      compare(lt::la::run_lasp2<loom::fp64>(p, splits, d_o, dfin, sc), want, {1e-11, 1e-11}, what);
+      if constexpr (std::is_same_v<lt::space, loom::host_memory>) {
+        using products = lin::detail::host_products;
+        compare(lt::la::run_lasp2<loom::fp64, lt::space, lt::la::ranks_under_test, products>(p, splits, d_o, dfin, sc),
+                want, {1e-11, 1e-11}, what + ", batched products");
+        compare(lt::la::run_lasp2<loom::fp32, lt::space, lt::la::ranks_under_test, products>(p, splits, d_o, dfin, sc),
+                want, {2e-5, 2e-5}, what + ", batched products, fp32");
+      }
     }
 }
-
-#if !defined(LOOM_TEST_BACKEND_STANDIN)
-TEST_CASE("lasp2 over ranks with batched products as the forward's local step equals single-device chunked attention",
-          "[linear_attention][lasp2][comm][gemm_engine]") {
-  // The schedule LASP-2 runs on cuBLAS (linear_attention::cublas::batched), here through the
-  // reference provider (host memory): chunk states before the exchange, document 0's again from
-  // the incoming state, then the outputs; every gate kind, documents crossing slices, both
-  // exchanges; fp64 and fp32 storage.
-  const int P = GENERATE(1, 2, 3, 5);
-  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
-  const index_t T = 157;
-  const auto p = lt::la::make_problem(T, 2, 4, 3, mode, mixed_docs, true, 45);
-  const auto d_o = lt::uniform<double>(T * 2 * 3, -1, 1, 46);
-  const auto dfin = lt::uniform<double>(p.docs() * 2 * 4 * 3, -1, 1, 47);
-  const auto want = single(p, d_o, dfin, 64);
-  for (const auto& sc : lt::la::schedules())
-    for (const auto& splits : {random_splits(T, P, 11 + static_cast<std::uint64_t>(P)), random_splits(T, P, 98)}) {
-      const std::string what = "P=" + std::to_string(P) + " exchange " + std::to_string(static_cast<int>(sc.ex));
-      compare(lt::la::run_lasp2<loom::fp64, lt::space, lt::la::ranks_under_test, lin::detail::host_products>(
-                  p, splits, d_o, dfin, sc),
-              want, {1e-11, 1e-11}, what);
-      compare(lt::la::run_lasp2<loom::fp32, lt::space, lt::la::ranks_under_test, lin::detail::host_products>(
-                  p, splits, d_o, dfin, sc),
-              want, {2e-5, 2e-5}, what + " fp32");
-    }
-}
-#endif
 
 TEST_CASE("lasp2 over ranks is bitwise exact on small integers without decay", "[linear_attention][lasp2][comm]") {
   const int P = GENERATE(2, 3, 5, 7);
