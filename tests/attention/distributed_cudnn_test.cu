@@ -195,8 +195,9 @@ la::options causal() {
 
 }  // namespace
 
-TEST_CASE("ulysses with cuDNN: forward and backward equal one device's cuDNN attention, P = 1, 2, 4; P = 3 is refused",
-          "[attention][cudnn][gpu]") {
+TEST_CASE(
+    "ulysses with cuDNN: forward and backward equal one device's cuDNN attention, P = 1, 2, 4, and P = 3 is refused",
+    "[attention][cudnn][gpu]") {
   if (gpus() < 1) {
     WARN("no GPU: not run");
     return;
@@ -258,7 +259,7 @@ TEST_CASE(
 
 TEST_CASE(
     "hybrid with cuDNN's ring inside: forward and backward equal one device's cuDNN attention, U x R in "
-    "{1x2, 2x1, 2x2}; U = 3 is refused",
+    "{1x2, 2x1, 2x2}, and U = 3 is refused",
     "[attention][cudnn][gpu]") {
   if (gpus() < 1) {
     WARN("no GPU: not run");

@@ -351,7 +351,7 @@ TEST_CASE("hybrid: fp64 equals the oracle, U x R in {1x1, 1x3, 5x1, 2x2, 2x3, 4x
   }
 }
 
-TEST_CASE("hybrid with a fused inner ring: equals the oracle; a head split that is not one GQA block is refused",
+TEST_CASE("hybrid with a fused inner ring: equals the oracle, and a head split that is not one GQA block is refused",
           "[attention][hybrid][fused]") {
   const lt::tolerance tol{1e-10, 1e-10};
   const auto g8 = make_global({0, 0, 8, 2, 8, 8, true}, docs, 530);
