@@ -39,8 +39,8 @@
 //!
 //! The runner is tested on the CPU with a reference engine that reads the same tables
 //! (tests/attention/ring_test.hpp, serial and the device stand-in); the cuDNN form has a [gpu]
-//! case in tests/attention/distributed_cudnn_test.cu for .ci/gpu. Not yet run on a GPU
-//! (docs/gpu.md).
+//! case in tests/attention/distributed_cudnn_test.cu for .ci/gpu. Not run: the last GPU run,
+//! docs/gpu.md: NVIDIA H200, 2026-11-28, commit 29324c3, predates it.
 
 #include <loom/attention/cudnn.hpp>
 #include <loom/attention/detail/ring_fused.hpp>

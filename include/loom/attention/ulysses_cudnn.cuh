@@ -25,7 +25,8 @@
 //! dense [T, h, d] tensors. Otherwise make_plan throws loom::error(unsupported) on every rank,
 //! naming the rank and its heads; the default ulysses::make_plan (loom's kernel) takes any split.
 //!
-//! Not yet run on a GPU (docs/gpu.md); tests/attention/distributed_cudnn_test.cu holds its [gpu] case
+//! Not run (the last GPU run, docs/gpu.md: NVIDIA H200, 2026-11-28, commit 29324c3, predates it);
+//! tests/attention/distributed_cudnn_test.cu holds its [gpu] case
 //! (against one device's attention::cudnn over the same documents) for .ci/gpu.
 
 #include <loom/attention/cudnn.hpp>
