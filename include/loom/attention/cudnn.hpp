@@ -61,7 +61,6 @@
 #include <algorithm>
 #include <bit>
 #include <cstdint>
-#include <cstring>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 #include <initializer_list>

@@ -139,15 +139,6 @@ constexpr void check_spaces() {
                 "needs host-accessible memory; device memory needs a stream-ordered communicator)");
 }
 
-//! No engine to make: loom's kernels.
-struct no_engine {
-  template <class P, class B>
-  std::shared_ptr<const linear_attention::detail::kernel_step> operator()(const B&, const linear_attention::plan<P>&,
-                                                                          std::string_view) const {
-    return nullptr;
-  }
-};
-
 struct access {
   template <class P, class E>
   static const linear_attention::detail::lasp2_core<P>& core(const plan<P, E>& p) noexcept {
@@ -158,10 +149,10 @@ struct access {
   //! check their views there); `make_engine(b, slice_plan, call)` makes the forward's engine, also
   //! inside the agreement (a rank whose engine cannot be made fails every rank).
   template <class P, class E = linear_attention::detail::kernel_step, class B, class C, class Check,
-            class MakeEngine = no_engine>
+            class MakeEngine = std::nullptr_t>
   static plan<P, E> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
                          const shape& slice, const options& opt, std::string_view call, Check&& check,
-                         MakeEngine make_engine = {}) {
+                         MakeEngine make_engine = nullptr) {
     using Space = typename backend_traits<B>::memory_space;
     check_spaces<B, C, Space>();
     static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
