@@ -54,7 +54,6 @@ struct fused_program {
   std::vector<fused_batch> batches;
   std::vector<std::size_t> step_begin;  //!< step s runs batches [step_begin[s], step_begin[s + 1])
   std::vector<std::int64_t> words;      //!< every batch's fused_tables, each on a 32-word boundary
-  [[nodiscard]] std::size_t steps() const noexcept { return step_begin.empty() ? 0 : step_begin.size() - 1; }
 };
 
 //! The program of rank `me` of shard plan `sp` for heads and dims `s` and options `opt`.
