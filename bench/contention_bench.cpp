@@ -5,6 +5,8 @@
 //
 // contention.scan/busy:b         inclusive scan, plus<float>, 16M elements
 // contention.recurrence/busy:b   diagonal linear recurrence, T = 262144 steps of d = 64
+// contention.short_recurrence/busy:b  the same with T = 4096, d = 8 (192 KiB: under two grains of
+//                                 loom::parallel_grain_bytes, so it runs on the calling thread)
 // contention.newton/busy:b       rnn::forward of para_gru<float>, T = 262144, d = 8 (full Newton)
 // contention.attention/busy:b    local attention forward, fp32, T = 2048, 8 heads, d = 64, causal
 // contention.spmm/busy:b         bitmap spmm, M = K = 4096, N = 16, 90 % zeros
@@ -96,6 +98,20 @@ void recurrence(benchmark::State& state) {
   });
 }
 
+void short_recurrence(benchmark::State& state) {
+  const index_t t = 4096, d = 8;
+  const auto a = random_vector(static_cast<std::size_t>(t * d), 2, 0.9f, 0.999f);
+  const auto x = random_vector(a.size(), 3);
+  std::vector<float> h(a.size());
+  const auto plan = loom::scan::make_plan(two_threads, loom::scan::diagonal{}, t, d);
+  const loom::workspace_buffer ws(plan.workspace_bytes());
+  timed(state, [&] {
+    loom::scan::linear_recurrence(two_threads, plan, loom::tensor_view<const float, 2>(a.data(), {t, d}),
+                                  loom::tensor_view<const float, 2>(x.data(), {t, d}),
+                                  loom::tensor_view<float, 2>(h.data(), {t, d}), ws.span());
+  });
+}
+
 void newton(benchmark::State& state) {
   const index_t t = 262144, d = 8;
   const auto theta = random_vector(static_cast<std::size_t>(6 * d), 4);
@@ -159,6 +175,7 @@ void busy_args(benchmark::internal::Benchmark* bm) {
 
 BENCHMARK(scan)->Name("contention.scan")->Apply(busy_args);
 BENCHMARK(recurrence)->Name("contention.recurrence")->Apply(busy_args);
+BENCHMARK(short_recurrence)->Name("contention.short_recurrence")->Apply(busy_args);
 BENCHMARK(newton)->Name("contention.newton")->Apply(busy_args);
 BENCHMARK(attention)->Name("contention.attention")->Apply(busy_args);
 BENCHMARK(spmm)->Name("contention.spmm")->Apply(busy_args);

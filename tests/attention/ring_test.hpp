@@ -448,14 +448,14 @@ TEST_CASE("ring attention: a non-finite input stays in its document on every ran
                                         : plan_of<shard::per_document>(docs, p);
       auto sweep = [&](auto variant, bool bwd, const char* name) {
         using V = decltype(variant);
-        const auto ref = run_ring<V, float>(clean, p, plan, bwd);
+        const auto ref = run_ring<V, double>(clean, p, plan, bwd);
         for (int which = 0; which < (bwd ? 4 : 3); ++which) {
           INFO(name << " P = " << p << " strategy " << strategy << " input "
                     << "qkvd"[which]);
           auto g = clean;
           const double bad = which % 2 ? std::numeric_limits<double>::infinity() : std::nan("");
           lt::poison(g, which, t, bad);
-          const auto got = run_ring<V, float>(g, p, plan, bwd);
+          const auto got = run_ring<V, double>(g, p, plan, bwd);
           lt::require_same_outside(got.out, ref.out, s.hq * s.dv, 40, 141, "out");
           lt::require_same_outside(got.lse, ref.lse, s.hq, 40, 141, "lse");
           if (which == 0) CHECK(std::isnan(got.lse[t * s.hq + 1]));  // visible where it lands
@@ -493,8 +493,8 @@ std::vector<rank_plan<V, T>> make_plans(const global_inputs& g, int p, const sha
 template <class V>
 void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan, const char* name) {
   INFO(name << ", P = " << p);
-  const auto one = run_ring<V, float>(g, p, plan, true, 1), three = run_ring<V, float>(g, p, plan, true, 3);
-  check(one, g, true, {2e-5, 2e-5}, name);
+  const auto one = run_ring<V, double>(g, p, plan, true, 1), three = run_ring<V, double>(g, p, plan, true, 3);
+  check(one, g, true, {1e-10, 1e-10}, name);
   // The agreement runs once, in make_plan: one all_gather; calls add only the variant's own
   // collectives (none for the ring passes).
   CHECK(one.plan_collectives == 1);
@@ -509,16 +509,16 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
   CHECK(bitwise(one, three));
   // The convenience form: the same bits, plus one agreement per call.
   if constexpr (!std::is_same_v<V, fused_ref>) {
-    const auto conv = run_convenience<V, float>(g, p, plan, true);
+    const auto conv = run_convenience<V, double>(g, p, plan, true);
     CHECK(bitwise(one, conv));
     CHECK(conv.forward_collectives == 1 + one.forward_collectives);
   }
   // One set of plans shared by two groups of rank threads at once (each with its own
   // workspaces and outputs): the same bits as fresh plans.
-  const auto plans = make_plans<V, float>(g, p, plan);
+  const auto plans = make_plans<V, double>(g, p, plan);
   ring_result a, b;
-  std::thread ta([&] { a = run_ring<V, float>(g, p, plan, true, 1, &plans); }),
-      tb([&] { b = run_ring<V, float>(g, p, plan, true, 2, &plans); });
+  std::thread ta([&] { a = run_ring<V, double>(g, p, plan, true, 1, &plans); }),
+      tb([&] { b = run_ring<V, double>(g, p, plan, true, 2, &plans); });
   ta.join();
   tb.join();
   CHECK(bitwise(one, a));

@@ -126,6 +126,29 @@ TEST_CASE("backend::reduce keeps the order of a non-commutative monoid", "[backe
   CHECK(got.b == expect.b);
 }
 
+namespace {
+template <class B>
+void check_grain(const B& b) {
+  const double grain = static_cast<double>(loom::parallel_grain_bytes);
+  const B small = loom::detail::for_work(b, 2.0 * grain - 1.0), large = loom::detail::for_work(b, 2.0 * grain);
+  if constexpr (requires { b.threads; }) {
+    CHECK(small.threads == 1);
+    CHECK(large.threads == b.threads);
+  }
+  if constexpr (loom::backend_traits<B>::memory_space::host_accessible) {  // every index still once
+    std::vector<int> seen(1000, 0);
+    int* p = seen.data();
+    loom::for_each_index(small, 1000, [p](index_t i) { ++p[i]; });
+    for (int v : seen) REQUIRE(v == 1);
+  }
+}
+}  // namespace
+
+TEST_CASE("backend: a call under two grains of work runs on one thread, a larger one on the backend's threads",
+          "[backend][grain]" LOOM_BACKEND_TAG) {
+  check_grain(make_backend());
+}
+
 TEST_CASE("backend::for_each_tile covers a 2-D space exactly once, edge tiles clipped",
           "[backend][tile]" LOOM_BACKEND_TAG) {
   const auto [rows, cols] = GENERATE(std::pair<index_t, index_t>{1, 1}, std::pair<index_t, index_t>{7, 13},

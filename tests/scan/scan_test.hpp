@@ -403,6 +403,44 @@ TEST_CASE("recurrence: scalar and diagonal against the fp64 oracle" LOOM_BACKEND
                                                       {lt::shape::diagonal, 33753, 3, true, true}});
 }
 
+// Host calls fork one worker per MiB of data at most (short scans run on the calling thread): these
+// sequences are long enough for several workers, so the chained blocks run concurrently.
+TEST_CASE(
+    "scan and recurrence: sequences of several MiB take several workers, exact and the same bits as "
+    "serial" LOOM_BACKEND_TAG,
+    "[scan][recurrence]") {
+  const auto b = make_backend();
+  const index_t n = 1000003;  // 8 MB of plus<float> traffic
+  const auto x = lt::small_integers<float>(n, -3, 3, 5150);
+  const auto offsets = ragged_offsets(n, 5151);
+  for (bool reverse : {false, true})
+    for (bool segmented : {false, true}) {
+      INFO("reverse " << reverse << ", segmented " << segmented);
+      const auto off = segmented ? offsets : std::vector<index_t>{};
+      // every partial sum is an integer below 2^24: exact in any order
+      REQUIRE(run_scan(b, ls::plus<float>{}, x, off, false, reverse, 0.0f, 0) ==
+              scan_oracle(ls::plus<float>{}, x, off, false, reverse, 0.0f));
+    }
+  const rec_case c{lt::shape::diagonal, 100003, 4, true, true};  // 48 bytes per position: 4.8 MB
+  const auto a = random_transitions(c.s, c.n, c.d, 5152);
+  const auto bv = lt::uniform<double>(c.n * c.d, -1.0, 1.0, 5153);
+  const auto roff = ragged_offsets(c.n, 5154);
+  const auto init = lt::uniform<double>((static_cast<index_t>(roff.size()) - 1) * c.d, -1.0, 1.0, 5155);
+  for (bool adjoint : {false, true}) {
+    INFO("adjoint " << adjoint);
+    const auto want = adjoint ? lt::adjoint_oracle(c.s, c.n, c.d, a, bv, roff, init)
+                              : lt::forward_oracle(c.s, c.n, c.d, a, bv, roff, init);
+    const auto got = run_recurrence<ls::diagonal, float>(b, c, a, bv, roff, init, adjoint, 0);
+    lt::require_close(got.first, want.h, lt::tolerance_for<loom::fp32>(), "rows fp32");
+    lt::require_close(got.second, want.finals, lt::tolerance_for<loom::fp32>(), "finals fp32");
+    if constexpr (space::host_accessible) {
+      const auto serial = run_recurrence<ls::diagonal, float>(loom::serial{}, c, a, bv, roff, init, adjoint, 0);
+      REQUIRE(same_bits(got.first, serial.first));
+      REQUIRE(same_bits(got.second, serial.second));
+    }
+  }
+}
+
 TEST_CASE("recurrence: block-diagonal 2, 3, 4 and dense against the fp64 oracle" LOOM_BACKEND_TAG,
           "[scan][recurrence]") {
   check_structure<ls::block_diagonal<2>>(

@@ -328,7 +328,8 @@ TEST_CASE("spmm coverage: every stored nonzero is read exactly once per 64-colum
 }
 
 TEST_CASE("spmm: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][spmm]") {
-  const index_t m = 67, k = 300, n = 19;
+  // above two grains of work (loom::parallel_grain_bytes): a host backend runs it on its threads
+  const index_t m = 1001, k = 1009, n = 19;
   const auto a = make_matrix<float>(m, k, 0.6, false, 8);
   const auto bm = ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k}));
   const auto bvals = lt::uniform<float>(k * n, -1, 1, 9);

@@ -14,6 +14,8 @@
 #include <loom/core/error.hpp>
 #include <loom/core/tensor_view.hpp>
 
+#include <cstddef>
+
 namespace loom {
 
 //! Calls f(i) for every i in [0, n), in parallel on `b`; the order of calls is unspecified.
@@ -24,6 +26,29 @@ void for_each_index(const B& b, index_t n, const F& f) {
   LOOM_EXPECTS(n >= 0, errc::invalid_argument, "for_each_index: n must be >= 0, got ", n);
   detail::parallel_impl<B>::for_each(b, n, f);
 }
+
+//! The work a host thread should get before a call forks a parallel region for it: 1 MiB of memory
+//! traffic, about 0.1 ms on one core. A region ends when its last thread arrives, and on a loaded
+//! machine (data loaders, progress threads, another job) a thread can wait a whole scheduler slice
+//! for its core, so a region around less work costs more than it saves.
+inline constexpr std::size_t parallel_grain_bytes = std::size_t{1} << 20;
+
+namespace detail {
+//! `b`, or a copy of it on one thread when `work_bytes` (memory traffic, or its equivalent in
+//! arithmetic) is under two grains and b's thread count is a field (openmp). Scheduling only: the
+//! primitives that use it compute the same bits on any thread count.
+template <backend B>
+B for_work(const B& b, double work_bytes) {
+  if constexpr (requires(B x) { x.threads = 1; }) {
+    if (work_bytes < 2.0 * static_cast<double>(parallel_grain_bytes)) {
+      B one = b;
+      one.threads = 1;
+      return one;
+    }
+  }
+  return b;
+}
+}  // namespace detail
 
 //! Reduces f(0..n-1) with the associative `op` (commutativity not assumed): the result is
 //! init op B_0 op B_1 op ..., where B_k is the left fold of a fixed block of indices that depends

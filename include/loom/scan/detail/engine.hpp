@@ -21,6 +21,11 @@
 //! another process delays the others by the one block it holds; a waiting thread yields the core.
 //! Devices take every block at once: reduce, carry and scan as three launches.
 //!
+//! A host call forks at most one worker per loom::parallel_grain_bytes of data (and none for less
+//! than twice that): a parallel region ends when its last thread arrives, and on a loaded machine a
+//! thread can wait a whole scheduler slice for its core, so forking for a short scan costs far more
+//! than it saves. The blocks, and so the bits, are the same for any number of workers.
+//!
 //! A kernel K provides, all LOOM_HD and const:
 //!   using agg_type;  index_t carry_size, agg_size, scratch_size;  (in agg_type units)
 //!   init_carry(agg_type* c)                               the carry entering block 0
@@ -37,9 +42,10 @@
 
 namespace loom::scan::detail {
 
-//! Blocks of a scan: a function of n and the kernel's cost per element only.
+//! Blocks of a scan: a function of n and the kernel's cost per element only. `workers`: the most
+//! host workers worth forking for this much data (scheduling only; never changes a result).
 struct blocking {
-  index_t n = 0, block = 1, blocks = 0;
+  index_t n = 0, block = 1, blocks = 0, workers = 1;
   LOOM_HD constexpr index_t begin(index_t b) const noexcept { return b * block; }
   LOOM_HD constexpr index_t end(index_t b) const noexcept { return (b + 1) * block < n ? (b + 1) * block : n; }
 };
@@ -59,6 +65,9 @@ inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_el
     b.block = want < cap ? want : cap;
   }
   b.blocks = n > 0 ? (n + b.block - 1) / b.block : 0;
+  const index_t bytes = n * (bytes_per_element > 0 ? bytes_per_element : 1);
+  const auto grain = static_cast<index_t>(parallel_grain_bytes);
+  b.workers = bytes / grain > 1 ? bytes / grain : 1;
   return b;
 }
 
@@ -80,7 +89,8 @@ struct layout {
 template <backend B>
 index_t tile_of(const B& b, const blocking& blk) {
   if constexpr (backend_traits<B>::memory_space::host_accessible) {
-    const index_t t = backend_traits<B>::concurrency(b);
+    index_t t = backend_traits<B>::concurrency(b);
+    if (t > blk.workers) t = blk.workers;
     return t < blk.blocks ? (t > 0 ? t : 1) : (blk.blocks > 0 ? blk.blocks : 1);
   } else {
     return blk.blocks > 0 ? blk.blocks : 1;  // devices take every block at once

@@ -51,6 +51,17 @@ struct spmm_runner {
   }
 };
 
+//! Values a host view stores (for the work estimate of a call).
+template <class AV>
+double stored_values(const AV& a) {
+  if constexpr (requires { a.nnz(); })
+    return static_cast<double>(a.nnz());
+  else if constexpr (requires { a.tile_offsets; })
+    return a.tiles() > 0 ? static_cast<double>(a.tile_offsets[a.tiles()]) : 0.0;
+  else
+    return static_cast<double>(a.rows) * static_cast<double>(a.groups()) * AV::n;
+}
+
 //! Rows and columns of a view: a row-major or column-major 2-D layout (unit stride on one side).
 template <class V>
 void check_layout(const V& v, std::string_view name) {
@@ -149,6 +160,20 @@ void spmm_run(const Backend& b, const geometry& g, const AV& a, const BV& bm, co
   check_call(g, a, bm, c, bias);
   const index_t m = g.m, k = g.k, n = g.n;
   if (m == 0 || n == 0) return;
+  // A product under two grains of work (loom::parallel_grain_bytes) runs on the calling thread of a
+  // host backend: its stored values and indices, B, C, and a multiply-add per stored value and
+  // column counted as a byte. The work items, and so the bits, are the same.
+  const Backend eb = [&] {
+    if constexpr (space::host_accessible) {
+      const double stored = stored_values(a), rows_cols = static_cast<double>(m) * static_cast<double>(n);
+      const double work = stored * static_cast<double>(sizeof(typename AV::value_type) + 4) +
+                          static_cast<double>(k) * static_cast<double>(n) * sizeof(TB) + rows_cols * sizeof(TC) +
+                          stored * static_cast<double>(n);
+      return loom::detail::for_work(b, work);
+    } else {
+      return b;
+    }
+  }();
 
   spmm_common<TC, Acc> common;
   common.n = n;
@@ -168,11 +193,11 @@ void spmm_run(const Backend& b, const geometry& g, const AV& a, const BV& bm, co
     common.b = reinterpret_cast<const Acc*>(bm.data());
     common.ldb = bm.stride(0);
   } else {
-    if (k > 0) for_each_index(b, g.panel, pack_b<BV, Acc>{bm, panel, n});
+    if (k > 0) for_each_index(eb, g.panel, pack_b<BV, Acc>{bm, panel, n});
     common.b = panel;
     common.ldb = n;
   }
-  spmm_runner<Backend, AV>::run(b, K{a, common, hook}, g.items);
+  spmm_runner<Backend, AV>::run(eb, K{a, common, hook}, g.items);
 }
 
 }  // namespace loom::sparse::detail
