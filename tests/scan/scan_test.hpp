@@ -403,6 +403,35 @@ TEST_CASE("recurrence: scalar and diagonal against the fp64 oracle" LOOM_BACKEND
                                                       {lt::shape::diagonal, 33753, 3, true, true}});
 }
 
+namespace {
+// Serial runs on host memory: the references of bitwise comparisons on every backend.
+std::vector<float> serial_plus(const std::vector<float>& x, const std::vector<index_t>& off, bool reverse) {
+  const auto n = static_cast<index_t>(x.size());
+  std::vector<float> out(x.size());
+  ls::inclusive_scan(
+      loom::serial{}, ls::plus<float>{}, loom::tensor_view<const float, 1>(x.data(), {n}),
+      loom::tensor_view<float, 1>(out.data(), {n}),
+      loom::segments<>(loom::tensor_view<const index_t, 1>(off.data(), {static_cast<index_t>(off.size())})),
+      ls::options{reverse ? ls::direction::reverse : ls::direction::forward, 0});
+  return out;
+}
+
+std::vector<double> serial_diagonal(const rec_case& c, const std::vector<double>& a, const std::vector<double>& bv,
+                                    const std::vector<index_t>& off, const std::vector<double>& init) {
+  const auto af = loom::test::cast<float>(a), bf = loom::test::cast<float>(bv), inf = loom::test::cast<float>(init);
+  const index_t segs = static_cast<index_t>(off.size()) - 1;
+  std::vector<float> h(static_cast<std::size_t>(c.n * c.d)), fin(static_cast<std::size_t>(segs * c.d));
+  ls::linear_recurrence(
+      loom::serial{}, ls::diagonal{}, loom::tensor_view<const float, 2>(af.data(), {c.n, c.d}),
+      loom::tensor_view<const float, 2>(bf.data(), {c.n, c.d}), loom::tensor_view<float, 2>(h.data(), {c.n, c.d}),
+      loom::segments<>(loom::tensor_view<const index_t, 1>(off.data(), {static_cast<index_t>(off.size())})),
+      ls::states<float, loom::host_memory>{loom::tensor_view<const float, 2>(inf.data(), {segs, c.d}),
+                                           loom::tensor_view<float, 2>(fin.data(), {segs, c.d})},
+      ls::options{});
+  return loom::test::widen(h);
+}
+}  // namespace
+
 // Host calls fork one worker per MiB of data at most (short scans run on the calling thread): these
 // sequences are long enough for several workers, so the chained blocks run concurrently.
 TEST_CASE(
@@ -433,11 +462,14 @@ TEST_CASE(
     const auto got = run_recurrence<ls::diagonal, float>(b, c, a, bv, roff, init, adjoint, 0);
     lt::require_close(got.first, want.h, lt::tolerance_for<loom::fp32>(), "rows fp32");
     lt::require_close(got.second, want.finals, lt::tolerance_for<loom::fp32>(), "finals fp32");
-    if constexpr (space::host_accessible) {
-      const auto serial = run_recurrence<ls::diagonal, float>(loom::serial{}, c, a, bv, roff, init, adjoint, 0);
-      REQUIRE(same_bits(got.first, serial.first));
-      REQUIRE(same_bits(got.second, serial.second));
-    }
+    // host workers or device teams: the same sub-blocks in the same order as serial's
+    if (!adjoint) REQUIRE(same_bits(got.first, serial_diagonal(c, a, bv, roff, init)));
+  }
+  const auto xf = lt::uniform<float>(n, -1.0, 1.0, 5156);
+  for (bool reverse : {false, true}) {
+    INFO("fp32 data, reverse " << reverse);
+    REQUIRE(same_bits(run_scan(b, ls::plus<float>{}, xf, offsets, false, reverse, 0.0f, 0),
+                      serial_plus(xf, offsets, reverse)));
   }
 }
 

@@ -4,13 +4,15 @@
 //! The blocked scan engine shared by every scan in loom (monoid scans, segmented scans, linear
 //! recurrences and their adjoints, and the local halves of cross-rank scans).
 //!
-//! The sequence is cut into blocks whose size depends on n and the kernel only, never on the
-//! thread count. Each block is
-//!   1. reduced: its elements folded into an aggregate, in index order;
+//! The sequence is cut into blocks, and each block into sub-blocks, whose sizes depend on n and the
+//! kernel only, never on the backend or the thread count. Each block is
+//!   1. reduced: each sub-block's elements folded into an aggregate, in index order, then the
+//!      sub-blocks' aggregates composed in order into the block's;
 //!   2. carried: carry[j+1] = advance(carry[j], agg[j]), strictly in block order;
-//!   3. scanned: its elements re-scanned from carry[j], writing the output.
-//! Every value is computed by the same sequence of operations whatever the thread count, so
-//! results are bitwise identical on serial, openmp and kokkos.
+//!   3. scanned: the carry entering each sub-block advanced from carry[j] over the sub-blocks
+//!      before it, in order, and each sub-block re-scanned from its carry, writing the output.
+//! Every value is computed by the same sequence of operations on every backend and thread count,
+//! so results are bitwise identical on serial, openmp, kokkos, the stand-in and cuda.
 //!
 //! Host backends run one parallel region per call: each of the backend's threads takes the next
 //! block from a shared counter, reduces it, advances the carry chain over every block reduced so
@@ -19,7 +21,10 @@
 //! carry is not known yet is scanned later, after the last block is taken, by whichever thread
 //! claims it. No thread waits while blocks are left to take, so a thread that loses its core to
 //! another process delays the others by the one block it holds; a waiting thread yields the core.
-//! Devices take every block at once: reduce, carry and scan as three launches.
+//! Devices take every block at once, one team (loom::for_each_team: a CUDA block) per block: its
+//! members reduce the sub-blocks side by side, one member composes them; one thread advances the
+//! carry chain over the blocks; then one member advances the sub-block carries and the members
+//! scan the sub-blocks side by side. Three launches.
 //!
 //! A host call forks at most one worker per loom::parallel_grain_bytes of data (and none for less
 //! than twice that): a parallel region ends when its last thread arrives, and on a loaded machine a
@@ -42,53 +47,81 @@
 
 namespace loom::scan::detail {
 
+//! Data of a sub-block (the unit a device team member takes; the host folds the same units).
+inline constexpr index_t sub_block_bytes = index_t{16} << 10;
+
 //! Blocks of a scan: a function of n and the kernel's cost per element only. `workers`: the most
 //! host workers worth forking for this much data (scheduling only; never changes a result).
+//! `sub`: the length of a block's sub-blocks (the last one of a block may be shorter).
 struct blocking {
-  index_t n = 0, block = 1, blocks = 0, workers = 1;
+  index_t n = 0, block = 1, blocks = 0, workers = 1, sub = 1;
   LOOM_HD constexpr index_t begin(index_t b) const noexcept { return b * block; }
   LOOM_HD constexpr index_t end(index_t b) const noexcept { return (b + 1) * block < n ? (b + 1) * block : n; }
+  //! Sub-blocks of a full block (the most any block has).
+  LOOM_HD constexpr index_t subs() const noexcept { return (block + sub - 1) / sub; }
+  //! Sub-blocks of block b (each holds at least one element).
+  LOOM_HD constexpr index_t subs_of(index_t b) const noexcept { return (end(b) - begin(b) + sub - 1) / sub; }
+  LOOM_HD constexpr index_t sub_begin(index_t b, index_t s) const noexcept { return begin(b) + s * sub; }
+  LOOM_HD constexpr index_t sub_end(index_t b, index_t s) const noexcept {
+    return begin(b) + (s + 1) * sub < end(b) ? begin(b) + (s + 1) * sub : end(b);
+  }
 };
 
 //! `requested` > 0 forces the block length; otherwise blocks of about 1 MiB of data (by
 //! `bytes_per_element`), at least 64 elements, and at most 64 blocks for short sequences.
+//! Sub-blocks hold about sub_block_bytes of data, at least 16 elements, at most a block.
 inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_element) {
   blocking b;
   b.n = n;
+  const index_t per = bytes_per_element > 0 ? bytes_per_element : 1;
   if (requested > 0) {
     b.block = requested;
   } else {
-    const index_t by_bytes = (index_t{1} << 20) / (bytes_per_element > 0 ? bytes_per_element : 1);
+    const index_t by_bytes = (index_t{1} << 20) / per;
     const index_t cap = by_bytes > 64 ? by_bytes : 64;
     index_t want = (n + 63) / 64;
     if (want < 64) want = 64;
     b.block = want < cap ? want : cap;
   }
   b.blocks = n > 0 ? (n + b.block - 1) / b.block : 0;
-  const index_t bytes = n * (bytes_per_element > 0 ? bytes_per_element : 1);
+  const index_t sub = sub_block_bytes / per > 16 ? sub_block_bytes / per : 16;
+  b.sub = sub < b.block ? sub : b.block;
+  const index_t bytes = n * per;
   const auto grain = static_cast<index_t>(parallel_grain_bytes);
   b.workers = bytes / grain > 1 ? bytes / grain : 1;
   return b;
 }
 
 //! Where the engine keeps its state, in units of the kernel's agg_type: the carry entering block j
-//! at j * carry (j = 0: the running carry; j = blocks: the carry after the last block), every
-//! block's aggregate, a scratch per worker (tile workers), the total aggregate and its temporary,
-//! and one state slot per block (host path: reduced, scanned).
+//! at j * carry on hosts (j = 0: the running carry; j = blocks: the carry after the last block),
+//! at (j + 1) * carry on devices; every block's aggregate; every sub-block's aggregate and entering
+//! carry; a scratch per unit (a host worker, or a device sub-block) and a compose temporary per
+//! worker or block; the total aggregate and its temporary; one state slot per block (host path:
+//! reduced, scanned).
 struct layout {
-  index_t tile, carry, agg, scratch, blocks;
+  index_t tile, carry, agg, scratch, blocks, subs, units, temps;
   LOOM_HD constexpr index_t running() const noexcept { return 0; }
   LOOM_HD constexpr index_t carries() const noexcept { return carry; }
   LOOM_HD constexpr index_t aggs() const noexcept { return (blocks + 1) * carry; }
-  LOOM_HD constexpr index_t scratches() const noexcept { return aggs() + blocks * agg; }
-  LOOM_HD constexpr index_t total_agg() const noexcept { return scratches() + tile * scratch; }
+  LOOM_HD constexpr index_t sub_aggs() const noexcept { return aggs() + blocks * agg; }
+  LOOM_HD constexpr index_t sub_carries() const noexcept { return sub_aggs() + blocks * subs * agg; }
+  LOOM_HD constexpr index_t scratches() const noexcept { return sub_carries() + blocks * subs * carry; }
+  LOOM_HD constexpr index_t temps_at() const noexcept { return scratches() + units * scratch; }
+  LOOM_HD constexpr index_t total_agg() const noexcept { return temps_at() + temps * agg; }
   LOOM_HD constexpr index_t states() const noexcept { return total_agg() + 2 * agg; }
   LOOM_HD constexpr index_t size() const noexcept { return states() + blocks; }
+  LOOM_HD constexpr index_t sub_agg(index_t j, index_t s) const noexcept { return sub_aggs() + (j * subs + s) * agg; }
+  LOOM_HD constexpr index_t sub_carry(index_t j, index_t s) const noexcept {
+    return sub_carries() + (j * subs + s) * carry;
+  }
 };
 
 template <backend B>
+inline constexpr bool host_engine = backend_traits<B>::memory_space::host_accessible;
+
+template <backend B>
 index_t tile_of(const B& b, const blocking& blk) {
-  if constexpr (backend_traits<B>::memory_space::host_accessible) {
+  if constexpr (host_engine<B>) {
     index_t t = backend_traits<B>::concurrency(b);
     if (t > blk.workers) t = blk.workers;
     return t < blk.blocks ? (t > 0 ? t : 1) : (blk.blocks > 0 ? blk.blocks : 1);
@@ -100,11 +133,79 @@ index_t tile_of(const B& b, const blocking& blk) {
 //! The engine's layout for kernel sizes (carry, agg, scratch) on backend b.
 template <backend B>
 layout layout_of(const B& b, const blocking& blk, index_t carry, index_t agg, index_t scratch) {
-  return layout{tile_of(b, blk), carry, agg, scratch, blk.blocks};
+  const index_t tile = tile_of(b, blk), blocks = blk.blocks, subs = blocks > 0 ? blk.subs() : 0;
+  // hosts: a scratch and a temporary per worker; devices: a scratch per sub-block (its members
+  // run side by side), a temporary per block
+  const index_t units = host_engine<B> ? tile : blocks * subs, temps = host_engine<B> ? tile : blocks;
+  return layout{tile, carry, agg, scratch, blocks, subs, units, temps};
 }
 template <backend B, class K>
 layout layout_for(const B& b, const K& k, const blocking& blk) {
   return layout_of(b, blk, k.carry_size, k.agg_size, k.scratch_size);
+}
+
+//! The scratch of sub-block s: base + s * width (width 0: one scratch for every sub-block).
+template <class A>
+struct scratch_at {
+  A* base;
+  index_t width;
+  LOOM_HD A* operator()(index_t s) const { return base + s * width; }
+};
+
+//! Block j's sub-blocks s = first, first + step, ... reduced into their aggregates.
+template <class K, class ScratchOf>
+LOOM_HD void reduce_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
+                         index_t first, index_t step, const ScratchOf& scratch_of) {
+  const index_t subs = blk.subs_of(j);
+  for (index_t s = first; s < subs; s += step)
+    k.reduce(blk.sub_begin(j, s), blk.sub_end(j, s), ws + lay.sub_agg(j, s), scratch_of(s));
+}
+
+//! Block j's aggregate: its sub-blocks' aggregates composed in order (tmp: agg values).
+template <class K>
+LOOM_HD void fold_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
+                       typename K::agg_type* tmp) {
+  auto* agg = ws + lay.aggs() + j * lay.agg;
+  const auto* first = ws + lay.sub_agg(j, 0);
+  for (index_t c = 0; c < lay.agg; ++c) agg[c] = first[c];
+  const index_t subs = blk.subs_of(j);
+  for (index_t s = 1; s < subs; ++s) {
+    k.compose(agg, ws + lay.sub_agg(j, s), tmp);
+    for (index_t c = 0; c < lay.agg; ++c) agg[c] = tmp[c];
+  }
+}
+
+//! The carry entering each sub-block of block j, advanced in order from `carry` (the block's).
+template <class K>
+LOOM_HD void chain_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
+                        const typename K::agg_type* carry) {
+  auto* c0 = ws + lay.sub_carry(j, 0);
+  for (index_t c = 0; c < lay.carry; ++c) c0[c] = carry[c];
+  const index_t subs = blk.subs_of(j);
+  for (index_t s = 0; s + 1 < subs; ++s)
+    k.advance(ws + lay.sub_carry(j, s), ws + lay.sub_agg(j, s), ws + lay.sub_carry(j, s + 1));
+}
+
+//! Block j's sub-blocks s = first, first + step, ... scanned from their carries.
+template <class K, class ScratchOf>
+LOOM_HD void scan_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
+                       index_t first, index_t step, const ScratchOf& scratch_of) {
+  const index_t subs = blk.subs_of(j);
+  for (index_t s = first; s < subs; s += step)
+    k.scan(blk.sub_begin(j, s), blk.sub_end(j, s), ws + lay.sub_carry(j, s), scratch_of(s));
+}
+
+//! The whole of block j on one host worker: reduce (when `reduce`) and scan from `carry`.
+template <class K>
+void scan_block_alone(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
+                      const typename K::agg_type* carry, typename K::agg_type* scratch) {
+  const scratch_at<typename K::agg_type> mine{scratch, 0};
+  if (blk.subs_of(j) == 1) {  // one sub-block: its carry is the block's
+    k.scan(blk.begin(j), blk.end(j), carry, scratch);
+    return;
+  }
+  chain_subs(k, blk, lay, ws, j, carry);
+  scan_subs(k, blk, lay, ws, j, 0, 1, mine);
 }
 
 template <class K>
@@ -114,14 +215,40 @@ struct init_step {
   LOOM_HD void operator()(index_t) const { k.init_carry(ws); }
 };
 
+//! Device path, team j: block j's sub-blocks reduced by the members side by side; member 0
+//! composes them into the block's aggregate (when `fold`).
 template <class K>
-struct reduce_step {
+struct team_reduce_step {
   K k;
   blocking blk;
   layout lay;
+  bool fold;
+  typename K::agg_type* ws;
+  template <class M>
+  LOOM_HD void operator()(const M& m) const {
+    const index_t j = m.league_rank();
+    const scratch_at<typename K::agg_type> mine{ws + lay.scratches() + j * lay.subs * lay.scratch, lay.scratch};
+    reduce_subs(k, blk, lay, ws, j, m.team_rank(), m.team_size(), mine);
+    m.barrier();
+    if (fold && m.team_rank() == 0) fold_subs(k, blk, lay, ws, j, ws + lay.temps_at() + j * lay.agg);
+  }
+};
+
+//! Device path when every block is one sub-block: block j reduced (or scanned) by one thread, the
+//! same operations a team would run (no sub-block carries to advance).
+template <class K>
+struct block_step {
+  K k;
+  blocking blk;
+  layout lay;
+  bool scan, single;
   typename K::agg_type* ws;
   LOOM_HD void operator()(index_t j) const {
-    k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, ws + lay.scratches() + j * lay.scratch);
+    auto* scratch = ws + lay.scratches() + j * lay.scratch;
+    if (!scan)
+      k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, scratch);
+    else
+      k.scan(blk.begin(j), blk.end(j), single ? ws + lay.running() : ws + lay.carries() + j * lay.carry, scratch);
   }
 };
 
@@ -141,16 +268,23 @@ struct carry_step {
   }
 };
 
+//! Device path, team j: member 0 advances the sub-block carries from the block's carry (the
+//! running carry when `single`), then the members scan the sub-blocks side by side.
 template <class K>
-struct scan_step {
+struct team_scan_step {
   K k;
   blocking blk;
   layout lay;
-  bool single;  //!< one block in all: it starts from the running carry
+  bool single;
   typename K::agg_type* ws;
-  LOOM_HD void operator()(index_t j) const {
-    const auto* carry = single ? ws + lay.running() : ws + lay.carries() + j * lay.carry;
-    k.scan(blk.begin(j), blk.end(j), carry, ws + lay.scratches() + j * lay.scratch);
+  template <class M>
+  LOOM_HD void operator()(const M& m) const {
+    const index_t j = m.league_rank();
+    if (m.team_rank() == 0)
+      chain_subs(k, blk, lay, ws, j, single ? ws + lay.running() : ws + lay.carries() + j * lay.carry);
+    m.barrier();
+    const scratch_at<typename K::agg_type> mine{ws + lay.scratches() + j * lay.subs * lay.scratch, lay.scratch};
+    scan_subs(k, blk, lay, ws, j, m.team_rank(), m.team_size(), mine);
   }
 };
 
@@ -262,19 +396,22 @@ struct chained_scan_step {
   chain<A>* ch;
   void operator()(index_t w) const {
     A* scratch = ws + lay.scratches() + w * lay.scratch;
+    A* tmp = ws + lay.temps_at() + w * lay.agg;
+    const scratch_at<A> mine{scratch, 0};
     auto carry = [&](index_t j) { return ws + j * lay.carry; };
     auto agg = [&](index_t j) { return ws + lay.aggs() + j * lay.agg; };
     auto step = [&](index_t t) { k.advance(carry(t), agg(t), carry(t + 1)); };
     for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
-      k.reduce(blk.begin(j), blk.end(j), agg(j), scratch);
+      reduce_subs(k, blk, lay, ws, j, 0, 1, mine);
+      fold_subs(k, blk, lay, ws, j, tmp);
       ch->state(j).store(1);
       ch->advance(step);
-      if (ch->has_carry(j) && ch->claim(j)) k.scan(blk.begin(j), blk.end(j), carry(j), scratch);
+      if (ch->has_carry(j) && ch->claim(j)) scan_block_alone(k, blk, lay, ws, j, carry(j), scratch);
     }
     for (index_t j = 0; j < blk.blocks; ++j) {
       if (ch->state(j).load() == 2) continue;
       ch->wait_carry(j, step);
-      if (ch->claim(j)) k.scan(blk.begin(j), blk.end(j), carry(j), scratch);
+      if (ch->claim(j)) scan_block_alone(k, blk, lay, ws, j, carry(j), scratch);
     }
   }
 };
@@ -289,13 +426,14 @@ struct block_reduce_step {
   chain<typename K::agg_type>* ch;
   void operator()(index_t w) const {
     auto* scratch = ws + lay.scratches() + w * lay.scratch;
-    for (index_t j = ch->take(); j < blk.blocks; j = ch->take())
-      k.reduce(blk.begin(j), blk.end(j), ws + lay.aggs() + j * lay.agg, scratch);
+    auto* tmp = ws + lay.temps_at() + w * lay.agg;
+    const scratch_at<typename K::agg_type> mine{scratch, 0};
+    for (index_t j = ch->take(); j < blk.blocks; j = ch->take()) {
+      reduce_subs(k, blk, lay, ws, j, 0, 1, mine);
+      fold_subs(k, blk, lay, ws, j, tmp);
+    }
   }
 };
-
-template <backend B>
-inline constexpr bool host_engine = backend_traits<B>::memory_space::host_accessible;
 
 //! Scans positions [0, blk.n) with kernel k. `ws` holds workspace_size elements in B's space.
 //! The carry entering block 0 is k.init_carry unless `carry_ready` (the caller wrote it at ws[0]).
@@ -304,20 +442,32 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
   if (blk.blocks == 0) return;
   const layout lay = layout_for(b, k, blk);
   if (!carry_ready) for_each_index(b, 1, init_step<K>{k, ws});
-  if (blk.blocks == 1) {
-    for_each_index(b, 1, scan_step<K>{k, blk, lay, true, ws});
-    return;
-  }
   if constexpr (host_engine<B>) {
     using A = typename K::agg_type;
+    if (blk.blocks == 1) {  // one block: its carry is the running carry; no chain, no block aggregate
+      A* scratch = ws + lay.scratches();
+      const scratch_at<A> mine{scratch, 0};
+      if (blk.subs_of(0) > 1) reduce_subs(k, blk, lay, ws, 0, 0, 1, mine);
+      scan_block_alone(k, blk, lay, ws, 0, ws + lay.running(), scratch);
+      return;
+    }
     A* states = ws + lay.states();
     for (index_t j = 0; j < blk.blocks; ++j) *reinterpret_cast<unsigned char*>(states + j) = 0;
     chain<A> ch{{0}, {0}, {false}, states, blk.blocks};
     for_each_index(b, lay.tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
-  } else {  // devices: every block at once (tile_of gives lay.tile == blk.blocks)
-    for_each_index(b, blk.blocks, reduce_step<K>{k, blk, lay, ws});
-    for_each_index(b, 1, carry_step<K>{k, lay, blk.blocks, ws});
-    for_each_index(b, blk.blocks, scan_step<K>{k, blk, lay, false, ws});
+  } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
+    const bool single = blk.blocks == 1, teams = blk.subs() > 1;
+    if (!single || teams) {
+      if (teams)
+        for_each_team(b, {blk.blocks, 0, 0}, team_reduce_step<K>{k, blk, lay, !single, ws});
+      else
+        for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
+    }
+    if (!single) for_each_index(b, 1, carry_step<K>{k, lay, blk.blocks, ws});
+    if (teams)
+      for_each_team(b, {blk.blocks, 0, 0}, team_scan_step<K>{k, blk, lay, single, ws});
+    else
+      for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, true, single, ws});
   }
 }
 
@@ -328,8 +478,11 @@ typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typ
   if constexpr (host_engine<B>) {
     chain<typename K::agg_type> ch{{0}, {0}, {false}, nullptr, blk.blocks};
     for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &ch});
-  } else {  // devices: every block at once
-    for_each_index(b, blk.blocks, reduce_step<K>{k, blk, lay, ws});
+  } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
+    if (blk.subs() > 1)
+      for_each_team(b, {blk.blocks, 0, 0}, team_reduce_step<K>{k, blk, lay, true, ws});
+    else
+      for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
   }
   for_each_index(b, 1, total_step<K>{k, lay, blk.blocks, ws});
   return ws + lay.total_agg();
