@@ -48,7 +48,7 @@
 namespace loom::scan::detail {
 
 //! Data of a sub-block (the unit a device team member takes; the host folds the same units).
-inline constexpr index_t sub_block_bytes = index_t{16} << 10;
+inline constexpr index_t sub_block_bytes = index_t{32} << 10;
 
 //! Blocks of a scan: a function of n and the kernel's cost per element only. `workers`: the most
 //! host workers worth forking for this much data (scheduling only; never changes a result).
@@ -69,7 +69,7 @@ struct blocking {
 
 //! `requested` > 0 forces the block length; otherwise blocks of about 1 MiB of data (by
 //! `bytes_per_element`), at least 64 elements, and at most 64 blocks for short sequences.
-//! Sub-blocks hold about sub_block_bytes of data, at least 16 elements, at most a block.
+//! Sub-blocks hold about sub_block_bytes of data, at least 128 elements, at most a block.
 inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_element) {
   blocking b;
   b.n = n;
@@ -84,7 +84,7 @@ inline blocking make_blocking(index_t n, index_t requested, index_t bytes_per_el
     b.block = want < cap ? want : cap;
   }
   b.blocks = n > 0 ? (n + b.block - 1) / b.block : 0;
-  const index_t sub = sub_block_bytes / per > 16 ? sub_block_bytes / per : 16;
+  const index_t sub = sub_block_bytes / per > 128 ? sub_block_bytes / per : 128;
   b.sub = sub < b.block ? sub : b.block;
   const index_t bytes = n * per;
   const auto grain = static_cast<index_t>(parallel_grain_bytes);
