@@ -457,15 +457,18 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
     for_each_index(b, lay.tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
   } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
     const bool single = blk.blocks == 1, teams = blk.subs() > 1;
+    // no more members than a block has sub-blocks (the backend's choice otherwise)
+    const index_t rec = team_size_recommended(b);
+    const team_policy per_block{blk.blocks, static_cast<int>(rec < blk.subs() ? rec : blk.subs()), 0};
     if (!single || teams) {
       if (teams)
-        for_each_team(b, {blk.blocks, 0, 0}, team_reduce_step<K>{k, blk, lay, !single, ws});
+        for_each_team(b, per_block, team_reduce_step<K>{k, blk, lay, !single, ws});
       else
         for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
     }
     if (!single) for_each_index(b, 1, carry_step<K>{k, lay, blk.blocks, ws});
     if (teams)
-      for_each_team(b, {blk.blocks, 0, 0}, team_scan_step<K>{k, blk, lay, single, ws});
+      for_each_team(b, per_block, team_scan_step<K>{k, blk, lay, single, ws});
     else
       for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, true, single, ws});
   }
@@ -479,8 +482,10 @@ typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typ
     chain<typename K::agg_type> ch{{0}, {0}, {false}, nullptr, blk.blocks};
     for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &ch});
   } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
+    const index_t rec = team_size_recommended(b);
     if (blk.subs() > 1)
-      for_each_team(b, {blk.blocks, 0, 0}, team_reduce_step<K>{k, blk, lay, true, ws});
+      for_each_team(b, {blk.blocks, static_cast<int>(rec < blk.subs() ? rec : blk.subs()), 0},
+                    team_reduce_step<K>{k, blk, lay, true, ws});
     else
       for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
   }
