@@ -84,8 +84,8 @@ void scan(benchmark::State& state) {
   });
 }
 
-void recurrence(benchmark::State& state) {
-  const index_t t = 262144, d = 64;
+// A diagonal recurrence of t steps of d channels.
+void recurrence_of(benchmark::State& state, index_t t, index_t d) {
   const auto a = random_vector(static_cast<std::size_t>(t * d), 2, 0.9f, 0.999f);
   const auto x = random_vector(a.size(), 3);
   std::vector<float> h(a.size());
@@ -98,19 +98,8 @@ void recurrence(benchmark::State& state) {
   });
 }
 
-void short_recurrence(benchmark::State& state) {
-  const index_t t = 4096, d = 8;
-  const auto a = random_vector(static_cast<std::size_t>(t * d), 2, 0.9f, 0.999f);
-  const auto x = random_vector(a.size(), 3);
-  std::vector<float> h(a.size());
-  const auto plan = loom::scan::make_plan(two_threads, loom::scan::diagonal{}, t, d);
-  const loom::workspace_buffer ws(plan.workspace_bytes());
-  timed(state, [&] {
-    loom::scan::linear_recurrence(two_threads, plan, loom::tensor_view<const float, 2>(a.data(), {t, d}),
-                                  loom::tensor_view<const float, 2>(x.data(), {t, d}),
-                                  loom::tensor_view<float, 2>(h.data(), {t, d}), ws.span());
-  });
-}
+void recurrence(benchmark::State& state) { recurrence_of(state, 262144, 64); }
+void short_recurrence(benchmark::State& state) { recurrence_of(state, 4096, 8); }
 
 void newton(benchmark::State& state) {
   const index_t t = 262144, d = 8;

@@ -416,6 +416,15 @@ std::vector<float> serial_plus(const std::vector<float>& x, const std::vector<in
   return out;
 }
 
+// A plus<float> scan of n elements on b gets a worker per thread of b (backends whose thread count
+// is a field).
+template <class B>
+void require_a_worker_per_thread(const B& b, index_t n) {
+  if constexpr (requires { b.threads; })
+    REQUIRE(ls::detail::tile_of(b, ls::detail::make_blocking(
+                                       n, 0, ls::detail::monoid_bytes_per_element<ls::plus<float>>())) == b.threads);
+}
+
 std::vector<double> serial_diagonal(const rec_case& c, const std::vector<double>& a, const std::vector<double>& bv,
                                     const std::vector<index_t>& off, const std::vector<double>& init) {
   const auto af = loom::test::cast<float>(a), bf = loom::test::cast<float>(bv), inf = loom::test::cast<float>(init);
@@ -439,7 +448,8 @@ TEST_CASE(
     "serial" LOOM_BACKEND_TAG,
     "[scan][recurrence]") {
   const auto b = make_backend();
-  const index_t n = 1000003;  // 8 MB of plus<float> traffic
+  const index_t n = 1000003;          // 8 MB of plus<float> traffic
+  require_a_worker_per_thread(b, n);  // the premise of the case
   const auto x = lt::small_integers<float>(n, -3, 3, 5150);
   const auto offsets = ragged_offsets(n, 5151);
   for (bool reverse : {false, true})

@@ -152,13 +152,19 @@ struct scratch_at {
   LOOM_HD A* operator()(index_t s) const { return base + s * width; }
 };
 
+//! f(s, begin, end) for block j's sub-blocks s = first, first + step, ...
+template <class F>
+LOOM_HD void for_subs(const blocking& blk, index_t j, index_t first, index_t step, const F& f) {
+  const index_t subs = blk.subs_of(j);
+  for (index_t s = first; s < subs; s += step) f(s, blk.sub_begin(j, s), blk.sub_end(j, s));
+}
+
 //! Block j's sub-blocks s = first, first + step, ... reduced into their aggregates.
 template <class K, class ScratchOf>
 LOOM_HD void reduce_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
                          index_t first, index_t step, const ScratchOf& scratch_of) {
-  const index_t subs = blk.subs_of(j);
-  for (index_t s = first; s < subs; s += step)
-    k.reduce(blk.sub_begin(j, s), blk.sub_end(j, s), ws + lay.sub_agg(j, s), scratch_of(s));
+  for_subs(blk, j, first, step,
+           [&](index_t s, index_t lo, index_t hi) { k.reduce(lo, hi, ws + lay.sub_agg(j, s), scratch_of(s)); });
 }
 
 //! Block j's aggregate: its sub-blocks' aggregates composed in order (tmp: agg values).
@@ -190,12 +196,11 @@ LOOM_HD void chain_subs(const K& k, const blocking& blk, const layout& lay, type
 template <class K, class ScratchOf>
 LOOM_HD void scan_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
                        index_t first, index_t step, const ScratchOf& scratch_of) {
-  const index_t subs = blk.subs_of(j);
-  for (index_t s = first; s < subs; s += step)
-    k.scan(blk.sub_begin(j, s), blk.sub_end(j, s), ws + lay.sub_carry(j, s), scratch_of(s));
+  for_subs(blk, j, first, step,
+           [&](index_t s, index_t lo, index_t hi) { k.scan(lo, hi, ws + lay.sub_carry(j, s), scratch_of(s)); });
 }
 
-//! The whole of block j on one host worker: reduce (when `reduce`) and scan from `carry`.
+//! Block j scanned on one host worker from `carry` (its sub-blocks' aggregates already reduced).
 template <class K>
 void scan_block_alone(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
                       const typename K::agg_type* carry, typename K::agg_type* scratch) {
@@ -435,6 +440,24 @@ struct block_reduce_step {
   }
 };
 
+//! Devices: a team per block, no more members than a block has sub-blocks.
+template <backend B>
+team_policy block_teams(const B& b, const blocking& blk) {
+  const index_t rec = team_size_recommended(b);
+  return {blk.blocks, static_cast<int>(rec < blk.subs() ? rec : blk.subs()), 0};
+}
+
+//! Devices: every block's sub-blocks reduced and, when `fold`, composed into the block's
+//! aggregate; a thread per block when blocks are one sub-block (it reduces into the aggregate).
+template <backend B, class K>
+void device_reduce(const B& b, const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws,
+                   bool fold) {
+  if (blk.subs() > 1)
+    for_each_team(b, block_teams(b, blk), team_reduce_step<K>{k, blk, lay, fold, ws});
+  else
+    for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
+}
+
 //! Scans positions [0, blk.n) with kernel k. `ws` holds workspace_size elements in B's space.
 //! The carry entering block 0 is k.init_carry unless `carry_ready` (the caller wrote it at ws[0]).
 template <backend B, class K>
@@ -457,18 +480,10 @@ void run_scan(const B& b, const K& k, const blocking& blk, typename K::agg_type*
     for_each_index(b, lay.tile, chained_scan_step<K>{k, blk, lay, ws, &ch});
   } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
     const bool single = blk.blocks == 1, teams = blk.subs() > 1;
-    // no more members than a block has sub-blocks (the backend's choice otherwise)
-    const index_t rec = team_size_recommended(b);
-    const team_policy per_block{blk.blocks, static_cast<int>(rec < blk.subs() ? rec : blk.subs()), 0};
-    if (!single || teams) {
-      if (teams)
-        for_each_team(b, per_block, team_reduce_step<K>{k, blk, lay, !single, ws});
-      else
-        for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
-    }
+    if (!single || teams) device_reduce(b, k, blk, lay, ws, !single);  // one block of one sub-block: none
     if (!single) for_each_index(b, 1, carry_step<K>{k, lay, blk.blocks, ws});
     if (teams)
-      for_each_team(b, per_block, team_scan_step<K>{k, blk, lay, single, ws});
+      for_each_team(b, block_teams(b, blk), team_scan_step<K>{k, blk, lay, single, ws});
     else
       for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, true, single, ws});
   }
@@ -482,12 +497,7 @@ typename K::agg_type* run_total(const B& b, const K& k, const blocking& blk, typ
     chain<typename K::agg_type> ch{{0}, {0}, {false}, nullptr, blk.blocks};
     for_each_index(b, lay.tile, block_reduce_step<K>{k, blk, lay, ws, &ch});
   } else {  // devices: a team per block (a thread when blocks are one sub-block), every block at once
-    const index_t rec = team_size_recommended(b);
-    if (blk.subs() > 1)
-      for_each_team(b, {blk.blocks, static_cast<int>(rec < blk.subs() ? rec : blk.subs()), 0},
-                    team_reduce_step<K>{k, blk, lay, true, ws});
-    else
-      for_each_index(b, blk.blocks, block_step<K>{k, blk, lay, false, false, ws});
+    device_reduce(b, k, blk, lay, ws, true);
   }
   for_each_index(b, 1, total_step<K>{k, lay, blk.blocks, ws});
   return ws + lay.total_agg();
