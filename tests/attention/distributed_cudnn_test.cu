@@ -232,8 +232,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "ring pass-KV with cuDNN: forward and backward equal one device's cuDNN attention, P = 1..4, causal and "
-    "windowed",
+    "ring pass-KV and all-gather-KV with cuDNN: forward and backward equal one device's cuDNN attention, P = 1..4, "
+    "causal and windowed",
     "[attention][cudnn][gpu]") {
   if (gpus() < 1) {
     WARN("no GPU: not run");
@@ -252,6 +252,10 @@ TEST_CASE(
                             : loom::shard::make_plan(std::span<const index_t>(pb.docs), p, loom::shard::per_document{});
         pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
           return la::ring::make_plan<loom::bf16>(b, comm, la::cudnn::fused{}, sp, pb.heads(), pb.opt);
+        });
+        pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+          return la::ring::make_plan<loom::bf16>(b, comm, la::ring::all_gather_kv{}, la::cudnn::fused{}, sp, pb.heads(),
+                                                 pb.opt);
         });
       }
   }

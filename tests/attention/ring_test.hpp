@@ -73,26 +73,32 @@ auto counted_comm(loom::comm::local& c, std::shared_ptr<loom::comm::traffic> rec
 #endif
 // Ring pass-KV with a fused band-mask local step (attention/detail/ring_fused.hpp), run on the
 // reference engine of fused_reference.hpp: the runner cuDNN's ring uses, on every backend.
+// fused_ref_ag: the same with K/V gathered once (all_gather_kv).
 struct fused_ref {};
+struct fused_ref_ag {};
 constexpr int fused_ref_kind = 7;  // the local step's id in the agreement (any value but loom's 0)
+template <class V>
+constexpr bool fused_tag = std::is_same_v<V, fused_ref> || std::is_same_v<V, fused_ref_ag>;
+template <class V>
+using fused_variant = std::conditional_t<std::is_same_v<V, fused_ref_ag>, lr::all_gather_kv, lr::pass_kv>;
 
 template <class V, class T>
-using rank_plan = std::conditional_t<
-    std::is_same_v<V, fused_ref>,
-    lr::fused_plan<lt::backend_under_test, loom::default_precision<T>, lt::band_engine<T, loom::accum_t<T>>>,
-    lr::plan<V, lt::backend_under_test, loom::default_precision<T>>>;
+using rank_plan = std::conditional_t<fused_tag<V>,
+                                     lr::fused_plan<lt::backend_under_test, loom::default_precision<T>,
+                                                    lt::band_engine<T, loom::accum_t<T>>, fused_variant<V>>,
+                                     lr::plan<V, lt::backend_under_test, loom::default_precision<T>>>;
 
 // make_plan of variant V, or the fused plan on the reference engine.
 template <class V, class P, class B, class C>
 auto make_rank_plan(const B& be, C& comm, const shard::plan& plan, const la::head_shape& s, const la::options& opt) {
-  if constexpr (std::is_same_v<V, fused_ref>) {
+  if constexpr (fused_tag<V>) {
     using T = typename P::storage_type;
     using Acc = typename P::accum_type;
-    return lr::detail::make_fused_plan<P>(be, comm, plan, s, opt, "ring::make_plan (fused reference)", fused_ref_kind,
-                                          [&](const la::detail::fused_program& prog, index_t) {
-                                            return std::make_shared<lt::band_engine<T, Acc>>(
-                                                prog, s, la::detail::scale_of<Acc>(opt, s.dim_qk));
-                                          });
+    return lr::detail::make_fused_plan<P, fused_variant<V>>(
+        be, comm, plan, s, opt, "ring::make_plan (fused reference)", fused_ref_kind,
+        [&](const la::detail::fused_program& prog, index_t) {
+          return std::make_shared<lt::band_engine<T, Acc>>(prog, s, la::detail::scale_of<Acc>(opt, s.dim_qk));
+        });
   } else {
     return lr::make_plan<P>(be, comm, V{}, plan, s, opt);
   }
@@ -298,6 +304,16 @@ TEST_CASE(
       check(f, g, true, {1e-10, 1e-10}, "fused, fp64");
       CHECK(f.sends_per_rank == 2 * (p - 1));
       CHECK(f.backward_sends == 2 * (p - 1) + (p > 1 ? 2 * p : 0));
+      // K/V gathered once: no point-to-point message; the same steps and merges, so the forward's
+      // bits are pass-KV's (dQ too: added step by step in the same order).
+      const auto ag = run_ring<fused_ref_ag>(g, p, plan, true);
+      check(ag, g, true, {1e-10, 1e-10}, "fused all_gather_kv, fp64");
+      CHECK(ag.sends_per_rank == 0);
+      CHECK(ag.backward_sends == 0);
+      CHECK(ag.forward_collectives == 2);  // one all_gather of K, one of V
+      CHECK(ag.out == f.out);
+      CHECK(ag.lse == f.lse);
+      CHECK(ag.dq == f.dq);
     }
   }
   // bf16 storage: each step's partial out and dQ / dK / dV are rounded to bf16 (as a fused kernel
@@ -305,6 +321,8 @@ TEST_CASE(
   const auto b = make_global({0, 0, 4, 2, 64, 64, true}, docs, 1210);
   check(run_ring<fused_ref, loom::bfloat16>(b, 4, plan_of<shard::zigzag>(docs, 4), true), b, true, {2e-2, 2e-2},
         "fused, bf16");
+  check(run_ring<fused_ref_ag, loom::bfloat16>(b, 3, plan_of<shard::per_document>(docs, 3), true), b, true,
+        {2e-2, 2e-2}, "fused all_gather_kv, bf16");
 }
 
 TEST_CASE(
@@ -501,14 +519,15 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
   CHECK(one.plan_gathered == static_cast<long>((p - 1) * loom::comm::agreement_bytes));  // an all_gather
   CHECK(three.plan_collectives == 1);
   CHECK(three.forward_collectives == 3 * one.forward_collectives);
-  if (!std::is_same_v<V, lr::pass_q> && !std::is_same_v<V, lr::all_gather_kv>) CHECK(one.forward_collectives == 0);
+  if (!std::is_same_v<V, lr::pass_q> && !std::is_same_v<V, lr::all_gather_kv> && !std::is_same_v<V, fused_ref_ag>)
+    CHECK(one.forward_collectives == 0);
   // Nothing allocates on a plan-taking call, on any rank.
   CHECK(one.heap == 0);
   CHECK(one.temporaries == 0);
   CHECK(three.heap == 0);
   CHECK(bitwise(one, three));
   // The convenience form: the same bits, plus one agreement per call.
-  if constexpr (!std::is_same_v<V, fused_ref>) {
+  if constexpr (!fused_tag<V>) {
     const auto conv = run_convenience<V, double>(g, p, plan, true);
     CHECK(bitwise(one, conv));
     CHECK(conv.forward_collectives == 1 + one.forward_collectives);
@@ -541,6 +560,7 @@ TEST_CASE(
     check_plan_lifecycle<lr::all_gather_kv>(g, p, plan, "all_gather_kv");
     check_plan_lifecycle<lr::bidirectional_kv>(g, p, plan, "bidirectional_kv");
     check_plan_lifecycle<fused_ref>(g, p, plan, "pass_kv on a fused engine");
+    check_plan_lifecycle<fused_ref_ag>(g, p, plan, "all_gather_kv on a fused engine");
   }
 }
 
@@ -559,6 +579,7 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BA
       check(run_ring<fused_ref>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_kv on a fused engine");
       check(run_ring<fused_ref>(g, 4, plan_of<shard::contiguous>(docs, 4), true), g, true, {1e-10, 1e-10},
             "pass_kv on a fused engine, contiguous");
+      check(run_ring<fused_ref_ag>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "all_gather_kv on a fused engine");
       check(run_ring<lr::all_gather_kv>(g, 2, plan_of<shard::per_document>(docs, 2), true), g, true, {1e-10, 1e-10},
             "all_gather_kv");
       check(run_ring<lr::bidirectional_kv>(g, 4, plan_of<shard::contiguous>(docs, 4), false), g, false, {1e-10, 1e-10},

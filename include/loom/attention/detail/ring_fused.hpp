@@ -1,9 +1,9 @@
 #pragma once
 
 //! @file
-//! Ring pass-KV attention whose local step is a fused band-mask kernel over ragged batches (the
-//! engine: cuDNN's SDPA graphs on loom::cuda, attention/ring_cudnn.cuh) instead of loom's tile
-//! kernel. Everything but the engine is here and runs on every backend:
+//! Ring pass-KV and all-gather-KV attention whose local step is a fused band-mask kernel over
+//! ragged batches (the engine: cuDNN's SDPA graphs on loom::cuda, attention/ring_cudnn.cuh)
+//! instead of loom's tile kernel. Everything but the engine is here and runs on every backend:
 //!
 //!   - the program: step s pairs this rank's queries with the keys of rank (me - s) mod P; the
 //!     step's fused blocks (fused_blocks.hpp: cropped, full or band-masked, none where nothing is
@@ -13,7 +13,11 @@
 //!     partial is merged into the running (out, lse) in the accumulation type (merge.hpp);
 //!   - the backward: each batch writes dQ, dK, dV of its rows in the storage type (the rest
 //!     zeroed), added into dQ and into the travelling dK/dV accumulators in the accumulation type;
-//!     the accumulators arrive home after P steps, as in ring::pass_kv.
+//!     the accumulators arrive home after P steps, as in ring::pass_kv;
+//!   - all_gather_kv: the same program and merges with every rank's K/V gathered once (padded, as
+//!     ring::all_gather_kv) instead of travelling, so the forward's bits are pass-KV's; the
+//!     backward adds each step's dK/dV into a padded accumulator of every rank's keys, summed home
+//!     by one reduce_scatter (another order of summation than pass-KV's).
 //!
 //! An engine E runs one batch on a backend B; its tables are in B's memory (the program's tables
 //! are uploaded into the workspace at the start of a call, or read in place on host memory):
@@ -36,6 +40,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -128,13 +133,15 @@ struct fused_forward_buffers {
   block<T, S> part;
   block<Acc, S> lpart;
   std::span<std::byte> engine;
+  //! gathered (all_gather_kv): cur is this rank's padded block, next every rank's.
   template <class A>
-  static fused_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes) {
+  static fused_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
+                                    bool gathered) {
     const auto& s = st.dims;
     fused_forward_buffers w;
     w.tables = fused_table_copy::take(a, prog);
     w.cur = kv_block<T, S>::take(a, st, st.max_rows);
-    w.next = kv_block<T, S>::take(a, st, st.max_rows);
+    w.next = kv_block<T, S>::take(a, st, gathered ? st.ranks * st.max_rows : st.max_rows);
     w.acc = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_v);
     w.lacc = take_block<Acc, S>(a, st.mine, s.heads_q, 1);
     w.part = take_block<T, S>(a, st.mine, s.heads_q, s.dim_v);
@@ -153,15 +160,19 @@ struct fused_backward_buffers {
   block<T, S> pq;
   kv_block<T, S> pkv;
   std::span<std::byte> engine;
+  //! gathered (all_gather_kv): cur and next as the forward's, gkv the padded accumulator of every
+  //! rank's keys and gnext this rank's reduced rows.
   template <class A>
-  static fused_backward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes) {
+  static fused_backward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
+                                     bool gathered) {
     const auto& s = st.dims;
+    const index_t all = gathered ? st.ranks * st.max_rows : st.max_rows;
     fused_backward_buffers w;
     w.tables = fused_table_copy::take(a, prog);
     w.cur = kv_block<T, S>::take(a, st, st.max_rows);
-    w.next = kv_block<T, S>::take(a, st, st.max_rows);
+    w.next = kv_block<T, S>::take(a, st, all);
     w.gq = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_qk);
-    w.gkv = kv_block<Acc, S>::take(a, st, st.max_rows);
+    w.gkv = kv_block<Acc, S>::take(a, st, all);
     w.gnext = kv_block<Acc, S>::take(a, st, st.max_rows);
     w.pq = take_block<T, S>(a, st.mine, s.heads_q, s.dim_qk);
     w.pkv = kv_block<T, S>::take(a, st, st.max_rows);
@@ -170,81 +181,113 @@ struct fused_backward_buffers {
   }
 };
 
-//! Sizes both workspaces of a fused plan (the carving code run against sizers).
-template <class T, class Acc, class E>
+//! Whether variant V gathers K/V (all_gather_kv) instead of passing it (pass_kv).
+template <class V>
+inline constexpr bool fused_gathers = std::is_same_v<V, ring::all_gather_kv>;
+
+//! Rows r0 .. r0 + n of a block.
+template <class T, class S>
+kv_block<T, S> rows_at(const kv_block<T, S>& x, index_t r0, index_t n) {
+  return {{x.k.p + r0 * x.k.h * x.k.d, n, x.k.h, x.k.d}, {x.v.p + r0 * x.v.h * x.v.d, n, x.v.h, x.v.d}};
+}
+
+//! Sizes both workspaces of a fused plan of variant V (the carving code run against sizers).
+template <class T, class Acc, class V, class E>
 void size_fused(const ring_state& st, fused_state<E>& f) {
   ws_sizer fw, bw;
-  (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog,
-                                                         f.engine->workspace_bytes(fused_pass::forward));
-  (void)fused_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog,
-                                                          f.engine->workspace_bytes(fused_pass::backward));
+  (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
+                                                         fused_gathers<V>);
+  (void)fused_backward_buffers<T, Acc, host_memory>::take(
+      bw, st, f.prog, f.engine->workspace_bytes(fused_pass::backward), fused_gathers<V>);
   f.forward_bytes = fw.l.bytes();
   f.backward_bytes = bw.l.bytes();
 }
 
-template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L>
+template <class T, class Acc, class Var, class B, class C, class E, class Q, class K, class V, class O, class L>
 void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                    std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
+  constexpr bool gathered = fused_gathers<Var>;
   workspace_carver a(ws);
-  auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward));
+  auto w =
+      fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward), gathered);
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
   w.acc.zero(b);
   if (w.lacc.size() > 0) loom::detail::fill(b, w.lacc.p, w.lacc.size(), neg_inf<Acc>());
-  w.cur.load(b, st.mine, k, v);
+  if constexpr (gathered)
+    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, w.cur, w.next);
+  else
+    w.cur.load(b, st.mine, k, v);
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
-    if (s + 1 < p) reqs.shift(comm, b, w.cur, w.next, st.rows(ring_next(me, p, -(s + 1))), 0);
+    if (!gathered && s + 1 < p) reqs.shift(comm, b, w.cur, w.next, st.rows(ring_next(me, p, -(s + 1))), 0);
+    const int from = ring_next(me, p, -s);
+    const kv_block<T, S> keys = gathered ? rows_at(w.next, from * st.max_rows, st.rows(from)) : w.cur;
     for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
          i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
       loom::detail::fill(b, w.lpart.p, w.lpart.size(), neg_inf<Acc>());  // rows no entry writes
-      f.engine->forward(b, i, tables + f.prog.batches[i].table_at, q.data(), w.cur.k.p, w.cur.v.p, w.part.p, w.lpart.p,
+      f.engine->forward(b, i, tables + f.prog.batches[i].table_at, q.data(), keys.k.p, keys.v.p, w.part.p, w.lpart.p,
                         w.engine);
       merge(b, w.acc.view(), w.lacc.view2(), w.part.cview(), w.lpart.cview2());
     }
-    reqs.wait(comm, b);
-    std::swap(w.cur, w.next);
+    if (!gathered) {
+      reqs.wait(comm, b);
+      std::swap(w.cur, w.next);
+    }
   }
   copy_out(b, w.acc, out);
   copy_out2(b, w.lacc, lse);
 }
 
-template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L, class DO,
-          class DQ, class DK, class DV>
+template <class T, class Acc, class Var, class B, class C, class E, class Q, class K, class V, class O, class L,
+          class DO, class DQ, class DK, class DV>
 void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                     DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
+  constexpr bool gathered = fused_gathers<Var>;
   workspace_carver a(ws);
-  auto w = fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward));
+  auto w =
+      fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward), gathered);
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
-  w.cur.load(b, st.mine, k, v);
+  if constexpr (gathered)
+    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, w.cur, w.next);
+  else
+    w.cur.load(b, st.mine, k, v);
   w.gq.n = st.mine;
   w.gq.zero(b);
-  w.gkv.set_rows(st.mine);
-  w.gkv.zero(b);
+  if (!gathered) w.gkv.set_rows(st.mine);
+  w.gkv.zero(b);  // gathered: every rank's rows and the padding between them
   w.pq.n = st.mine;
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
     const index_t next_rows = st.rows(ring_next(me, p, -(s + 1)));
-    if (s + 1 < p) reqs.shift(comm, b, w.cur, w.next, next_rows, 0);
+    if (!gathered && s + 1 < p) reqs.shift(comm, b, w.cur, w.next, next_rows, 0);
+    const int from = ring_next(me, p, -s);
+    const kv_block<T, S> keys = gathered ? rows_at(w.next, from * st.max_rows, st.rows(from)) : w.cur;
+    const kv_block<Acc, S> sums = gathered ? rows_at(w.gkv, from * st.max_rows, st.rows(from)) : w.gkv;
     for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
          i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
-      w.pkv.set_rows(w.cur.k.n);
+      w.pkv.set_rows(keys.k.n);
       zero_storage(b, w.pq);  // rows no entry writes
       zero_storage(b, w.pkv.k);
       zero_storage(b, w.pkv.v);
-      f.engine->backward(b, i, tables + f.prog.batches[i].table_at, q.data(), w.cur.k.p, w.cur.v.p, out.data(),
+      f.engine->backward(b, i, tables + f.prog.batches[i].table_at, q.data(), keys.k.p, keys.v.p, out.data(),
                          lse.data(), dout.data(), w.pq.p, w.pkv.k.p, w.pkv.v.p, w.engine);
       accumulate(b, w.gq, w.pq);
-      accumulate(b, w.gkv.k, w.pkv.k);
-      accumulate(b, w.gkv.v, w.pkv.v);
+      accumulate(b, sums.k, w.pkv.k);
+      accumulate(b, sums.v, w.pkv.v);
     }
+    if (gathered) continue;
     if (p > 1) reqs.shift(comm, b, w.gkv, w.gnext, next_rows, 2);  // the accumulators move on (at the end: home)
     reqs.wait(comm, b);
     if (p > 1) std::swap(w.gkv, w.gnext);
     if (s + 1 < p) std::swap(w.cur, w.next);
+  }
+  if constexpr (gathered) {
+    runner<ring::all_gather_kv>::reduce_home(b, comm, st, w.gkv, w.gnext);
+    w.gkv = w.gnext;
   }
   copy_out(b, w.gq, dq);
   copy_out(b, w.gkv.k, dk);
@@ -255,15 +298,19 @@ void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state
 
 namespace loom::attention::ring {
 
-//! A ring pass-KV plan of one rank whose local step is engine E (a fused band-mask kernel; see
-//! the file comment). Made by the make_plan of the engine's header (ring_cudnn.cuh:
-//! ring::make_plan<P>(b, comm, cudnn::fused{}, sharding, shape, opts)). Immutable; copies share
-//! one state; may be shared between threads for reading (each call with its own workspace).
-template <class B, precision_policy P, class E>
+//! A ring plan of variant V (pass_kv or all_gather_kv) of one rank whose local step is engine E (a
+//! fused band-mask kernel; see the file comment). Made by the make_plan of the engine's header
+//! (ring_cudnn.cuh: ring::make_plan<P>(b, comm, [variant,] cudnn::fused{}, sharding, shape,
+//! opts)). Immutable; copies share one state; may be shared between threads for reading (each call
+//! with its own workspace).
+template <class B, precision_policy P, class E, class V = pass_kv>
 class fused_plan : public precision_types<P> {
+  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, all_gather_kv>,
+                "a fused ring plan passes K/V (pass_kv) or gathers it (all_gather_kv)");
+
  public:
   fused_plan() = default;
-  using variant_type = pass_kv;
+  using variant_type = V;
   using engine_type = E;
   [[nodiscard]] int ranks() const noexcept { return base_.ranks(); }
   [[nodiscard]] int rank() const noexcept { return base_.rank(); }
@@ -279,33 +326,33 @@ class fused_plan : public precision_types<P> {
   [[nodiscard]] const detail::ring_state& state() const noexcept { return base_.state(); }
   [[nodiscard]] const attention::detail::fused_state<E>& fused() const noexcept { return *f_; }
 
-  fused_plan(plan<pass_kv, B, P> base, std::shared_ptr<const attention::detail::fused_state<E>> f)
+  fused_plan(plan<V, B, P> base, std::shared_ptr<const attention::detail::fused_state<E>> f)
       : base_(std::move(base)), f_(std::move(f)) {}
 
  private:
-  plan<pass_kv, B, P> base_;
+  plan<V, B, P> base_;
   std::shared_ptr<const attention::detail::fused_state<E>> f_;
 };
 
 namespace detail {
-//! Makes a fused ring plan: the ring plan's checks and agreement (make_plan_checked, the local
-//! step named `local_kind` in the signature), with `make_engine(program, n)` run inside the
-//! agreement, so an engine that rejects the problem on one rank (loom::error) is every rank's
-//! error. make_engine returns a std::shared_ptr<E>.
-template <precision_policy P, class B, comm::communicator C, class MakeEngine>
+//! Makes a fused ring plan of variant V: the ring plan's checks and agreement (make_plan_checked,
+//! the variant and the local step named `local_kind` in the signature), with
+//! `make_engine(program, n)` run inside the agreement, so an engine that rejects the problem on
+//! one rank (loom::error) is every rank's error. make_engine returns a std::shared_ptr<E>.
+template <precision_policy P, class V = pass_kv, class B, comm::communicator C, class MakeEngine>
 auto make_fused_plan(const B& b, C& comm, const shard::plan& sharding, const shape& s, const options& opt,
                      std::string_view call, int local_kind, MakeEngine&& make_engine) {
   using E = typename std::invoke_result_t<MakeEngine&, const attention::detail::fused_program&, index_t>::element_type;
   auto f = std::make_shared<attention::detail::fused_state<E>>();
-  auto base = make_plan_checked<P, pass_kv>(
+  auto base = make_plan_checked<P, V>(
       b, comm, sharding, s, opt, call,
       [&](index_t n) {
         f->prog = attention::detail::ring_program(sharding, comm.rank(), s, opt);
         f->engine = make_engine(std::as_const(f->prog), n);
       },
       local_kind);
-  attention::detail::size_fused<typename P::storage_type, typename P::accum_type>(base.state(), *f);
-  return fused_plan<B, P, E>(std::move(base), std::move(f));
+  attention::detail::size_fused<typename P::storage_type, typename P::accum_type, V>(base.state(), *f);
+  return fused_plan<B, P, E, V>(std::move(base), std::move(f));
 }
 
 //! The per-call checks of a fused plan's call: the ring plan's, and dense views where the engine
@@ -320,10 +367,12 @@ void check_fused_views(const Q& q, const O& out, const L& lse, bool outputs_read
 }
 }  // namespace detail
 
-//! Forward on a fused plan: as ring::forward on a pass_kv plan (same views, same results up to the
-//! engine's summation order), with q dense. Allocates nothing; stream-ordered on device backends.
-template <class B, precision_policy P, class E, comm::communicator C, class Q, class K, class Vv, class O, class L>
-void forward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v, O out, L lse,
+//! Forward on a fused plan: as ring::forward on a plan of its variant (same views, same traffic,
+//! same results up to the engine's summation order), with q dense. Allocates nothing;
+//! stream-ordered on device backends. all_gather_kv gives the bits of pass_kv on the same engine.
+template <class B, precision_policy P, class E, class V, comm::communicator C, class Q, class K, class Vv, class O,
+          class L>
+void forward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, Vv v, O out, L lse,
              std::span<std::byte> workspace) {
   constexpr std::string_view call = "ring::forward (fused)";
   using T = typename P::storage_type;
@@ -333,14 +382,15 @@ void forward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v,
   detail::check_fused_views(q, out, lse, false, call);
   check_workspace(workspace, fp.workspace_bytes(), call);
   fp.fused().engine->check_call(attention::detail::fused_pass::forward, call);
-  attention::detail::fused_forward<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
+  attention::detail::fused_forward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
 }
 
-//! Backward on a fused plan: as ring::backward on a pass_kv plan, with q, out, lse and dout dense.
-template <class B, precision_policy P, class E, comm::communicator C, class Q, class K, class Vv, class O, class L,
-          class DO, class DQ, class DK, class DV>
-void backward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v, O out, L lse, DO dout, DQ dq, DK dk,
-              DV dv, std::span<std::byte> workspace) {
+//! Backward on a fused plan: as ring::backward on a plan of its variant, with q, out, lse and dout
+//! dense.
+template <class B, precision_policy P, class E, class V, comm::communicator C, class Q, class K, class Vv, class O,
+          class L, class DO, class DQ, class DK, class DV>
+void backward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, Vv v, O out, L lse, DO dout, DQ dq,
+              DK dk, DV dv, std::span<std::byte> workspace) {
   constexpr std::string_view call = "ring::backward (fused)";
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
@@ -351,7 +401,7 @@ void backward(const B& b, C& comm, const fused_plan<B, P, E>& fp, Q q, K k, Vv v
   attention::detail::expect_dense(dout, call, "dout");
   check_workspace(workspace, fp.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   fp.fused().engine->check_call(attention::detail::fused_pass::backward, call);
-  attention::detail::fused_backward<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv, workspace);
+  attention::detail::fused_backward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv, workspace);
 }
 
 }  // namespace loom::attention::ring

@@ -356,18 +356,39 @@ struct runner<ring::all_gather_kv> {
     }
   }
 
+  //! K and V of every rank, rank r's at rows r * max_rows of `all`: this rank's padded into
+  //! `mine` (max_rows rows), then one all_gather each.
+  template <class B, class T, class S, class C, class K, class V>
+  static void gather_padded(const B& b, C& comm, const ring_state& st, const K& k, const V& v, kv_block<T, S>& mine,
+                            const kv_block<T, S>& all) {
+    mine.zero(b);
+    mine.load(b, st.mine, k, v);
+    mine.set_rows(st.max_rows);
+    comm::handoff(comm, b);
+    comm.all_gather(mine.k.csend(), all.k.span());
+    comm.all_gather(mine.v.csend(), all.v.span());
+    comm::handback(comm, b);
+  }
+
   //! K and V of every rank in rank order: one padded all_gather each, then the padding dropped.
   template <class B, class T, class S, class C, class K, class V>
   static void gather(const B& b, C& comm, const ring_state& st, const K& k, const V& v, gathered<T, S>& g) {
-    g.mine.zero(b);
-    g.mine.load(b, st.mine, k, v);
-    g.mine.set_rows(st.max_rows);
-    comm::handoff(comm, b);
-    comm.all_gather(g.mine.k.csend(), g.all.k.span());
-    comm.all_gather(g.mine.v.csend(), g.all.v.span());
-    comm::handback(comm, b);
+    gather_padded(b, comm, st, k, v, g.mine, g.all);
     repad(b, st, g.full.k, g.all.k, false);
     repad(b, st, g.full.v, g.all.v, false);
+  }
+
+  //! dK/dV of every rank's keys, rank r's at rows r * max_rows of `padded` (padding rows zero),
+  //! summed over the ranks in the accumulation type into each owner's `reduced` (one
+  //! reduce_scatter each); `reduced` then holds this rank's rows.
+  template <class B, class Acc, class S, class C>
+  static void reduce_home(const B& b, C& comm, const ring_state& st, const kv_block<Acc, S>& padded,
+                          kv_block<Acc, S>& reduced) {
+    comm::handoff(comm, b);
+    comm.reduce_scatter(padded.k.csend(), reduced.k.span(), comm::reduce_op::sum);
+    comm.reduce_scatter(padded.v.csend(), reduced.v.span(), comm::reduce_op::sum);
+    comm::handback(comm, b);
+    reduced.set_rows(st.mine);
   }
 
   //! One padded all_gather of K and of V, then the local kernel against every key (any mask
@@ -401,11 +422,7 @@ struct runner<ring::all_gather_kv> {
     w.padded.zero(b);
     repad(b, st, w.d.kv.k, w.padded.k, true);
     repad(b, st, w.d.kv.v, w.padded.v, true);
-    comm::handoff(comm, b);
-    comm.reduce_scatter(w.padded.k.csend(), w.reduced.k.span(), comm::reduce_op::sum);
-    comm.reduce_scatter(w.padded.v.csend(), w.reduced.v.span(), comm::reduce_op::sum);
-    comm::handback(comm, b);
-    w.reduced.set_rows(st.mine);
+    reduce_home(b, comm, st, w.padded, w.reduced);
     w.d.kv = w.reduced;
     w.d.copy_to(b, dq, dk, dv);
   }
