@@ -73,14 +73,18 @@ auto counted_comm(loom::comm::local& c, std::shared_ptr<loom::comm::traffic> rec
 #endif
 // Ring pass-KV with a fused band-mask local step (attention/detail/ring_fused.hpp), run on the
 // reference engine of fused_reference.hpp: the runner cuDNN's ring uses, on every backend.
-// fused_ref_ag: the same with K/V gathered once (all_gather_kv).
+// fused_ref_q and fused_ref_ag: the same with Q travelling (pass_q) and with K/V gathered once
+// (all_gather_kv).
 struct fused_ref {};
+struct fused_ref_q {};
 struct fused_ref_ag {};
 constexpr int fused_ref_kind = 7;  // the local step's id in the agreement (any value but loom's 0)
 template <class V>
-constexpr bool fused_tag = std::is_same_v<V, fused_ref> || std::is_same_v<V, fused_ref_ag>;
+constexpr bool fused_tag =
+    std::is_same_v<V, fused_ref> || std::is_same_v<V, fused_ref_q> || std::is_same_v<V, fused_ref_ag>;
 template <class V>
-using fused_variant = std::conditional_t<std::is_same_v<V, fused_ref_ag>, lr::all_gather_kv, lr::pass_kv>;
+using fused_variant = std::conditional_t<std::is_same_v<V, fused_ref_ag>, lr::all_gather_kv,
+                                         std::conditional_t<std::is_same_v<V, fused_ref_q>, lr::pass_q, lr::pass_kv>>;
 
 template <class V, class T>
 using rank_plan = std::conditional_t<fused_tag<V>,
@@ -311,6 +315,13 @@ TEST_CASE(
       CHECK(ag.sends_per_rank == 0);
       CHECK(ag.backward_sends == 0);
       CHECK(ag.forward_collectives == 2);  // one all_gather of K, one of V
+      // Q travels (P - 1 transfers), the partials go home by one all_to_allv; in the backward Q,
+      // out, dO and lse travel P - 1 times and the dQ accumulator P times.
+      const auto pq = run_ring<fused_ref_q>(g, p, plan, true);
+      check(pq, g, true, {1e-10, 1e-10}, "fused pass_q, fp64");
+      CHECK(pq.sends_per_rank == p - 1);
+      CHECK(pq.forward_collectives == 1);
+      CHECK(pq.backward_sends == 4 * (p - 1) + (p > 1 ? p : 0));
       CHECK(ag.out == f.out);
       CHECK(ag.lse == f.lse);
       CHECK(ag.dq == f.dq);
@@ -323,6 +334,8 @@ TEST_CASE(
         "fused, bf16");
   check(run_ring<fused_ref_ag, loom::bfloat16>(b, 3, plan_of<shard::per_document>(docs, 3), true), b, true,
         {2e-2, 2e-2}, "fused all_gather_kv, bf16");
+  check(run_ring<fused_ref_q, loom::bfloat16>(b, 3, plan_of<shard::zigzag>(docs, 3), true), b, true, {2e-2, 2e-2},
+        "fused pass_q, bf16");
 }
 
 TEST_CASE(
@@ -519,7 +532,8 @@ void check_plan_lifecycle(const global_inputs& g, int p, const shard::plan& plan
   CHECK(one.plan_gathered == static_cast<long>((p - 1) * loom::comm::agreement_bytes));  // an all_gather
   CHECK(three.plan_collectives == 1);
   CHECK(three.forward_collectives == 3 * one.forward_collectives);
-  if (!std::is_same_v<V, lr::pass_q> && !std::is_same_v<V, lr::all_gather_kv> && !std::is_same_v<V, fused_ref_ag>)
+  if (!std::is_same_v<V, lr::pass_q> && !std::is_same_v<V, lr::all_gather_kv> && !std::is_same_v<V, fused_ref_ag> &&
+      !std::is_same_v<V, fused_ref_q>)
     CHECK(one.forward_collectives == 0);
   // Nothing allocates on a plan-taking call, on any rank.
   CHECK(one.heap == 0);
@@ -560,6 +574,7 @@ TEST_CASE(
     check_plan_lifecycle<lr::all_gather_kv>(g, p, plan, "all_gather_kv");
     check_plan_lifecycle<lr::bidirectional_kv>(g, p, plan, "bidirectional_kv");
     check_plan_lifecycle<fused_ref>(g, p, plan, "pass_kv on a fused engine");
+    check_plan_lifecycle<fused_ref_q>(g, p, plan, "pass_q on a fused engine");
     check_plan_lifecycle<fused_ref_ag>(g, p, plan, "all_gather_kv on a fused engine");
   }
 }
@@ -580,6 +595,7 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BA
       check(run_ring<fused_ref>(g, 4, plan_of<shard::contiguous>(docs, 4), true), g, true, {1e-10, 1e-10},
             "pass_kv on a fused engine, contiguous");
       check(run_ring<fused_ref_ag>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "all_gather_kv on a fused engine");
+      check(run_ring<fused_ref_q>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_q on a fused engine");
       check(run_ring<lr::all_gather_kv>(g, 2, plan_of<shard::per_document>(docs, 2), true), g, true, {1e-10, 1e-10},
             "all_gather_kv");
       check(run_ring<lr::bidirectional_kv>(g, 4, plan_of<shard::contiguous>(docs, 4), false), g, false, {1e-10, 1e-10},

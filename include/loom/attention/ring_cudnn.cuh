@@ -1,13 +1,13 @@
 #pragma once
 
 //! @file
-//! Ring pass-KV and all-gather-KV attention (ring.hpp) whose local step is cuDNN's fused attention
-//! (cudnn.hpp) instead of loom's tile kernel, on loom::cuda over a stream-ordered communicator
-//! (comm::nccl, comm::device_local):
+//! Ring pass-KV, pass-Q and all-gather-KV attention (ring.hpp) whose local step is cuDNN's fused
+//! attention (cudnn.hpp) instead of loom's tile kernel, on loom::cuda over a stream-ordered
+//! communicator (comm::nccl, comm::device_local):
 //!
 //!   auto rp = loom::attention::ring::make_plan<loom::bf16>(b, comm, loom::attention::cudnn::fused{},
 //!                                                         sharding, {heads_q, heads_kv, dim_qk, dim_v}, opts);
-//!   // or make_plan<loom::bf16>(b, comm, ring::all_gather_kv{}, cudnn::fused{}, sharding, ...)
+//!   // or make_plan<loom::bf16>(b, comm, ring::pass_q{} or ring::all_gather_kv{}, cudnn::fused{}, ...)
 //!   loom::temporary_buffer<loom::cuda, std::byte> ws(b, std::max(rp.workspace_bytes(),
 //!                                                                rp.backward_workspace_bytes()));
 //!   loom::attention::ring::forward(b, comm, rp, q, k, v, out, lse, ws.bytes());     allocates nothing
@@ -23,9 +23,12 @@
 //! plan (graphs of equal bounds and sizes shared between steps). A call uploads the batches'
 //! ragged tables into its workspace and runs, per step, every batch of the step on b.stream:
 //! forward, each batch's (out, lse) merged into the running pair in float; backward, each batch's
-//! dQ, dK, dV added in float into dQ and the travelling dK/dV accumulators. With all_gather_kv the
-//! views, traffic and agreement are ring::all_gather_kv's (K/V gathered once, padded; dK/dV summed
-//! home by one reduce_scatter) and the steps, batches and graphs are the same as pass-KV's.
+//! dQ, dK, dV added in float into dQ and the travelling dK/dV accumulators. With pass_q the views,
+//! traffic and agreement are ring::pass_q's: step s runs rank (me - s)'s visiting queries against
+//! this rank's keys, each step's partial merged into the visitor's slot and sent home by one
+//! all_to_allv; in the backward Q, out, lse and dO travel with the visitors' dQ accumulator. With
+//! all_gather_kv they are ring::all_gather_kv's (K/V gathered once, padded; dK/dV summed home by
+//! one reduce_scatter) and the steps, batches and graphs are pass-KV's.
 //!
 //! Needs what attention::cudnn needs (bfloat16 or half storage with float lse; dims multiples of 8
 //! up to 256; blocks under 2^31 tokens) and dense q, out, lse, dout ([n, H, D] with strides
@@ -146,7 +149,7 @@ class ring_engine {
 
 namespace loom::attention::ring {
 
-//! Plans ring attention of variant V (pass_kv or all_gather_kv) whose local step is cuDNN's (see
+//! Plans ring attention of variant V (pass_kv, pass_q or all_gather_kv) whose local step is cuDNN's (see
 //! the file comment). Collective over comm: one agreement (the ring's, naming the variant and the
 //! local step), with the cuDNN checks and graph builds inside it. @throws loom::error on every
 //! rank: as ring::make_plan; (unsupported) dims, precision or a configuration cuDNN does not take
@@ -155,8 +158,8 @@ template <precision_policy P = bf16, comm::communicator C, variant V>
 fused_plan<loom::cuda, P, cudnn::detail::ring_engine, V> make_plan(const loom::cuda& b, C& comm, V, cudnn::fused,
                                                                    const shard::plan& sharding, const shape& s,
                                                                    const options& opt = {}) {
-  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, all_gather_kv>,
-                "ring over cuDNN: pass_kv or all_gather_kv (pass_q and bidirectional_kv run loom's kernel)");
+  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv>,
+                "ring over cuDNN: pass_kv, pass_q or all_gather_kv (bidirectional_kv runs loom's kernel)");
   static_assert(cudnn::detail::storable<typename P::storage_type>,
                 "ring over cuDNN: the fused kernels take bfloat16 or half storage (loom::bf16, loom::fp16)");
   constexpr std::string_view call = "ring::make_plan (cuDNN)";
@@ -164,10 +167,13 @@ fused_plan<loom::cuda, P, cudnn::detail::ring_engine, V> make_plan(const loom::c
   return detail::make_fused_plan<P, V>(
       b, comm, sharding, s, opt, call, cudnn_local_step, [&](const attention::detail::fused_program& prog, index_t n) {
         (void)cudnn::detail::check_arguments({n, s.heads_q, s.heads_kv, s.dim_qk, s.dim_v}, opt, call);
-        index_t rows_k = 0;
-        for (int r = 0; r < sharding.ranks(); ++r) rows_k = std::max(rows_k, sharding.rank(r).tokens);
+        index_t most = 0;
+        for (int r = 0; r < sharding.ranks(); ++r) most = std::max(most, sharding.rank(r).tokens);
+        // The query rows a batch may address: this rank's, or any visitor's where queries travel;
+        // the key rows: any rank's block, or this rank's own.
+        const bool q_travels = std::is_same_v<V, pass_q>;
         auto e = std::make_shared<cudnn::detail::ring_engine>();
-        e->build<P>(prog, s, opt, n, rows_k, call);
+        e->build<P>(prog, s, opt, q_travels ? most : n, q_travels ? n : most, call);
         return e;
       });
 }

@@ -14,6 +14,11 @@
 //!   - the backward: each batch writes dQ, dK, dV of its rows in the storage type (the rest
 //!     zeroed), added into dQ and into the travelling dK/dV accumulators in the accumulation type;
 //!     the accumulators arrive home after P steps, as in ring::pass_kv;
+//!   - pass_q: K/V stay; at step s rank (me - s)'s queries visit, each batch's partial is merged
+//!     into that rank's slot of a send buffer (accumulation type), one all_to_allv returns the
+//!     partials to their owners, which merge them in rank order (as ring::pass_q); in the backward
+//!     Q, out, lse and dO travel with a dQ accumulator that arrives home after P steps, and dK/dV
+//!     accumulate locally;
 //!   - all_gather_kv: the same program and merges with every rank's K/V gathered once (padded, as
 //!     ring::all_gather_kv) instead of travelling, so the forward's bits are pass-KV's; the
 //!     backward adds each step's dK/dV into a padded accumulator of every rank's keys, summed home
@@ -61,13 +66,18 @@ struct fused_program {
   std::vector<std::int64_t> words;      //!< every batch's fused_tables, each on a 32-word boundary
 };
 
-//! The program of rank `me` of shard plan `sp` for heads and dims `s` and options `opt`.
-inline fused_program ring_program(const shard::plan& sp, int me, const head_shape& s, const options& opt) {
+//! The program of rank `me` of shard plan `sp` for heads and dims `s` and options `opt`: step s
+//! pairs this rank's queries with rank (me - s)'s keys, or, where the queries travel (pass_q),
+//! rank (me - s)'s queries with this rank's keys.
+inline fused_program ring_program(const shard::plan& sp, int me, const head_shape& s, const options& opt,
+                                  bool queries_travel = false) {
   const int p = sp.ranks();
   fused_program prog;
   for (int step = 0; step < p; ++step) {
     prog.step_begin.push_back(prog.batches.size());
-    const auto blocks = fused_blocks(sp.rank(me), sp.rank(ring_next(me, p, -step)), opt);
+    const int other = ring_next(me, p, -step);
+    const auto blocks = queries_travel ? fused_blocks(sp.rank(other), sp.rank(me), opt)
+                                       : fused_blocks(sp.rank(me), sp.rank(other), opt);
     for (auto& g : batches_of(blocks)) {
       fused_batch fb;
       fb.table_at = prog.words.size();
@@ -181,6 +191,65 @@ struct fused_backward_buffers {
   }
 };
 
+//! pass_q's forward: this rank's K/V, the visiting queries, a batch's partial, and pass_q's send
+//! and receive buffers of partials (out then lse per owner, accumulation type).
+template <class T, class Acc, class S>
+struct fused_q_forward_buffers {
+  fused_table_copy tables;
+  kv_block<T, S> mine;
+  block<T, S> qc, qn, part;
+  block<Acc, S> lpart;
+  Acc *send = nullptr, *recv = nullptr;
+  std::span<std::byte> engine;
+  template <class A>
+  static fused_q_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes) {
+    const auto& s = st.dims;
+    const index_t m = st.max_rows, row = s.heads_q * (s.dim_v + 1);
+    fused_q_forward_buffers w;
+    w.tables = fused_table_copy::take(a, prog);
+    w.mine = kv_block<T, S>::take(a, st, st.mine);
+    w.qc = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    w.qn = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    w.part = take_block<T, S>(a, m, s.heads_q, s.dim_v);
+    w.lpart = take_block<Acc, S>(a, m, s.heads_q, 1);
+    w.send = a.template take<Acc>(st.total * row);
+    w.recv = a.template take<Acc>(st.ranks * st.mine * row);
+    w.engine = take_bytes(a, engine_bytes);
+    return w;
+  }
+};
+
+//! pass_q's backward: this rank's K/V, the visiting Q, out, dO (storage type) and lse, the
+//! travelling dQ accumulator, this rank's dK/dV accumulator, and a batch's partials.
+template <class T, class Acc, class S>
+struct fused_q_backward_buffers {
+  fused_table_copy tables;
+  kv_block<T, S> mine, pkv;
+  block<T, S> qc, qn, oc, on, dc, dn, pq;
+  block<Acc, S> lc, ln, gq, gqn;
+  kv_block<Acc, S> gkv;
+  std::span<std::byte> engine;
+  template <class A>
+  static fused_q_backward_buffers take(A& a, const ring_state& st, const fused_program& prog,
+                                       std::size_t engine_bytes) {
+    const auto& s = st.dims;
+    const index_t m = st.max_rows;
+    fused_q_backward_buffers w;
+    w.tables = fused_table_copy::take(a, prog);
+    w.mine = kv_block<T, S>::take(a, st, st.mine);
+    w.pkv = kv_block<T, S>::take(a, st, st.mine);
+    for (block<T, S>* x : {&w.qc, &w.qn, &w.pq}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    for (block<T, S>* x : {&w.oc, &w.on, &w.dc, &w.dn}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_v);
+    w.lc = take_block<Acc, S>(a, m, s.heads_q, 1);
+    w.ln = take_block<Acc, S>(a, m, s.heads_q, 1);
+    w.gq = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
+    w.gqn = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
+    w.gkv = kv_block<Acc, S>::take(a, st, st.mine);
+    w.engine = take_bytes(a, engine_bytes);
+    return w;
+  }
+};
+
 //! Whether variant V gathers K/V (all_gather_kv) instead of passing it (pass_kv).
 template <class V>
 inline constexpr bool fused_gathers = std::is_same_v<V, ring::all_gather_kv>;
@@ -195,10 +264,15 @@ kv_block<T, S> rows_at(const kv_block<T, S>& x, index_t r0, index_t n) {
 template <class T, class Acc, class V, class E>
 void size_fused(const ring_state& st, fused_state<E>& f) {
   ws_sizer fw, bw;
-  (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
-                                                         fused_gathers<V>);
-  (void)fused_backward_buffers<T, Acc, host_memory>::take(
-      bw, st, f.prog, f.engine->workspace_bytes(fused_pass::backward), fused_gathers<V>);
+  const std::size_t fe = f.engine->workspace_bytes(fused_pass::forward),
+                    be = f.engine->workspace_bytes(fused_pass::backward);
+  if constexpr (std::is_same_v<V, ring::pass_q>) {
+    (void)fused_q_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe);
+    (void)fused_q_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be);
+  } else {
+    (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe, fused_gathers<V>);
+    (void)fused_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be, fused_gathers<V>);
+  }
   f.forward_bytes = fw.l.bytes();
   f.backward_bytes = bw.l.bytes();
 }
@@ -294,19 +368,124 @@ void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state
   copy_out(b, w.gkv.v, dv);
 }
 
+//! pass_q's forward on a fused engine (see the file comment).
+template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L>
+void fused_forward_q(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
+                     std::span<std::byte> ws) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  auto w = fused_q_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward));
+  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  const int p = st.ranks, me = st.me;
+  const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
+  w.mine.load(b, n, k, v);
+  w.qc.n = n;
+  copy_in(b, q, w.qc);
+  requests<C, B> reqs;
+  for (int s = 0; s < p; ++s) {
+    const int src = ring_next(me, p, -s);
+    const index_t rows = st.rows(src);
+    if (s + 1 < p) reqs.shift(comm, b, w.qc, w.qn, st.rows(ring_next(me, p, -(s + 1))), 4);
+    Acc* base = w.send + st.send_displs[static_cast<std::size_t>(src)];
+    const block<Acc, S> acc{base, rows, hq, dv}, lacc{base + rows * hq * dv, rows, hq, 1};
+    acc.zero(b);
+    if (lacc.size() > 0) loom::detail::fill(b, lacc.p, lacc.size(), neg_inf<Acc>());
+    w.part.n = w.lpart.n = rows;
+    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
+         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
+      loom::detail::fill(b, w.lpart.p, w.lpart.size(), neg_inf<Acc>());  // rows no entry writes
+      f.engine->forward(b, i, tables + f.prog.batches[i].table_at, w.qc.p, w.mine.k.p, w.mine.v.p, w.part.p, w.lpart.p,
+                        w.engine);
+      merge(b, acc.view(), lacc.view2(), w.part.cview(), w.lpart.cview2());
+    }
+    reqs.wait(comm, b);
+    std::swap(w.qc, w.qn);
+  }
+  comm::handoff(comm, b);
+  comm.all_to_allv(std::span<const Acc>(w.send, static_cast<std::size_t>(st.total * row)),
+                   std::span<const std::size_t>(st.send_counts), std::span<const std::size_t>(st.send_displs),
+                   std::span<Acc>(w.recv, static_cast<std::size_t>(p * n * row)),
+                   std::span<const std::size_t>(st.recv_counts), std::span<const std::size_t>(st.recv_displs));
+  comm::handback(comm, b);
+  // Rank 0's partial is the accumulator; the others merge into it in rank order.
+  const block<Acc, S> acc{w.recv, n, hq, dv}, lacc{w.recv + n * hq * dv, n, hq, 1};
+  for (int r = 1; r < p; ++r) {
+    const Acc* base = w.recv + st.recv_displs[static_cast<std::size_t>(r)];
+    merge(b, acc.view(), lacc.view2(), tensor_view<const Acc, 3, S>(base, {n, hq, dv}),
+          tensor_view<const Acc, 2, S>(base + n * hq * dv, {n, hq}));
+  }
+  copy_out(b, acc, out);
+  copy_out2(b, lacc, lse);
+}
+
+//! pass_q's backward on a fused engine (see the file comment).
+template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L, class DO,
+          class DQ, class DK, class DV>
+void fused_backward_q(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
+                      DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  auto w = fused_q_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward));
+  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  const int p = st.ranks, me = st.me;
+  const index_t n = st.mine;
+  w.mine.load(b, n, k, v);
+  w.qc.n = w.oc.n = w.dc.n = w.lc.n = w.gq.n = n;
+  copy_in(b, q, w.qc);
+  copy_in(b, out, w.oc);
+  copy_in(b, dout, w.dc);
+  copy_in2(b, lse, w.lc);
+  w.gq.zero(b);
+  w.gkv.zero(b);
+  requests<C, B> reqs;
+  for (int s = 0; s < p; ++s) {
+    const index_t rows = st.rows(ring_next(me, p, -s)), nn = st.rows(ring_next(me, p, -(s + 1)));
+    if (s + 1 < p) {
+      reqs.shift(comm, b, w.qc, w.qn, nn, 4);
+      reqs.shift(comm, b, w.oc, w.on, nn, 5);
+      reqs.shift(comm, b, w.dc, w.dn, nn, 6);
+      reqs.shift(comm, b, w.lc, w.ln, nn, 7);
+    }
+    w.pq.n = rows;
+    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
+         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
+      zero_storage(b, w.pq);  // rows no entry writes
+      zero_storage(b, w.pkv.k);
+      zero_storage(b, w.pkv.v);
+      f.engine->backward(b, i, tables + f.prog.batches[i].table_at, w.qc.p, w.mine.k.p, w.mine.v.p, w.oc.p, w.lc.p,
+                         w.dc.p, w.pq.p, w.pkv.k.p, w.pkv.v.p, w.engine);
+      accumulate(b, w.gq, w.pq);
+      accumulate(b, w.gkv.k, w.pkv.k);
+      accumulate(b, w.gkv.v, w.pkv.v);
+    }
+    if (p > 1) reqs.shift(comm, b, w.gq, w.gqn, nn, 8);  // the visiting queries' dQ moves on (at the end: home)
+    reqs.wait(comm, b);
+    if (p > 1) std::swap(w.gq, w.gqn);
+    if (s + 1 < p) {
+      std::swap(w.qc, w.qn);
+      std::swap(w.oc, w.on);
+      std::swap(w.dc, w.dn);
+      std::swap(w.lc, w.ln);
+    }
+  }
+  copy_out(b, w.gq, dq);
+  copy_out(b, w.gkv.k, dk);
+  copy_out(b, w.gkv.v, dv);
+}
+
 }  // namespace loom::attention::detail
 
 namespace loom::attention::ring {
 
-//! A ring plan of variant V (pass_kv or all_gather_kv) of one rank whose local step is engine E (a
+//! A ring plan of variant V (pass_kv, pass_q or all_gather_kv) of one rank whose local step is engine E (a
 //! fused band-mask kernel; see the file comment). Made by the make_plan of the engine's header
 //! (ring_cudnn.cuh: ring::make_plan<P>(b, comm, [variant,] cudnn::fused{}, sharding, shape,
 //! opts)). Immutable; copies share one state; may be shared between threads for reading (each call
 //! with its own workspace).
 template <class B, precision_policy P, class E, class V = pass_kv>
 class fused_plan : public precision_types<P> {
-  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, all_gather_kv>,
-                "a fused ring plan passes K/V (pass_kv) or gathers it (all_gather_kv)");
+  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv>,
+                "a fused ring plan passes K/V (pass_kv), passes Q (pass_q) or gathers K/V (all_gather_kv)");
 
  public:
   fused_plan() = default;
@@ -347,7 +526,7 @@ auto make_fused_plan(const B& b, C& comm, const shard::plan& sharding, const sha
   auto base = make_plan_checked<P, V>(
       b, comm, sharding, s, opt, call,
       [&](index_t n) {
-        f->prog = attention::detail::ring_program(sharding, comm.rank(), s, opt);
+        f->prog = attention::detail::ring_program(sharding, comm.rank(), s, opt, std::is_same_v<V, pass_q>);
         f->engine = make_engine(std::as_const(f->prog), n);
       },
       local_kind);
@@ -382,7 +561,10 @@ void forward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, Vv
   detail::check_fused_views(q, out, lse, false, call);
   check_workspace(workspace, fp.workspace_bytes(), call);
   fp.fused().engine->check_call(attention::detail::fused_pass::forward, call);
-  attention::detail::fused_forward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
+  if constexpr (std::is_same_v<V, pass_q>)
+    attention::detail::fused_forward_q<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
+  else
+    attention::detail::fused_forward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
 }
 
 //! Backward on a fused plan: as ring::backward on a plan of its variant, with q, out, lse and dout
@@ -401,7 +583,12 @@ void backward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, V
   attention::detail::expect_dense(dout, call, "dout");
   check_workspace(workspace, fp.backward_workspace_bytes(), call, "plan.backward_workspace_bytes()");
   fp.fused().engine->check_call(attention::detail::fused_pass::backward, call);
-  attention::detail::fused_backward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv, workspace);
+  if constexpr (std::is_same_v<V, pass_q>)
+    attention::detail::fused_backward_q<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv,
+                                                workspace);
+  else
+    attention::detail::fused_backward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv,
+                                                 workspace);
 }
 
 }  // namespace loom::attention::ring
