@@ -1,7 +1,7 @@
-// Ulysses, ring (pass-KV, pass-Q, all-gather-KV) and hybrid attention with cuDNN's fused
-// attention as their local step (ulysses_cudnn.cuh, ring_cudnn.cuh). [host]: which head splits
-// give every rank one dense GQA block (the condition of Ulysses' cuDNN local step), against an
-// independent count of the kv groups a rank's heads touch. [gpu]: forward and backward over comm::device_local (P ranks
+// Ulysses, ring (every variant) and hybrid attention with cuDNN's fused attention as their local
+// step (ulysses_cudnn.cuh, ring_cudnn.cuh). [host]: which head splits give every rank one dense GQA
+// block (the condition of Ulysses' cuDNN local step), against an independent count of the kv
+// groups a rank's heads touch. [gpu]: forward and backward over comm::device_local (P ranks
 // sharing one GPU, zigzag and per-document shards of packed documents) against one device's
 // attention::cudnn over the same documents. (The ring runner itself is tested on the CPU with a
 // reference engine: ring_test.hpp.)
@@ -232,8 +232,8 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "ring pass-KV, pass-Q and all-gather-KV with cuDNN: forward and backward equal one device's cuDNN attention, "
-    "P = 1..4, causal and windowed",
+    "ring with cuDNN, every variant: forward and backward equal one device's cuDNN attention, P = 1..4, causal and "
+    "windowed",
     "[attention][cudnn][gpu]") {
   if (gpus() < 1) {
     WARN("no GPU: not run");
@@ -260,6 +260,10 @@ TEST_CASE(
         pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
           return la::ring::make_plan<loom::bf16>(b, comm, la::ring::pass_q{}, la::cudnn::fused{}, sp, pb.heads(),
                                                  pb.opt);
+        });
+        pb.check_distributed(p, {sp}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+          return la::ring::make_plan<loom::bf16>(b, comm, la::ring::bidirectional_kv{}, la::cudnn::fused{}, sp,
+                                                 pb.heads(), pb.opt);
         });
       }
   }

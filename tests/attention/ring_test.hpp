@@ -73,18 +73,21 @@ auto counted_comm(loom::comm::local& c, std::shared_ptr<loom::comm::traffic> rec
 #endif
 // Ring pass-KV with a fused band-mask local step (attention/detail/ring_fused.hpp), run on the
 // reference engine of fused_reference.hpp: the runner cuDNN's ring uses, on every backend.
-// fused_ref_q and fused_ref_ag: the same with Q travelling (pass_q) and with K/V gathered once
-// (all_gather_kv).
+// fused_ref_q, fused_ref_ag and fused_ref_bi: the same with Q travelling (pass_q), with K/V
+// gathered once (all_gather_kv) and with K/V travelling both ways (bidirectional_kv).
 struct fused_ref {};
 struct fused_ref_q {};
 struct fused_ref_ag {};
+struct fused_ref_bi {};
 constexpr int fused_ref_kind = 7;  // the local step's id in the agreement (any value but loom's 0)
 template <class V>
-constexpr bool fused_tag =
-    std::is_same_v<V, fused_ref> || std::is_same_v<V, fused_ref_q> || std::is_same_v<V, fused_ref_ag>;
+constexpr bool fused_tag = std::is_same_v<V, fused_ref> || std::is_same_v<V, fused_ref_q> ||
+                           std::is_same_v<V, fused_ref_ag> || std::is_same_v<V, fused_ref_bi>;
 template <class V>
-using fused_variant = std::conditional_t<std::is_same_v<V, fused_ref_ag>, lr::all_gather_kv,
-                                         std::conditional_t<std::is_same_v<V, fused_ref_q>, lr::pass_q, lr::pass_kv>>;
+using fused_variant = std::conditional_t<
+    std::is_same_v<V, fused_ref_ag>, lr::all_gather_kv,
+    std::conditional_t<std::is_same_v<V, fused_ref_q>, lr::pass_q,
+                       std::conditional_t<std::is_same_v<V, fused_ref_bi>, lr::bidirectional_kv, lr::pass_kv>>>;
 
 template <class V, class T>
 using rank_plan = std::conditional_t<fused_tag<V>,
@@ -322,6 +325,11 @@ TEST_CASE(
       CHECK(pq.sends_per_rank == p - 1);
       CHECK(pq.forward_collectives == 1);
       CHECK(pq.backward_sends == 4 * (p - 1) + (p > 1 ? p : 0));
+      // Both directions at once: ring::bidirectional_kv's transfers.
+      const auto bi = run_ring<fused_ref_bi>(g, p, plan, true);
+      check(bi, g, true, {1e-10, 1e-10}, "fused bidirectional_kv, fp64");
+      CHECK(bi.sends_per_rank == 2 * (p - 1));
+      CHECK(bi.backward_sends == 4 * (p - 1) + (p > 1 ? 2 : 0) + (p > 2 ? 2 : 0));
       CHECK(ag.out == f.out);
       CHECK(ag.lse == f.lse);
       CHECK(ag.dq == f.dq);
@@ -336,6 +344,8 @@ TEST_CASE(
         {2e-2, 2e-2}, "fused all_gather_kv, bf16");
   check(run_ring<fused_ref_q, loom::bfloat16>(b, 3, plan_of<shard::zigzag>(docs, 3), true), b, true, {2e-2, 2e-2},
         "fused pass_q, bf16");
+  check(run_ring<fused_ref_bi, loom::bfloat16>(b, 4, plan_of<shard::contiguous>(docs, 4), true), b, true, {2e-2, 2e-2},
+        "fused bidirectional_kv, bf16");
 }
 
 TEST_CASE(
@@ -576,6 +586,7 @@ TEST_CASE(
     check_plan_lifecycle<fused_ref>(g, p, plan, "pass_kv on a fused engine");
     check_plan_lifecycle<fused_ref_q>(g, p, plan, "pass_q on a fused engine");
     check_plan_lifecycle<fused_ref_ag>(g, p, plan, "all_gather_kv on a fused engine");
+    check_plan_lifecycle<fused_ref_bi>(g, p, plan, "bidirectional_kv on a fused engine");
   }
 }
 
@@ -596,6 +607,8 @@ TEST_CASE("ring attention: windows (left, right) across rank boundaries" LOOM_BA
             "pass_kv on a fused engine, contiguous");
       check(run_ring<fused_ref_ag>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "all_gather_kv on a fused engine");
       check(run_ring<fused_ref_q>(g, 3, plan, true), g, true, {1e-10, 1e-10}, "pass_q on a fused engine");
+      check(run_ring<fused_ref_bi>(g, 4, plan_of<shard::contiguous>(docs, 4), true), g, true, {1e-10, 1e-10},
+            "bidirectional_kv on a fused engine");
       check(run_ring<lr::all_gather_kv>(g, 2, plan_of<shard::per_document>(docs, 2), true), g, true, {1e-10, 1e-10},
             "all_gather_kv");
       check(run_ring<lr::bidirectional_kv>(g, 4, plan_of<shard::contiguous>(docs, 4), false), g, false, {1e-10, 1e-10},

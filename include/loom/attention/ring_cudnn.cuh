@@ -1,13 +1,14 @@
 #pragma once
 
 //! @file
-//! Ring pass-KV, pass-Q and all-gather-KV attention (ring.hpp) whose local step is cuDNN's fused
-//! attention (cudnn.hpp) instead of loom's tile kernel, on loom::cuda over a stream-ordered
-//! communicator (comm::nccl, comm::device_local):
+//! Ring attention (ring.hpp; pass-KV, pass-Q, all-gather-KV and bidirectional) whose local step is
+//! cuDNN's fused attention (cudnn.hpp) instead of loom's tile kernel, on loom::cuda over a
+//! stream-ordered communicator (comm::nccl, comm::device_local):
 //!
 //!   auto rp = loom::attention::ring::make_plan<loom::bf16>(b, comm, loom::attention::cudnn::fused{},
 //!                                                         sharding, {heads_q, heads_kv, dim_qk, dim_v}, opts);
-//!   // or make_plan<loom::bf16>(b, comm, ring::pass_q{} or ring::all_gather_kv{}, cudnn::fused{}, ...)
+//!   // or make_plan<loom::bf16>(b, comm, ring::pass_q{} (or all_gather_kv{}, bidirectional_kv{}),
+//!   //                         cudnn::fused{}, sharding, shape, opts)
 //!   loom::temporary_buffer<loom::cuda, std::byte> ws(b, std::max(rp.workspace_bytes(),
 //!                                                                rp.backward_workspace_bytes()));
 //!   loom::attention::ring::forward(b, comm, rp, q, k, v, out, lse, ws.bytes());     allocates nothing
@@ -28,7 +29,9 @@
 //! this rank's keys, each step's partial merged into the visitor's slot and sent home by one
 //! all_to_allv; in the backward Q, out, lse and dO travel with the visitors' dQ accumulator. With
 //! all_gather_kv they are ring::all_gather_kv's (K/V gathered once, padded; dK/dV summed home by
-//! one reduce_scatter) and the steps, batches and graphs are pass-KV's.
+//! one reduce_scatter) and the steps, batches and graphs are pass-KV's. With bidirectional_kv they
+//! are ring::bidirectional_kv's (both directions of every link busy; own block, then per step the
+//! clockwise and the counter-clockwise block; dK/dV accumulators home after the last step).
 //!
 //! Needs what attention::cudnn needs (bfloat16 or half storage with float lse; dims multiples of 8
 //! up to 256; blocks under 2^31 tokens) and dense q, out, lse, dout ([n, H, D] with strides
@@ -149,7 +152,7 @@ class ring_engine {
 
 namespace loom::attention::ring {
 
-//! Plans ring attention of variant V (pass_kv, pass_q or all_gather_kv) whose local step is cuDNN's (see
+//! Plans ring attention of variant V (any of ring.hpp's four) whose local step is cuDNN's (see
 //! the file comment). Collective over comm: one agreement (the ring's, naming the variant and the
 //! local step), with the cuDNN checks and graph builds inside it. @throws loom::error on every
 //! rank: as ring::make_plan; (unsupported) dims, precision or a configuration cuDNN does not take
@@ -158,8 +161,6 @@ template <precision_policy P = bf16, comm::communicator C, variant V>
 fused_plan<loom::cuda, P, cudnn::detail::ring_engine, V> make_plan(const loom::cuda& b, C& comm, V, cudnn::fused,
                                                                    const shard::plan& sharding, const shape& s,
                                                                    const options& opt = {}) {
-  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv>,
-                "ring over cuDNN: pass_kv, pass_q or all_gather_kv (bidirectional_kv runs loom's kernel)");
   static_assert(cudnn::detail::storable<typename P::storage_type>,
                 "ring over cuDNN: the fused kernels take bfloat16 or half storage (loom::bf16, loom::fp16)");
   constexpr std::string_view call = "ring::make_plan (cuDNN)";

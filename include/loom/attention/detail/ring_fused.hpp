@@ -1,9 +1,10 @@
 #pragma once
 
 //! @file
-//! Ring pass-KV and all-gather-KV attention whose local step is a fused band-mask kernel over
-//! ragged batches (the engine: cuDNN's SDPA graphs on loom::cuda, attention/ring_cudnn.cuh)
-//! instead of loom's tile kernel. Everything but the engine is here and runs on every backend:
+//! Ring attention (every variant: pass_kv, pass_q, all_gather_kv, bidirectional_kv) whose local step
+//! is a fused band-mask kernel over ragged batches (the engine: cuDNN's SDPA graphs on loom::cuda,
+//! attention/ring_cudnn.cuh) instead of loom's tile kernel. Everything but the engine is here and
+//! runs on every backend:
 //!
 //!   - the program: step s pairs this rank's queries with the keys of rank (me - s) mod P; the
 //!     step's fused blocks (fused_blocks.hpp: cropped, full or band-masked, none where nothing is
@@ -22,7 +23,11 @@
 //!   - all_gather_kv: the same program and merges with every rank's K/V gathered once (padded, as
 //!     ring::all_gather_kv) instead of travelling, so the forward's bits are pass-KV's; the
 //!     backward adds each step's dK/dV into a padded accumulator of every rank's keys, summed home
-//!     by one reduce_scatter (another order of summation than pass-KV's).
+//!     by one reduce_scatter (another order of summation than pass-KV's);
+//!   - bidirectional_kv: K/V travel both ways at once (ring::bidirectional_kv's two chains); the
+//!     program visits this rank's own keys, then per step the clockwise and the counter-clockwise
+//!     block, merging in that order; in the backward each chain's dK/dV accumulator travels with
+//!     its K/V and goes straight home after the last step, where the two are summed.
 //!
 //! An engine E runs one batch on a backend B; its tables are in B's memory (the program's tables
 //! are uploaded into the workspace at the start of a call, or read in place on host memory):
@@ -59,25 +64,44 @@ struct fused_batch {
   std::size_t table_at = 0;
 };
 
-//! The batches of one rank's ring pass-KV call, step by step.
+//! The batches of one rank's ring call, visit by visit (a visit: one block of queries against one
+//! block of keys).
 struct fused_program {
   std::vector<fused_batch> batches;
-  std::vector<std::size_t> step_begin;  //!< step s runs batches [step_begin[s], step_begin[s + 1])
+  std::vector<std::size_t> step_begin;  //!< visit s runs batches [step_begin[s], step_begin[s + 1])
   std::vector<std::int64_t> words;      //!< every batch's fused_tables, each on a 32-word boundary
 };
 
-//! The program of rank `me` of shard plan `sp` for heads and dims `s` and options `opt`: step s
-//! pairs this rank's queries with rank (me - s)'s keys, or, where the queries travel (pass_q),
-//! rank (me - s)'s queries with this rank's keys.
+//! How a fused plan's variant moves its blocks.
+enum class fused_kind { pass_kv, pass_q, gathered, both_ways };
+template <class V>
+inline constexpr fused_kind fused_kind_of = std::is_same_v<V, ring::pass_q>             ? fused_kind::pass_q
+                                            : std::is_same_v<V, ring::all_gather_kv>    ? fused_kind::gathered
+                                            : std::is_same_v<V, ring::bidirectional_kv> ? fused_kind::both_ways
+                                                                                        : fused_kind::pass_kv;
+
+//! The program of rank `me` of shard plan `sp` for heads and dims `s` and options `opt`, visit by
+//! visit: visit s pairs this rank's queries with rank (me - s)'s keys; pass_q: rank (me - s)'s
+//! queries with this rank's keys; both_ways: this rank's queries with its own keys, then for each
+//! step s the keys of rank me - s (clockwise) and, where that chain runs, of rank me + s.
 inline fused_program ring_program(const shard::plan& sp, int me, const head_shape& s, const options& opt,
-                                  bool queries_travel = false) {
+                                  fused_kind kind) {
   const int p = sp.ranks();
+  std::vector<int> others;
+  if (kind == fused_kind::both_ways) {
+    others.push_back(me);
+    for (int step = 1; step <= p / 2; ++step) {
+      others.push_back(ring_next(me, p, -step));
+      if (step <= (p - 1) / 2) others.push_back(ring_next(me, p, step));
+    }
+  } else {
+    for (int step = 0; step < p; ++step) others.push_back(ring_next(me, p, -step));
+  }
   fused_program prog;
-  for (int step = 0; step < p; ++step) {
+  for (const int other : others) {
     prog.step_begin.push_back(prog.batches.size());
-    const int other = ring_next(me, p, -step);
-    const auto blocks = queries_travel ? fused_blocks(sp.rank(other), sp.rank(me), opt)
-                                       : fused_blocks(sp.rank(me), sp.rank(other), opt);
+    const auto blocks = kind == fused_kind::pass_q ? fused_blocks(sp.rank(other), sp.rank(me), opt)
+                                                   : fused_blocks(sp.rank(me), sp.rank(other), opt);
     for (auto& g : batches_of(blocks)) {
       fused_batch fb;
       fb.table_at = prog.words.size();
@@ -135,23 +159,32 @@ void zero_storage(const B& b, const block<T, S>& x) {
   if (x.size() > 0) loom::detail::fill(b, x.p, x.size(), static_cast<T>(0.0f));
 }
 
+//! The K/V blocks of a K/V-moving kind (bidirectional.hpp's chain_blocks): cw and cw_n the
+//! current and next block (gathered: this rank's padded block and every rank's), ccw and ccw_n the
+//! counter-clockwise pair (both_ways only): cw_rows and cw_n_rows rows, the pair max_rows each.
+template <class T, class S, class A>
+chain_blocks<T, S> take_chains(A& a, const ring_state& st, fused_kind kind, index_t cw_rows, index_t cw_n_rows) {
+  const index_t both = kind == fused_kind::both_ways ? st.max_rows : 0;
+  return {kv_block<T, S>::take(a, st, cw_rows), kv_block<T, S>::take(a, st, cw_n_rows),
+          kv_block<T, S>::take(a, st, both), kv_block<T, S>::take(a, st, both)};
+}
+
 template <class T, class Acc, class S>
 struct fused_forward_buffers {
   fused_table_copy tables;
-  kv_block<T, S> cur, next;
+  chain_blocks<T, S> kv;
   block<Acc, S> acc, lacc;
   block<T, S> part;
   block<Acc, S> lpart;
   std::span<std::byte> engine;
-  //! gathered (all_gather_kv): cur is this rank's padded block, next every rank's.
   template <class A>
   static fused_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
-                                    bool gathered) {
+                                    fused_kind kind) {
     const auto& s = st.dims;
     fused_forward_buffers w;
     w.tables = fused_table_copy::take(a, prog);
-    w.cur = kv_block<T, S>::take(a, st, st.max_rows);
-    w.next = kv_block<T, S>::take(a, st, gathered ? st.ranks * st.max_rows : st.max_rows);
+    w.kv = take_chains<T, S>(a, st, kind, st.max_rows,
+                             kind == fused_kind::gathered ? st.ranks * st.max_rows : st.max_rows);
     w.acc = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_v);
     w.lacc = take_block<Acc, S>(a, st.mine, s.heads_q, 1);
     w.part = take_block<T, S>(a, st.mine, s.heads_q, s.dim_v);
@@ -161,31 +194,29 @@ struct fused_forward_buffers {
   }
 };
 
+//! g: the dK/dV accumulators, travelling with kv (gathered: g.cw the padded accumulator of every
+//! rank's keys, g.cw_n this rank's reduced rows).
 template <class T, class Acc, class S>
 struct fused_backward_buffers {
   fused_table_copy tables;
-  kv_block<T, S> cur, next;
+  chain_blocks<T, S> kv;
   block<Acc, S> gq;
-  kv_block<Acc, S> gkv, gnext;
+  chain_blocks<Acc, S> g;
   block<T, S> pq;
   kv_block<T, S> pkv;
   std::span<std::byte> engine;
-  //! gathered (all_gather_kv): cur and next as the forward's, gkv the padded accumulator of every
-  //! rank's keys and gnext this rank's reduced rows.
   template <class A>
   static fused_backward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
-                                     bool gathered) {
+                                     fused_kind kind) {
     const auto& s = st.dims;
-    const index_t all = gathered ? st.ranks * st.max_rows : st.max_rows;
+    const index_t m = st.max_rows, all = kind == fused_kind::gathered ? st.ranks * m : m;
     fused_backward_buffers w;
     w.tables = fused_table_copy::take(a, prog);
-    w.cur = kv_block<T, S>::take(a, st, st.max_rows);
-    w.next = kv_block<T, S>::take(a, st, all);
+    w.kv = take_chains<T, S>(a, st, kind, m, all);
     w.gq = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_qk);
-    w.gkv = kv_block<Acc, S>::take(a, st, all);
-    w.gnext = kv_block<Acc, S>::take(a, st, st.max_rows);
+    w.g = take_chains<Acc, S>(a, st, kind, all, m);
     w.pq = take_block<T, S>(a, st.mine, s.heads_q, s.dim_qk);
-    w.pkv = kv_block<T, S>::take(a, st, st.max_rows);
+    w.pkv = kv_block<T, S>::take(a, st, m);
     w.engine = take_bytes(a, engine_bytes);
     return w;
   }
@@ -250,10 +281,6 @@ struct fused_q_backward_buffers {
   }
 };
 
-//! Whether variant V gathers K/V (all_gather_kv) instead of passing it (pass_kv).
-template <class V>
-inline constexpr bool fused_gathers = std::is_same_v<V, ring::all_gather_kv>;
-
 //! Rows r0 .. r0 + n of a block.
 template <class T, class S>
 kv_block<T, S> rows_at(const kv_block<T, S>& x, index_t r0, index_t n) {
@@ -266,106 +293,170 @@ void size_fused(const ring_state& st, fused_state<E>& f) {
   ws_sizer fw, bw;
   const std::size_t fe = f.engine->workspace_bytes(fused_pass::forward),
                     be = f.engine->workspace_bytes(fused_pass::backward);
-  if constexpr (std::is_same_v<V, ring::pass_q>) {
+  if constexpr (fused_kind_of<V> == fused_kind::pass_q) {
     (void)fused_q_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe);
     (void)fused_q_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be);
   } else {
-    (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe, fused_gathers<V>);
-    (void)fused_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be, fused_gathers<V>);
+    (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe, fused_kind_of<V>);
+    (void)fused_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be, fused_kind_of<V>);
   }
   f.forward_bytes = fw.l.bytes();
   f.backward_bytes = bw.l.bytes();
 }
 
+//! Visit v of the program: each of its batches' partial (out, lse) of queries q against keys
+//! (rows of `keys`) merged in the accumulation type into (acc, lacc), in batch order.
+template <class B, class E, class T, class Acc, class S>
+void forward_visit(const B& b, const fused_state<E>& f, const std::int64_t* tables, std::size_t v, const T* q,
+                   const kv_block<T, S>& keys, const block<T, S>& part, const block<Acc, S>& lpart,
+                   const block<Acc, S>& acc, const block<Acc, S>& lacc, std::span<std::byte> ws) {
+  for (std::size_t i = f.prog.step_begin[v]; i < f.prog.step_begin[v + 1]; ++i) {
+    loom::detail::fill(b, lpart.p, lpart.size(), neg_inf<Acc>());  // rows no entry writes
+    f.engine->forward(b, i, tables + f.prog.batches[i].table_at, q, keys.k.p, keys.v.p, part.p, lpart.p, ws);
+    merge(b, acc.view(), lacc.view2(), part.cview(), lpart.cview2());
+  }
+}
+
+//! Visit v of the program's backward: each batch's dQ and dK/dV (storage type, pq and pkv zeroed
+//! first: rows no entry writes) added in the accumulation type into gq and into gkv (the rows of
+//! `keys`), in batch order.
+template <class B, class E, class T, class Acc, class S>
+void backward_visit(const B& b, const fused_state<E>& f, const std::int64_t* tables, std::size_t v, const T* q,
+                    const kv_block<T, S>& keys, const T* out, const Acc* lse, const T* dout, const block<T, S>& pq,
+                    kv_block<T, S> pkv, const block<Acc, S>& gq, const kv_block<Acc, S>& gkv, std::span<std::byte> ws) {
+  pkv.set_rows(keys.k.n);
+  for (std::size_t i = f.prog.step_begin[v]; i < f.prog.step_begin[v + 1]; ++i) {
+    zero_storage(b, pq);
+    zero_storage(b, pkv.k);
+    zero_storage(b, pkv.v);
+    f.engine->backward(b, i, tables + f.prog.batches[i].table_at, q, keys.k.p, keys.v.p, out, lse, dout, pq.p, pkv.k.p,
+                       pkv.v.p, ws);
+    accumulate(b, gq, pq);
+    accumulate(b, gkv.k, pkv.k);
+    accumulate(b, gkv.v, pkv.v);
+  }
+}
+
+//! pass_kv's and all_gather_kv's forward on a fused engine (see the file comment).
 template <class T, class Acc, class Var, class B, class C, class E, class Q, class K, class V, class O, class L>
 void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                    std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  constexpr bool gathered = fused_gathers<Var>;
+  constexpr bool gathered = fused_kind_of<Var> == fused_kind::gathered;
   workspace_carver a(ws);
-  auto w =
-      fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward), gathered);
+  auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
+                                                  fused_kind_of<Var>);
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
+  auto& kv = w.kv;
   w.acc.zero(b);
   if (w.lacc.size() > 0) loom::detail::fill(b, w.lacc.p, w.lacc.size(), neg_inf<Acc>());
   if constexpr (gathered)
-    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, w.cur, w.next);
+    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
   else
-    w.cur.load(b, st.mine, k, v);
+    kv.cw.load(b, st.mine, k, v);
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
-    if (!gathered && s + 1 < p) reqs.shift(comm, b, w.cur, w.next, st.rows(ring_next(me, p, -(s + 1))), 0);
+    if (!gathered && s + 1 < p) reqs.shift(comm, b, kv.cw, kv.cw_n, st.rows(ring_next(me, p, -(s + 1))), 0);
     const int from = ring_next(me, p, -s);
-    const kv_block<T, S> keys = gathered ? rows_at(w.next, from * st.max_rows, st.rows(from)) : w.cur;
-    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
-         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
-      loom::detail::fill(b, w.lpart.p, w.lpart.size(), neg_inf<Acc>());  // rows no entry writes
-      f.engine->forward(b, i, tables + f.prog.batches[i].table_at, q.data(), keys.k.p, keys.v.p, w.part.p, w.lpart.p,
-                        w.engine);
-      merge(b, w.acc.view(), w.lacc.view2(), w.part.cview(), w.lpart.cview2());
-    }
+    forward_visit(b, f, tables, static_cast<std::size_t>(s), q.data(),
+                  gathered ? rows_at(kv.cw_n, from * st.max_rows, st.rows(from)) : kv.cw, w.part, w.lpart, w.acc,
+                  w.lacc, w.engine);
     if (!gathered) {
       reqs.wait(comm, b);
-      std::swap(w.cur, w.next);
+      std::swap(kv.cw, kv.cw_n);
     }
   }
   copy_out(b, w.acc, out);
   copy_out2(b, w.lacc, lse);
 }
 
+//! pass_kv's and all_gather_kv's backward on a fused engine (see the file comment).
 template <class T, class Acc, class Var, class B, class C, class E, class Q, class K, class V, class O, class L,
           class DO, class DQ, class DK, class DV>
 void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                     DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  constexpr bool gathered = fused_gathers<Var>;
+  constexpr bool gathered = fused_kind_of<Var> == fused_kind::gathered;
   workspace_carver a(ws);
-  auto w =
-      fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward), gathered);
+  auto w = fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward),
+                                                   fused_kind_of<Var>);
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
+  auto& kv = w.kv;
   if constexpr (gathered)
-    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, w.cur, w.next);
+    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
   else
-    w.cur.load(b, st.mine, k, v);
+    kv.cw.load(b, st.mine, k, v);
   w.gq.n = st.mine;
   w.gq.zero(b);
-  if (!gathered) w.gkv.set_rows(st.mine);
-  w.gkv.zero(b);  // gathered: every rank's rows and the padding between them
-  w.pq.n = st.mine;
+  if (!gathered) w.g.cw.set_rows(st.mine);
+  w.g.cw.zero(b);  // gathered: every rank's rows and the padding between them
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
     const index_t next_rows = st.rows(ring_next(me, p, -(s + 1)));
-    if (!gathered && s + 1 < p) reqs.shift(comm, b, w.cur, w.next, next_rows, 0);
+    if (!gathered && s + 1 < p) reqs.shift(comm, b, kv.cw, kv.cw_n, next_rows, 0);
     const int from = ring_next(me, p, -s);
-    const kv_block<T, S> keys = gathered ? rows_at(w.next, from * st.max_rows, st.rows(from)) : w.cur;
-    const kv_block<Acc, S> sums = gathered ? rows_at(w.gkv, from * st.max_rows, st.rows(from)) : w.gkv;
-    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
-         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
-      w.pkv.set_rows(keys.k.n);
-      zero_storage(b, w.pq);  // rows no entry writes
-      zero_storage(b, w.pkv.k);
-      zero_storage(b, w.pkv.v);
-      f.engine->backward(b, i, tables + f.prog.batches[i].table_at, q.data(), keys.k.p, keys.v.p, out.data(),
-                         lse.data(), dout.data(), w.pq.p, w.pkv.k.p, w.pkv.v.p, w.engine);
-      accumulate(b, w.gq, w.pq);
-      accumulate(b, sums.k, w.pkv.k);
-      accumulate(b, sums.v, w.pkv.v);
-    }
+    const index_t at = from * st.max_rows, rows = st.rows(from);
+    backward_visit(b, f, tables, static_cast<std::size_t>(s), q.data(), gathered ? rows_at(kv.cw_n, at, rows) : kv.cw,
+                   out.data(), lse.data(), dout.data(), w.pq, w.pkv, w.gq,
+                   gathered ? rows_at(w.g.cw, at, rows) : w.g.cw, w.engine);
     if (gathered) continue;
-    if (p > 1) reqs.shift(comm, b, w.gkv, w.gnext, next_rows, 2);  // the accumulators move on (at the end: home)
+    if (p > 1) reqs.shift(comm, b, w.g.cw, w.g.cw_n, next_rows, 2);  // the accumulators move on (at the end: home)
     reqs.wait(comm, b);
-    if (p > 1) std::swap(w.gkv, w.gnext);
-    if (s + 1 < p) std::swap(w.cur, w.next);
+    if (p > 1) std::swap(w.g.cw, w.g.cw_n);
+    if (s + 1 < p) std::swap(kv.cw, kv.cw_n);
   }
   if constexpr (gathered) {
-    runner<ring::all_gather_kv>::reduce_home(b, comm, st, w.gkv, w.gnext);
-    w.gkv = w.gnext;
+    runner<ring::all_gather_kv>::reduce_home(b, comm, st, w.g.cw, w.g.cw_n);
+    w.g.cw = w.g.cw_n;
   }
   copy_out(b, w.gq, dq);
-  copy_out(b, w.gkv.k, dk);
-  copy_out(b, w.gkv.v, dv);
+  copy_out(b, w.g.cw.k, dk);
+  copy_out(b, w.g.cw.v, dv);
+}
+
+//! bidirectional_kv's forward on a fused engine: ring::bidirectional_kv's two chains, each visit
+//! the program's next (own block, then per step the clockwise block and the counter-clockwise
+//! one).
+template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L>
+void fused_forward_both(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
+                        std::span<std::byte> ws) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
+                                                  fused_kind::both_ways);
+  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  w.acc.zero(b);
+  if (w.lacc.size() > 0) loom::detail::fill(b, w.lacc.p, w.lacc.size(), neg_inf<Acc>());
+  std::size_t at = 0;
+  runner<ring::bidirectional_kv>::forward_chains(b, comm, st, k, v, w.kv, [&](const kv_block<T, S>& keys, int) {
+    forward_visit(b, f, tables, at++, q.data(), keys, w.part, w.lpart, w.acc, w.lacc, w.engine);
+  });
+  copy_out(b, w.acc, out);
+  copy_out2(b, w.lacc, lse);
+}
+
+//! bidirectional_kv's backward on a fused engine: the two chains carry K/V with their dK/dV
+//! accumulators, which go home after the last step and are summed there (ring::bidirectional_kv).
+template <class T, class Acc, class B, class C, class E, class Q, class K, class V, class O, class L, class DO,
+          class DQ, class DK, class DV>
+void fused_backward_both(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out,
+                         L lse, DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  auto w = fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward),
+                                                   fused_kind::both_ways);
+  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  w.gq.n = st.mine;
+  w.gq.zero(b);
+  std::size_t at = 0;
+  runner<ring::bidirectional_kv>::backward_chains(
+      b, comm, st, k, v, w.kv, w.g, dk, dv, [&](const kv_block<T, S>& keys, const kv_block<Acc, S>& g, int) {
+        backward_visit(b, f, tables, at++, q.data(), keys, out.data(), lse.data(), dout.data(), w.pq, w.pkv, w.gq, g,
+                       w.engine);
+      });
+  copy_out(b, w.gq, dq);
 }
 
 //! pass_q's forward on a fused engine (see the file comment).
@@ -377,7 +468,7 @@ void fused_forward_q(const B& b, C& comm, const ring_state& st, const fused_stat
   auto w = fused_q_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward));
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
-  const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
+  const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v;
   w.mine.load(b, n, k, v);
   w.qc.n = n;
   copy_in(b, q, w.qc);
@@ -386,36 +477,17 @@ void fused_forward_q(const B& b, C& comm, const ring_state& st, const fused_stat
     const int src = ring_next(me, p, -s);
     const index_t rows = st.rows(src);
     if (s + 1 < p) reqs.shift(comm, b, w.qc, w.qn, st.rows(ring_next(me, p, -(s + 1))), 4);
+    // The visitors' partial, in their slot of the send buffer.
     Acc* base = w.send + st.send_displs[static_cast<std::size_t>(src)];
     const block<Acc, S> acc{base, rows, hq, dv}, lacc{base + rows * hq * dv, rows, hq, 1};
     acc.zero(b);
     if (lacc.size() > 0) loom::detail::fill(b, lacc.p, lacc.size(), neg_inf<Acc>());
-    w.part.n = w.lpart.n = rows;
-    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
-         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
-      loom::detail::fill(b, w.lpart.p, w.lpart.size(), neg_inf<Acc>());  // rows no entry writes
-      f.engine->forward(b, i, tables + f.prog.batches[i].table_at, w.qc.p, w.mine.k.p, w.mine.v.p, w.part.p, w.lpart.p,
-                        w.engine);
-      merge(b, acc.view(), lacc.view2(), w.part.cview(), w.lpart.cview2());
-    }
+    forward_visit(b, f, tables, static_cast<std::size_t>(s), w.qc.p, w.mine, block<T, S>{w.part.p, rows, hq, dv},
+                  block<Acc, S>{w.lpart.p, rows, hq, 1}, acc, lacc, w.engine);
     reqs.wait(comm, b);
     std::swap(w.qc, w.qn);
   }
-  comm::handoff(comm, b);
-  comm.all_to_allv(std::span<const Acc>(w.send, static_cast<std::size_t>(st.total * row)),
-                   std::span<const std::size_t>(st.send_counts), std::span<const std::size_t>(st.send_displs),
-                   std::span<Acc>(w.recv, static_cast<std::size_t>(p * n * row)),
-                   std::span<const std::size_t>(st.recv_counts), std::span<const std::size_t>(st.recv_displs));
-  comm::handback(comm, b);
-  // Rank 0's partial is the accumulator; the others merge into it in rank order.
-  const block<Acc, S> acc{w.recv, n, hq, dv}, lacc{w.recv + n * hq * dv, n, hq, 1};
-  for (int r = 1; r < p; ++r) {
-    const Acc* base = w.recv + st.recv_displs[static_cast<std::size_t>(r)];
-    merge(b, acc.view(), lacc.view2(), tensor_view<const Acc, 3, S>(base, {n, hq, dv}),
-          tensor_view<const Acc, 2, S>(base + n * hq * dv, {n, hq}));
-  }
-  copy_out(b, acc, out);
-  copy_out2(b, lacc, lse);
+  runner<ring::pass_q>::partials_home(b, comm, st, w.send, w.recv, out, lse);
 }
 
 //! pass_q's backward on a fused engine (see the file comment).
@@ -446,19 +518,9 @@ void fused_backward_q(const B& b, C& comm, const ring_state& st, const fused_sta
       reqs.shift(comm, b, w.dc, w.dn, nn, 6);
       reqs.shift(comm, b, w.lc, w.ln, nn, 7);
     }
-    w.pq.n = rows;
-    for (std::size_t i = f.prog.step_begin[static_cast<std::size_t>(s)];
-         i < f.prog.step_begin[static_cast<std::size_t>(s) + 1]; ++i) {
-      zero_storage(b, w.pq);  // rows no entry writes
-      zero_storage(b, w.pkv.k);
-      zero_storage(b, w.pkv.v);
-      f.engine->backward(b, i, tables + f.prog.batches[i].table_at, w.qc.p, w.mine.k.p, w.mine.v.p, w.oc.p, w.lc.p,
-                         w.dc.p, w.pq.p, w.pkv.k.p, w.pkv.v.p, w.engine);
-      accumulate(b, w.gq, w.pq);
-      accumulate(b, w.gkv.k, w.pkv.k);
-      accumulate(b, w.gkv.v, w.pkv.v);
-    }
-    if (p > 1) reqs.shift(comm, b, w.gq, w.gqn, nn, 8);  // the visiting queries' dQ moves on (at the end: home)
+    backward_visit(b, f, tables, static_cast<std::size_t>(s), w.qc.p, w.mine, w.oc.p, w.lc.p, w.dc.p,
+                   block<T, S>{w.pq.p, rows, w.pq.h, w.pq.d}, w.pkv, w.gq, w.gkv, w.engine);
+    if (p > 1) reqs.shift(comm, b, w.gq, w.gqn, nn, 8);  // the visitors' dQ moves on (at the end: home)
     reqs.wait(comm, b);
     if (p > 1) std::swap(w.gq, w.gqn);
     if (s + 1 < p) {
@@ -477,15 +539,13 @@ void fused_backward_q(const B& b, C& comm, const ring_state& st, const fused_sta
 
 namespace loom::attention::ring {
 
-//! A ring plan of variant V (pass_kv, pass_q or all_gather_kv) of one rank whose local step is engine E (a
-//! fused band-mask kernel; see the file comment). Made by the make_plan of the engine's header
-//! (ring_cudnn.cuh: ring::make_plan<P>(b, comm, [variant,] cudnn::fused{}, sharding, shape,
-//! opts)). Immutable; copies share one state; may be shared between threads for reading (each call
-//! with its own workspace).
+//! A ring plan of variant V (pass_kv, pass_q, all_gather_kv or bidirectional_kv) of one rank whose local step is engine
+//! E (a fused band-mask kernel; see the file comment). Made by the make_plan of the engine's header (ring_cudnn.cuh:
+//! ring::make_plan<P>(b, comm, [variant,] cudnn::fused{}, sharding, shape, opts)). Immutable; copies share one state;
+//! may be shared between threads for reading (each call with its own workspace).
 template <class B, precision_policy P, class E, class V = pass_kv>
 class fused_plan : public precision_types<P> {
-  static_assert(std::is_same_v<V, pass_kv> || std::is_same_v<V, pass_q> || std::is_same_v<V, all_gather_kv>,
-                "a fused ring plan passes K/V (pass_kv), passes Q (pass_q) or gathers K/V (all_gather_kv)");
+  static_assert(variant<V>, "a fused ring plan takes a ring variant tag");
 
  public:
   fused_plan() = default;
@@ -526,7 +586,7 @@ auto make_fused_plan(const B& b, C& comm, const shard::plan& sharding, const sha
   auto base = make_plan_checked<P, V>(
       b, comm, sharding, s, opt, call,
       [&](index_t n) {
-        f->prog = attention::detail::ring_program(sharding, comm.rank(), s, opt, std::is_same_v<V, pass_q>);
+        f->prog = attention::detail::ring_program(sharding, comm.rank(), s, opt, attention::detail::fused_kind_of<V>);
         f->engine = make_engine(std::as_const(f->prog), n);
       },
       local_kind);
@@ -563,6 +623,8 @@ void forward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, Vv
   fp.fused().engine->check_call(attention::detail::fused_pass::forward, call);
   if constexpr (std::is_same_v<V, pass_q>)
     attention::detail::fused_forward_q<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
+  else if constexpr (std::is_same_v<V, bidirectional_kv>)
+    attention::detail::fused_forward_both<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
   else
     attention::detail::fused_forward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, workspace);
 }
@@ -586,6 +648,9 @@ void backward(const B& b, C& comm, const fused_plan<B, P, E, V>& fp, Q q, K k, V
   if constexpr (std::is_same_v<V, pass_q>)
     attention::detail::fused_backward_q<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv,
                                                 workspace);
+  else if constexpr (std::is_same_v<V, bidirectional_kv>)
+    attention::detail::fused_backward_both<T, Acc>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv,
+                                                   workspace);
   else
     attention::detail::fused_backward<T, Acc, V>(b, comm, st, fp.fused(), q, k, v, out, lse, dout, dq, dk, dv,
                                                  workspace);

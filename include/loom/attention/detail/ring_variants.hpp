@@ -210,7 +210,7 @@ struct runner<ring::pass_q> {
     auto w = forward_buffers<T, Acc, S>(a, st);
     w.ct.template bind<S>(b, st);
     const int p = st.ranks, me = st.me;
-    const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
+    const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v;
     w.qc.n = n;
     copy_in(b, q, w.qc);
     requests<C, B> reqs;
@@ -225,16 +225,26 @@ struct runner<ring::pass_q> {
       reqs.wait(comm, b);
       std::swap(w.qc, w.qn);
     }
+    partials_home(b, comm, st, w.send, w.recv, out, lse);
+  }
+
+  //! The partials in `send` (per owner: its rows' out, then lse; owners in rank order) go home by
+  //! one all_to_allv into `recv`; the owner merges them in rank order (rank 0's is the
+  //! accumulator) and writes out and lse.
+  template <class B, class C, class Acc, class O, class L>
+  static void partials_home(const B& b, C& comm, const ring_state& st, const Acc* send, Acc* recv, O out, L lse) {
+    using S = typename backend_traits<B>::memory_space;
+    const int p = st.ranks;
+    const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
     comm::handoff(comm, b);
-    comm.all_to_allv(std::span<const Acc>(w.send, static_cast<std::size_t>(st.total * row)),
+    comm.all_to_allv(std::span<const Acc>(send, static_cast<std::size_t>(st.total * row)),
                      std::span<const std::size_t>(st.send_counts), std::span<const std::size_t>(st.send_displs),
-                     std::span<Acc>(w.recv, static_cast<std::size_t>(p * n * row)),
+                     std::span<Acc>(recv, static_cast<std::size_t>(p * n * row)),
                      std::span<const std::size_t>(st.recv_counts), std::span<const std::size_t>(st.recv_displs));
     comm::handback(comm, b);
-    // Rank 0's partial is the accumulator; the others merge into it in rank order.
-    const block<Acc, S> acc{w.recv, n, hq, dv}, lacc{w.recv + n * hq * dv, n, hq, 1};
+    const block<Acc, S> acc{recv, n, hq, dv}, lacc{recv + n * hq * dv, n, hq, 1};
     for (int r = 1; r < p; ++r) {
-      const Acc* base = w.recv + st.recv_displs[static_cast<std::size_t>(r)];
+      const Acc* base = recv + st.recv_displs[static_cast<std::size_t>(r)];
       merge(b, acc.view(), lacc.view2(), tensor_view<const Acc, 3, S>(base, {n, hq, dv}),
             tensor_view<const Acc, 2, S>(base + n * hq * dv, {n, hq}));
     }
