@@ -304,6 +304,13 @@ void size_fused(const ring_state& st, fused_state<E>& f) {
   f.backward_bytes = bw.l.bytes();
 }
 
+//! A running (out, lse) pair before its first merge: out 0, lse -inf (merge's identity).
+template <class B, class Acc, class S>
+void start_running(const B& b, const block<Acc, S>& acc, const block<Acc, S>& lacc) {
+  acc.zero(b);
+  if (lacc.size() > 0) loom::detail::fill(b, lacc.p, lacc.size(), neg_inf<Acc>());
+}
+
 //! Visit v of the program: each of its batches' partial (out, lse) of queries q against keys
 //! (rows of `keys`) merged in the accumulation type into (acc, lacc), in batch order.
 template <class B, class E, class T, class Acc, class S>
@@ -349,8 +356,7 @@ void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
   const int p = st.ranks, me = st.me;
   auto& kv = w.kv;
-  w.acc.zero(b);
-  if (w.lacc.size() > 0) loom::detail::fill(b, w.lacc.p, w.lacc.size(), neg_inf<Acc>());
+  start_running(b, w.acc, w.lacc);
   if constexpr (gathered)
     runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
   else
@@ -427,8 +433,7 @@ void fused_forward_both(const B& b, C& comm, const ring_state& st, const fused_s
   auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
                                                   fused_kind::both_ways);
   const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
-  w.acc.zero(b);
-  if (w.lacc.size() > 0) loom::detail::fill(b, w.lacc.p, w.lacc.size(), neg_inf<Acc>());
+  start_running(b, w.acc, w.lacc);
   std::size_t at = 0;
   runner<ring::bidirectional_kv>::forward_chains(b, comm, st, k, v, w.kv, [&](const kv_block<T, S>& keys, int) {
     forward_visit(b, f, tables, at++, q.data(), keys, w.part, w.lpart, w.acc, w.lacc, w.engine);
@@ -480,8 +485,7 @@ void fused_forward_q(const B& b, C& comm, const ring_state& st, const fused_stat
     // The visitors' partial, in their slot of the send buffer.
     Acc* base = w.send + st.send_displs[static_cast<std::size_t>(src)];
     const block<Acc, S> acc{base, rows, hq, dv}, lacc{base + rows * hq * dv, rows, hq, 1};
-    acc.zero(b);
-    if (lacc.size() > 0) loom::detail::fill(b, lacc.p, lacc.size(), neg_inf<Acc>());
+    start_running(b, acc, lacc);
     forward_visit(b, f, tables, static_cast<std::size_t>(s), w.qc.p, w.mine, block<T, S>{w.part.p, rows, hq, dv},
                   block<Acc, S>{w.lpart.p, rows, hq, 1}, acc, lacc, w.engine);
     reqs.wait(comm, b);
