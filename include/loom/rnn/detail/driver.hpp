@@ -222,8 +222,7 @@ class engine {
   //! The exact sequential evaluation of every sequence.
   void sequential_all() {
     ctx_.sequential(h_, hs_, n_, d_, sp_.halo, [&](const T* halo) {
-      for_each_index(b_, segs_,
-                     sequential_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, h_, hs_, nullptr, n_});
+      for_each_index(b_, segs_, sequential_step<Cell>{rows_of(h_, hs_, halo), h_, hs_, nullptr, n_});
     });
   }
 
@@ -237,17 +236,17 @@ class engine {
     double* norm = sp_.norm;
     const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
     for_each_index(b_, n_,
-                   linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, a, nullptr, nullptr, norm,
-                                            nullptr, d_, 1.0, 0.0, lin_mode::damped});
+                   linearize_step<Cell, St>{rows_of(h_, hs_, halo), f, a, nullptr, nullptr, norm, nullptr, d_, 1.0, 0.0,
+                                            lin_mode::damped});
     T* lambda = sp_.rhs;
     const tensor_view<T, 2, Space> lv(lambda, {n_, d_});
     ctx_.adjoint(St{}, a_view<St, Space>(static_cast<const T*>(a), n_, d_), g, lv, dh0);
     const index_t np = cell_.param_size();
     const index_t chunk = 256, chunks = (n_ + chunk - 1) / chunk;
     T* part = sp_.part;
-    for_each_index(b_, chunks,
-                   vjp_chunk_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, lambda, d_, dx.data(),
-                                        dx.stride(0), part, np, chunk, n_});
+    for_each_index(
+        b_, chunks,
+        vjp_chunk_step<Cell>{rows_of(h_, hs_, halo), lambda, d_, dx.data(), dx.stride(0), part, np, chunk, n_});
     if (chunks == 0)
       for_each_index(b_, 1, zero_rows_step<T>{row_map{}, nullptr, dtheta.data(), 0, np});
     else
@@ -256,8 +255,9 @@ class engine {
   }
 
  private:
-  prev_rows<T> prev_of(const T* h, index_t hs, const T* halo) const {
-    return prev_rows<T>{h, hs, init_, init_s_, halo, zeros_};
+  //! The cell, its inputs and the entering states read from the iterate h (stride hs), halo from the left.
+  cell_rows<Cell> rows_of(const T* h, index_t hs, const T* halo) const {
+    return cell_rows<Cell>{cell_, map_, prev_rows<T>{h, hs, init_, init_s_, halo, zeros_}, x_, xs_};
   }
 
   index_t unconverged() const {
@@ -311,8 +311,8 @@ class engine {
     for (int it = 0;; ++it) {
       const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
       for_each_index(b_, n_,
-                     linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, a, ad, rhs, norm,
-                                              frozen_, d_, opt_.abs_tol, opt_.rel_tol, mode});
+                     linearize_step<Cell, St>{rows_of(h_, hs_, halo), f, a, ad, rhs, norm, frozen_, d_, opt_.abs_tol,
+                                              opt_.rel_tol, mode});
       segment_norms(norm, norms_);
       double worst = 0;
       index_t active = 0, frozen = 0;
@@ -369,8 +369,8 @@ class engine {
     for_each_index(b_, n_, add_step<T>{h_, hs_, delta, hc, d_});
     const T* halo = ctx_.halo(hc, d_, n_, sp_.haloc);
     for_each_index(b_, n_,
-                   linearize_step<Cell, St>{cell_, map_, prev_of(hc, d_, halo), x_, xs_, f, nullptr, nullptr, nullptr,
-                                            norm, frozen_, d_, opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
+                   linearize_step<Cell, St>{rows_of(hc, d_, halo), f, nullptr, nullptr, nullptr, norm, frozen_, d_,
+                                            opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
     const auto cand = cand_;
     segment_norms(norm, cand);
     const auto take = tmp_;
@@ -408,7 +408,7 @@ class engine {
     int* w = sp_.take;
     write_to(b_, w, which);
     ctx_.sequential(h_, hs_, n_, d_, sp_.halo, [&](const T* halo) {
-      for_each_index(b_, segs_, sequential_step<Cell>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, h_, hs_, w, n_});
+      for_each_index(b_, segs_, sequential_step<Cell>{rows_of(h_, hs_, halo), h_, hs_, w, n_});
     });
   }
 
@@ -421,8 +421,8 @@ class engine {
     T* f = sp_.f;
     const T* halo = ctx_.halo(h_, hs_, n_, sp_.halo);
     for_each_index(b_, n_,
-                   linearize_step<Cell, St>{cell_, map_, prev_of(h_, hs_, halo), x_, xs_, f, nullptr, nullptr, nullptr,
-                                            norm, frozen_, d_, opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
+                   linearize_step<Cell, St>{rows_of(h_, hs_, halo), f, nullptr, nullptr, nullptr, norm, frozen_, d_,
+                                            opt_.abs_tol, opt_.rel_tol, lin_mode::residual});
     segment_norms(norm, norms_);
   }
 

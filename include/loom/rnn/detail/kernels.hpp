@@ -52,6 +52,21 @@ struct prev_rows {
   }
 };
 
+//! The cell and what it reads at local row t: the entering state h_{t-1} and the input row x_t.
+template <class Cell>
+struct cell_rows {
+  using T = typename Cell::value_type;
+  Cell cell;
+  row_map map;
+  prev_rows<T> prev;
+  const T* x;
+  index_t xs;
+  //! h_{t-1} of local row t, which lies in sequence s.
+  LOOM_HD const T* h_prev(index_t t, index_t s) const { return prev(map, t, s); }
+  //! x_t.
+  LOOM_HD const T* x_row(index_t t) const { return x + t * xs; }
+};
+
 //! max_c |h − f| / (atol + rtol |h|) for one row; NaN and inf iterates map to +inf, a finite
 //! residual to a finite value (clamped at 1e300).
 template <class T>
@@ -80,11 +95,7 @@ enum class lin_mode : int { newton, quasi, picard, damped, residual };
 template <class Cell, class St>
 struct linearize_step {
   using T = typename Cell::value_type;
-  Cell cell;
-  row_map map;
-  prev_rows<T> prev;
-  const T* x;
-  index_t xs;
+  cell_rows<Cell> rows;
   T* f;               //!< [n, d]
   T* a;               //!< [n, a_size] (newton, quasi, damped)
   T* ad;              //!< [n, d] (quasi) or [n] (picard)
@@ -95,16 +106,16 @@ struct linearize_step {
   double atol, rtol;
   lin_mode mode;
   LOOM_HD void operator()(index_t t) const {
-    const index_t s = map.segment_of(t);
+    const index_t s = rows.map.segment_of(t);
     if (frozen && frozen[s]) return;
-    const T* hp = prev(map, t, s);
-    const T* xt = x + t * xs;
+    const T* hp = rows.h_prev(t, s);
+    const T* xt = rows.x_row(t);
     T* ft = f + t * d;
     const index_t as = St::a_size(d);
     if (mode == lin_mode::residual || mode == lin_mode::picard)
-      cell.step(hp, xt, ft);
+      rows.cell.step(hp, xt, ft);
     else
-      cell.linearize(hp, xt, ft, a + t * as);
+      rows.cell.linearize(hp, xt, ft, a + t * as);
     T* r = rhs + t * d;
     if (mode == lin_mode::newton) {
       St::matvec(a + t * as, false, d, hp, r);
@@ -129,7 +140,7 @@ struct linearize_step {
     }
     norm[t] = scaled_residual(h_row(t), ft, d, atol, rtol);
   }
-  LOOM_HD const T* h_row(index_t t) const { return prev.h + t * prev.hs; }
+  LOOM_HD const T* h_row(index_t t) const { return rows.prev.h + t * rows.prev.hs; }
 };
 
 //! Rows of frozen (converged) sequences reproduce themselves in the next solve: A = 0, rhs = h
@@ -237,19 +248,15 @@ struct segment_max_step {
 template <class Cell>
 struct sequential_step {
   using T = typename Cell::value_type;
-  Cell cell;
-  row_map map;
-  prev_rows<T> prev;
-  const T* x;
-  index_t xs;
+  cell_rows<Cell> rows;
   T* h;
   index_t hs;
   const int* which;
   index_t n;
   LOOM_HD void operator()(index_t s) const {
     if (which && !which[s]) return;
-    const auto [b, e] = map.local_rows(s, n);
-    for (index_t t = b; t < e; ++t) cell.step(prev(map, t, s), x + t * xs, h + t * hs);
+    const auto [b, e] = rows.map.local_rows(s, n);
+    for (index_t t = b; t < e; ++t) rows.cell.step(rows.h_prev(t, s), rows.x_row(t), h + t * hs);
   }
 };
 
@@ -258,11 +265,7 @@ struct sequential_step {
 template <class Cell>
 struct vjp_chunk_step {
   using T = typename Cell::value_type;
-  Cell cell;
-  row_map map;
-  prev_rows<T> prev;
-  const T* x;
-  index_t xs;
+  cell_rows<Cell> rows;
   const T* lambda;
   index_t d;
   T* dx;
@@ -275,8 +278,8 @@ struct vjp_chunk_step {
     for (index_t e = 0; e < np; ++e) p[e] = T(0);
     const index_t b = k * chunk, e = b + chunk < n ? b + chunk : n;
     for (index_t t = b; t < e; ++t) {
-      const index_t s = map.segment_of(t);
-      cell.vjp(prev(map, t, s), x + t * xs, lambda + t * d, dx + t * dxs, p);
+      const index_t s = rows.map.segment_of(t);
+      rows.cell.vjp(rows.h_prev(t, s), rows.x_row(t), lambda + t * d, dx + t * dxs, p);
     }
   }
 };
