@@ -61,37 +61,29 @@ struct chain_blocks {
 template <>
 struct runner<ring::bidirectional_kv> {
   template <class T, class Acc, class S>
-  struct fwd {
-    coord_table ct;
+  struct fwd : ring_buffers {
     chain_blocks<T, S> kv;
     running_out<Acc, S> o;
-    std::span<std::byte> local;
   };
   template <class T, class Acc, class S, class A>
   static fwd<T, Acc, S> forward_buffers(A& a, const ring_state& st) {
     fwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.kv = chain_blocks<T, S>::take(a, st, st.max_rows);
     w.o = running_out<Acc, S>::take(a, st);
-    w.local = take_bytes(a, st.local_forward);
     return w;
   }
   template <class T, class Acc, class S>
-  struct bwd {
-    coord_table ct;
+  struct bwd : ring_buffers {
     chain_blocks<T, S> kv;   //!< the K/V of each direction and their next ones
     block<Acc, S> dq;        //!< this rank's dQ
     chain_blocks<Acc, S> g;  //!< the travelling dK/dV of each direction
-    std::span<std::byte> local;
   };
   template <class T, class Acc, class S, class A>
   static bwd<T, Acc, S> backward_buffers(A& a, const ring_state& st) {
     bwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.kv = chain_blocks<T, S>::take(a, st, st.max_rows);
     w.dq = take_block<Acc, S>(a, st.mine, st.dims.heads_q, st.dims.dim_qk);
     w.g = chain_blocks<Acc, S>::take(a, st, st.max_rows);
-    w.local = take_bytes(a, st.local_backward);
     return w;
   }
   template <class T, class Acc>
@@ -183,9 +175,7 @@ struct runner<ring::bidirectional_kv> {
   template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
   static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
     using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = forward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, true>(b, st, ws);
     bool first = true;
     forward_chains(b, comm, st, k, v, w.kv, [&](const kv_block<T, S>& kv, int src) {
       w.o.add(b, st, w.ct, q, kv, src, first, w.local);
@@ -199,9 +189,7 @@ struct runner<ring::bidirectional_kv> {
   static void backward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
                        DV dv, std::span<std::byte> ws) {
     using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = backward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, false>(b, st, ws);
     const int me = st.me;
     w.dq.n = st.mine;
     w.dq.zero(b);

@@ -128,20 +128,39 @@ struct fused_state {
 //! the workspace (stream-ordered) when the call starts. Reserved in every workspace.
 struct fused_table_copy {
   std::int64_t* words = nullptr;
+  const std::int64_t* bound = nullptr;  //!< the tables the engine reads (after bind)
   template <class A>
   static fused_table_copy take(A& a, const fused_program& prog) {
     return {a.template take<std::int64_t>(static_cast<index_t>(prog.words.size()))};
   }
   template <class Space, backend B>
-  const std::int64_t* bind(const B& b, const fused_program& prog) const {
+  void bind(const B& b, const fused_program& prog) {
     if constexpr (Space::host_accessible) {
-      return prog.words.data();
+      bound = prog.words.data();
     } else {
       if (!prog.words.empty()) copy_bytes(b, words, prog.words.data(), prog.words.size() * sizeof(std::int64_t));
-      return words;
+      bound = words;
     }
   }
 };
+
+//! What every fused pass's buffers (W::take) begin and end with: the program's tables, then the
+//! engine's workspace.
+struct fused_buffers {
+  fused_table_copy tables;
+  std::span<std::byte> engine;
+};
+
+//! Buffers W of one fused pass: the program's tables, W's own (W::take(a, st, extra...)), the
+//! engine's workspace of `engine_bytes`.
+template <class W, class A, class... X>
+W take_fused(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes, X... extra) {
+  const fused_table_copy tables = fused_table_copy::take(a, prog);
+  W w = W::take(a, st, extra...);
+  w.tables = tables;
+  w.engine = take_bytes(a, engine_bytes);
+  return w;
+}
 
 //! a[i] += p[i] in the accumulation type.
 template <class Acc, class T>
@@ -170,26 +189,21 @@ chain_blocks<T, S> take_chains(A& a, const ring_state& st, fused_kind kind, inde
 }
 
 template <class T, class Acc, class S>
-struct fused_forward_buffers {
-  fused_table_copy tables;
+struct fused_forward_buffers : fused_buffers {
   chain_blocks<T, S> kv;
   block<Acc, S> acc, lacc;
   block<T, S> part;
   block<Acc, S> lpart;
-  std::span<std::byte> engine;
   template <class A>
-  static fused_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
-                                    fused_kind kind) {
+  static fused_forward_buffers take(A& a, const ring_state& st, fused_kind kind) {
     const auto& s = st.dims;
     fused_forward_buffers w;
-    w.tables = fused_table_copy::take(a, prog);
     w.kv = take_chains<T, S>(a, st, kind, st.max_rows,
                              kind == fused_kind::gathered ? st.ranks * st.max_rows : st.max_rows);
     w.acc = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_v);
     w.lacc = take_block<Acc, S>(a, st.mine, s.heads_q, 1);
     w.part = take_block<T, S>(a, st.mine, s.heads_q, s.dim_v);
     w.lpart = take_block<Acc, S>(a, st.mine, s.heads_q, 1);
-    w.engine = take_bytes(a, engine_bytes);
     return w;
   }
 };
@@ -197,27 +211,22 @@ struct fused_forward_buffers {
 //! g: the dK/dV accumulators, travelling with kv (gathered: g.cw the padded accumulator of every
 //! rank's keys, g.cw_n this rank's reduced rows).
 template <class T, class Acc, class S>
-struct fused_backward_buffers {
-  fused_table_copy tables;
+struct fused_backward_buffers : fused_buffers {
   chain_blocks<T, S> kv;
   block<Acc, S> gq;
   chain_blocks<Acc, S> g;
   block<T, S> pq;
   kv_block<T, S> pkv;
-  std::span<std::byte> engine;
   template <class A>
-  static fused_backward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes,
-                                     fused_kind kind) {
+  static fused_backward_buffers take(A& a, const ring_state& st, fused_kind kind) {
     const auto& s = st.dims;
     const index_t m = st.max_rows, all = kind == fused_kind::gathered ? st.ranks * m : m;
     fused_backward_buffers w;
-    w.tables = fused_table_copy::take(a, prog);
     w.kv = take_chains<T, S>(a, st, kind, m, all);
     w.gq = take_block<Acc, S>(a, st.mine, s.heads_q, s.dim_qk);
     w.g = take_chains<Acc, S>(a, st, kind, all, m);
     w.pq = take_block<T, S>(a, st.mine, s.heads_q, s.dim_qk);
     w.pkv = kv_block<T, S>::take(a, st, m);
-    w.engine = take_bytes(a, engine_bytes);
     return w;
   }
 };
@@ -225,58 +234,42 @@ struct fused_backward_buffers {
 //! pass_q's forward: this rank's K/V, the visiting queries, a batch's partial, and pass_q's send
 //! and receive buffers of partials (out then lse per owner, accumulation type).
 template <class T, class Acc, class S>
-struct fused_q_forward_buffers {
-  fused_table_copy tables;
+struct fused_q_forward_buffers : fused_buffers, q_partials<T, Acc, S> {
   kv_block<T, S> mine;
-  block<T, S> qc, qn, part;
+  block<T, S> part;
   block<Acc, S> lpart;
-  Acc *send = nullptr, *recv = nullptr;
-  std::span<std::byte> engine;
   template <class A>
-  static fused_q_forward_buffers take(A& a, const ring_state& st, const fused_program& prog, std::size_t engine_bytes) {
+  static fused_q_forward_buffers take(A& a, const ring_state& st) {
     const auto& s = st.dims;
-    const index_t m = st.max_rows, row = s.heads_q * (s.dim_v + 1);
     fused_q_forward_buffers w;
-    w.tables = fused_table_copy::take(a, prog);
     w.mine = kv_block<T, S>::take(a, st, st.mine);
-    w.qc = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.qn = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.part = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.lpart = take_block<Acc, S>(a, m, s.heads_q, 1);
-    w.send = a.template take<Acc>(st.total * row);
-    w.recv = a.template take<Acc>(st.ranks * st.mine * row);
-    w.engine = take_bytes(a, engine_bytes);
+    static_cast<q_partials<T, Acc, S>&>(w).take(a, st);
+    w.part = take_block<T, S>(a, st.max_rows, s.heads_q, s.dim_v);
+    w.lpart = take_block<Acc, S>(a, st.max_rows, s.heads_q, 1);
     return w;
   }
 };
 
-//! pass_q's backward: this rank's K/V, the visiting Q, out, dO (storage type) and lse, the
-//! travelling dQ accumulator, this rank's dK/dV accumulator, and a batch's partials.
+//! pass_q's backward: this rank's K/V, the visitors (q_visitors), the travelling dQ accumulator,
+//! this rank's dK/dV accumulator, and a batch's partials.
 template <class T, class Acc, class S>
-struct fused_q_backward_buffers {
-  fused_table_copy tables;
+struct fused_q_backward_buffers : fused_buffers {
   kv_block<T, S> mine, pkv;
-  block<T, S> qc, qn, oc, on, dc, dn, pq;
-  block<Acc, S> lc, ln, gq, gqn;
+  q_visitors<T, Acc, S> vis;
+  block<T, S> pq;
+  block<Acc, S> gq, gqn;
   kv_block<Acc, S> gkv;
-  std::span<std::byte> engine;
   template <class A>
-  static fused_q_backward_buffers take(A& a, const ring_state& st, const fused_program& prog,
-                                       std::size_t engine_bytes) {
+  static fused_q_backward_buffers take(A& a, const ring_state& st) {
     const auto& s = st.dims;
     const index_t m = st.max_rows;
     fused_q_backward_buffers w;
-    w.tables = fused_table_copy::take(a, prog);
     w.mine = kv_block<T, S>::take(a, st, st.mine);
     w.pkv = kv_block<T, S>::take(a, st, st.mine);
-    for (block<T, S>* x : {&w.qc, &w.qn, &w.pq}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    for (block<T, S>* x : {&w.oc, &w.on, &w.dc, &w.dn}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.lc = take_block<Acc, S>(a, m, s.heads_q, 1);
-    w.ln = take_block<Acc, S>(a, m, s.heads_q, 1);
-    w.gq = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
-    w.gqn = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
+    w.vis = q_visitors<T, Acc, S>::take(a, st);
+    w.pq = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    for (block<Acc, S>* x : {&w.gq, &w.gqn}) *x = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
     w.gkv = kv_block<Acc, S>::take(a, st, st.mine);
-    w.engine = take_bytes(a, engine_bytes);
     return w;
   }
 };
@@ -294,14 +287,26 @@ void size_fused(const ring_state& st, fused_state<E>& f) {
   const std::size_t fe = f.engine->workspace_bytes(fused_pass::forward),
                     be = f.engine->workspace_bytes(fused_pass::backward);
   if constexpr (fused_kind_of<V> == fused_kind::pass_q) {
-    (void)fused_q_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe);
-    (void)fused_q_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be);
+    (void)take_fused<fused_q_forward_buffers<T, Acc, host_memory>>(fw, st, f.prog, fe);
+    (void)take_fused<fused_q_backward_buffers<T, Acc, host_memory>>(bw, st, f.prog, be);
   } else {
-    (void)fused_forward_buffers<T, Acc, host_memory>::take(fw, st, f.prog, fe, fused_kind_of<V>);
-    (void)fused_backward_buffers<T, Acc, host_memory>::take(bw, st, f.prog, be, fused_kind_of<V>);
+    (void)take_fused<fused_forward_buffers<T, Acc, host_memory>>(fw, st, f.prog, fe, fused_kind_of<V>);
+    (void)take_fused<fused_backward_buffers<T, Acc, host_memory>>(bw, st, f.prog, be, fused_kind_of<V>);
   }
   f.forward_bytes = fw.l.bytes();
   f.backward_bytes = bw.l.bytes();
+}
+
+//! Buffers W of one fused pass carved from `ws` (take_fused, with the engine's bytes for `pass`),
+//! the program's tables bound (w.tables.bound).
+template <class W, class B, class E, class... X>
+W carve_fused(const B& b, const ring_state& st, const fused_state<E>& f, fused_pass pass, std::span<std::byte> ws,
+              X... extra) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  W w = take_fused<W>(a, st, f.prog, f.engine->workspace_bytes(pass), extra...);
+  w.tables.template bind<S>(b, f.prog);
+  return w;
 }
 
 //! A running (out, lse) pair before its first merge: out 0, lse -inf (merge's identity).
@@ -350,10 +355,8 @@ void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<
                    std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
   constexpr bool gathered = fused_kind_of<Var> == fused_kind::gathered;
-  workspace_carver a(ws);
-  auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
-                                                  fused_kind_of<Var>);
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_forward_buffers<T, Acc, S>>(b, st, f, fused_pass::forward, ws, fused_kind_of<Var>);
+  const std::int64_t* tables = w.tables.bound;
   const int p = st.ranks, me = st.me;
   auto& kv = w.kv;
   start_running(b, w.acc, w.lacc);
@@ -384,10 +387,8 @@ void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state
                     DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
   constexpr bool gathered = fused_kind_of<Var> == fused_kind::gathered;
-  workspace_carver a(ws);
-  auto w = fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward),
-                                                   fused_kind_of<Var>);
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_backward_buffers<T, Acc, S>>(b, st, f, fused_pass::backward, ws, fused_kind_of<Var>);
+  const std::int64_t* tables = w.tables.bound;
   const int p = st.ranks, me = st.me;
   auto& kv = w.kv;
   if constexpr (gathered)
@@ -429,10 +430,8 @@ template <class T, class Acc, class B, class C, class E, class Q, class K, class
 void fused_forward_both(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                         std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  workspace_carver a(ws);
-  auto w = fused_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward),
-                                                  fused_kind::both_ways);
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_forward_buffers<T, Acc, S>>(b, st, f, fused_pass::forward, ws, fused_kind::both_ways);
+  const std::int64_t* tables = w.tables.bound;
   start_running(b, w.acc, w.lacc);
   std::size_t at = 0;
   runner<ring::bidirectional_kv>::forward_chains(b, comm, st, k, v, w.kv, [&](const kv_block<T, S>& keys, int) {
@@ -449,10 +448,8 @@ template <class T, class Acc, class B, class C, class E, class Q, class K, class
 void fused_backward_both(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out,
                          L lse, DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  workspace_carver a(ws);
-  auto w = fused_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward),
-                                                   fused_kind::both_ways);
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_backward_buffers<T, Acc, S>>(b, st, f, fused_pass::backward, ws, fused_kind::both_ways);
+  const std::int64_t* tables = w.tables.bound;
   w.gq.n = st.mine;
   w.gq.zero(b);
   std::size_t at = 0;
@@ -469,9 +466,8 @@ template <class T, class Acc, class B, class C, class E, class Q, class K, class
 void fused_forward_q(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                      std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  workspace_carver a(ws);
-  auto w = fused_q_forward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::forward));
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_q_forward_buffers<T, Acc, S>>(b, st, f, fused_pass::forward, ws);
+  const std::int64_t* tables = w.tables.bound;
   const int p = st.ranks, me = st.me;
   const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v;
   w.mine.load(b, n, k, v);
@@ -500,39 +496,26 @@ template <class T, class Acc, class B, class C, class E, class Q, class K, class
 void fused_backward_q(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
                       DO dout, DQ dq, DK dk, DV dv, std::span<std::byte> ws) {
   using S = typename backend_traits<B>::memory_space;
-  workspace_carver a(ws);
-  auto w = fused_q_backward_buffers<T, Acc, S>::take(a, st, f.prog, f.engine->workspace_bytes(fused_pass::backward));
-  const std::int64_t* tables = w.tables.template bind<S>(b, f.prog);
+  auto w = carve_fused<fused_q_backward_buffers<T, Acc, S>>(b, st, f, fused_pass::backward, ws);
+  const std::int64_t* tables = w.tables.bound;
   const int p = st.ranks, me = st.me;
   const index_t n = st.mine;
   w.mine.load(b, n, k, v);
-  w.qc.n = w.oc.n = w.dc.n = w.lc.n = w.gq.n = n;
-  copy_in(b, q, w.qc);
-  copy_in(b, out, w.oc);
-  copy_in(b, dout, w.dc);
-  copy_in2(b, lse, w.lc);
+  auto& vis = w.vis;
+  vis.load(b, n, q, out, dout, lse);
+  w.gq.n = n;
   w.gq.zero(b);
   w.gkv.zero(b);
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
     const index_t rows = st.rows(ring_next(me, p, -s)), nn = st.rows(ring_next(me, p, -(s + 1)));
-    if (s + 1 < p) {
-      reqs.shift(comm, b, w.qc, w.qn, nn, 4);
-      reqs.shift(comm, b, w.oc, w.on, nn, 5);
-      reqs.shift(comm, b, w.dc, w.dn, nn, 6);
-      reqs.shift(comm, b, w.lc, w.ln, nn, 7);
-    }
-    backward_visit(b, f, tables, static_cast<std::size_t>(s), w.qc.p, w.mine, w.oc.p, w.lc.p, w.dc.p,
+    if (s + 1 < p) vis.post(reqs, comm, b, nn);
+    backward_visit(b, f, tables, static_cast<std::size_t>(s), vis.q.p, w.mine, vis.o.p, vis.l.p, vis.d.p,
                    block<T, S>{w.pq.p, rows, w.pq.h, w.pq.d}, w.pkv, w.gq, w.gkv, w.engine);
     if (p > 1) reqs.shift(comm, b, w.gq, w.gqn, nn, 8);  // the visitors' dQ moves on (at the end: home)
     reqs.wait(comm, b);
     if (p > 1) std::swap(w.gq, w.gqn);
-    if (s + 1 < p) {
-      std::swap(w.qc, w.qn);
-      std::swap(w.oc, w.on);
-      std::swap(w.dc, w.dn);
-      std::swap(w.lc, w.ln);
-    }
+    if (s + 1 < p) vis.advance();
   }
   copy_out(b, w.gq, dq);
   copy_out(b, w.gkv.k, dk);

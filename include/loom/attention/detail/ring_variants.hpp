@@ -10,17 +10,112 @@
 
 namespace loom::attention::detail {
 
+//! What every runner's buffers (R::forward_buffers, R::backward_buffers) begin and end with: the
+//! coordinate table, then the local kernel's workspace.
+struct ring_buffers {
+  coord_table ct;
+  std::span<std::byte> local;
+};
+
+//! Runner R's buffers of one pass: the coordinate table, R's own (R::forward_buffers or
+//! R::backward_buffers), the local kernel's workspace.
+template <class R, class T, class Acc, class S, bool Forward, class A>
+auto take_buffers(A& a, const ring_state& st) {
+  const coord_table ct = coord_table::take(a, st);
+  auto w = [&] {
+    if constexpr (Forward)
+      return R::template forward_buffers<T, Acc, S>(a, st);
+    else
+      return R::template backward_buffers<T, Acc, S>(a, st);
+  }();
+  w.ct = ct;
+  w.local = take_bytes(a, Forward ? st.local_forward : st.local_backward);
+  return w;
+}
+
 //! Sizes a plan's workspaces from the runner's carving code.
 template <class R, class T, class Acc>
 void size_from(ring_state& st, index_t fq, index_t fk, index_t bq, index_t bk) {
   st.local_forward = forward_bytes<Acc>(st.local(fq, fk), st.cap);
   st.local_backward = backward_bytes<Acc>(st.local(bq, bk), st.cap);
   ws_sizer f, g;
-  (void)R::template forward_buffers<T, Acc, host_memory>(f, st);
-  (void)R::template backward_buffers<T, Acc, host_memory>(g, st);
+  (void)take_buffers<R, T, Acc, host_memory, true>(f, st);
+  (void)take_buffers<R, T, Acc, host_memory, false>(g, st);
   st.forward_bytes = f.l.bytes();
   st.backward_bytes = g.l.bytes();
 }
+
+//! Runner R's buffers of one pass carved from `ws` (take_buffers), the coordinate table bound on
+//! the backend.
+template <class R, class T, class Acc, bool Forward, class B>
+auto carve(const B& b, const ring_state& st, std::span<std::byte> ws) {
+  using S = typename backend_traits<B>::memory_space;
+  workspace_carver a(ws);
+  auto w = take_buffers<R, T, Acc, S, Forward>(a, st);
+  w.ct.template bind<S>(b, st);
+  return w;
+}
+
+//! The visiting queries of pass_q's forward (loom's kernel and a fused engine), current and next
+//! (max_rows rows each), and the send and receive buffers of the partials (per owner: its rows'
+//! out, then lse; accumulation type).
+template <class T, class Acc, class S>
+struct q_partials {
+  block<T, S> qc, qn;
+  Acc *send = nullptr, *recv = nullptr;
+  template <class A>
+  void take(A& a, const ring_state& st) {
+    const auto& s = st.dims;
+    const index_t m = st.max_rows, row = s.heads_q * (s.dim_v + 1);
+    qc = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    qn = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    send = a.template take<Acc>(st.total * row);
+    recv = a.template take<Acc>(st.ranks * st.mine * row);
+  }
+};
+
+//! The visiting queries of pass_q's backward (loom's kernel and a fused engine): Q, out, dO
+//! (storage type) and lse (accumulation type) of the rank being visited, and the next visitor's
+//! (max_rows rows each).
+template <class T, class Acc, class S>
+struct q_visitors {
+  block<T, S> q, qn, o, on, d, dn;
+  block<Acc, S> l, ln;
+  template <class A>
+  static q_visitors take(A& a, const ring_state& st) {
+    const auto& s = st.dims;
+    const index_t m = st.max_rows;
+    q_visitors w;
+    for (block<T, S>* x : {&w.q, &w.qn}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
+    for (block<T, S>* x : {&w.o, &w.on, &w.d, &w.dn}) *x = take_block<T, S>(a, m, s.heads_q, s.dim_v);
+    for (block<Acc, S>* x : {&w.l, &w.ln}) *x = take_block<Acc, S>(a, m, s.heads_q, 1);
+    return w;
+  }
+  //! This rank's n rows as the first visitors.
+  template <class B, class Q, class O, class DO, class L>
+  void load(const B& b, index_t n, const Q& q_in, const O& out, const DO& dout, const L& lse) {
+    q.n = o.n = d.n = l.n = n;
+    copy_in(b, q_in, q);
+    copy_in(b, out, o);
+    copy_in(b, dout, d);
+    copy_in2(b, lse, l);
+  }
+  //! Posts the visitors on to the next rank and the next ones (nn rows) in (tags 4 to 7).
+  template <class R, class C, class B>
+  void post(R& reqs, C& comm, const B& b, index_t nn) {
+    reqs.shift(comm, b, q, qn, nn, 4);
+    reqs.shift(comm, b, o, on, nn, 5);
+    reqs.shift(comm, b, d, dn, nn, 6);
+    reqs.shift(comm, b, l, ln, nn, 7);
+  }
+  //! After the transfers: the next visitors become the current ones.
+  void advance() {
+    std::swap(q, qn);
+    std::swap(o, on);
+    std::swap(d, dn);
+    std::swap(l, ln);
+  }
+};
 
 //! The running (out, lse) of this rank's queries and one step's partial: every step adds the
 //! queries against one rank's K/V, merged into the running pair after the first.
@@ -59,39 +154,31 @@ struct running_out {
 template <>
 struct runner<ring::pass_kv> {
   template <class T, class Acc, class S>
-  struct fwd {
-    coord_table ct;
+  struct fwd : ring_buffers {
     kv_block<T, S> cur, next;
     running_out<Acc, S> o;
-    std::span<std::byte> local;
   };
   template <class T, class Acc, class S>
-  struct bwd {
-    coord_table ct;
+  struct bwd : ring_buffers {
     kv_block<T, S> cur, next;
     grads<Acc, S> g;
     kv_block<Acc, S> gnext;
-    std::span<std::byte> local;
   };
   template <class T, class Acc, class S, class A>
   static fwd<T, Acc, S> forward_buffers(A& a, const ring_state& st) {
     fwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.cur = kv_block<T, S>::take(a, st, st.max_rows);
     w.next = kv_block<T, S>::take(a, st, st.max_rows);
     w.o = running_out<Acc, S>::take(a, st);
-    w.local = take_bytes(a, st.local_forward);
     return w;
   }
   template <class T, class Acc, class S, class A>
   static bwd<T, Acc, S> backward_buffers(A& a, const ring_state& st) {
     bwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.cur = kv_block<T, S>::take(a, st, st.max_rows);
     w.next = kv_block<T, S>::take(a, st, st.max_rows);
     w.g = grads<Acc, S>::take(a, st, st.mine, st.max_rows);
     w.gnext = kv_block<Acc, S>::take(a, st, st.max_rows);
-    w.local = take_bytes(a, st.local_backward);
     return w;
   }
   template <class T, class Acc>
@@ -101,10 +188,7 @@ struct runner<ring::pass_kv> {
 
   template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
   static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
-    using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = forward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, true>(b, st, ws);
     const int p = st.ranks, me = st.me;
     w.cur.load(b, st.mine, k, v);
     requests<C, B> reqs;
@@ -123,10 +207,7 @@ struct runner<ring::pass_kv> {
             class DK, class DV>
   static void backward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
                        DV dv, std::span<std::byte> ws) {
-    using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = backward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, false>(b, st, ws);
     const int p = st.ranks, me = st.me;
     w.cur.load(b, st.mine, k, v);
     w.g.start(b, st.mine);
@@ -150,31 +231,17 @@ struct runner<ring::pass_kv> {
 template <>
 struct runner<ring::pass_q> {
   template <class T, class Acc, class S>
-  struct fwd {
-    coord_table ct;
-    block<T, S> qc, qn;
-    Acc *send, *recv;
-    std::span<std::byte> local;
-  };
+  struct fwd : ring_buffers, q_partials<T, Acc, S> {};
   template <class T, class Acc, class S>
-  struct bwd {
-    coord_table ct;
-    block<T, S> qc, qn, oc, on, dc, dn;
-    block<Acc, S> lc, ln, gqn;
+  struct bwd : ring_buffers {
+    q_visitors<T, Acc, S> vis;
+    block<Acc, S> gqn;
     grads<Acc, S> g;
-    std::span<std::byte> local;
   };
   template <class T, class Acc, class S, class A>
   static fwd<T, Acc, S> forward_buffers(A& a, const ring_state& st) {
-    const auto& s = st.dims;
-    const index_t m = st.max_rows, row = s.heads_q * (s.dim_v + 1);
     fwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
-    w.qc = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.qn = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.send = a.template take<Acc>(st.total * row);
-    w.recv = a.template take<Acc>(st.ranks * st.mine * row);
-    w.local = take_bytes(a, st.local_forward);
+    static_cast<q_partials<T, Acc, S>&>(w).take(a, st);
     return w;
   }
   template <class T, class Acc, class S, class A>
@@ -182,18 +249,9 @@ struct runner<ring::pass_q> {
     const auto& s = st.dims;
     const index_t m = st.max_rows;
     bwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
-    w.qc = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.qn = take_block<T, S>(a, m, s.heads_q, s.dim_qk);
-    w.oc = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.on = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.dc = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.dn = take_block<T, S>(a, m, s.heads_q, s.dim_v);
-    w.lc = take_block<Acc, S>(a, m, s.heads_q, 1);
-    w.ln = take_block<Acc, S>(a, m, s.heads_q, 1);
+    w.vis = q_visitors<T, Acc, S>::take(a, st);
     w.gqn = take_block<Acc, S>(a, m, s.heads_q, s.dim_qk);
     w.g = grads<Acc, S>::take(a, st, m, st.mine);
-    w.local = take_bytes(a, st.local_backward);
     return w;
   }
   template <class T, class Acc>
@@ -206,9 +264,7 @@ struct runner<ring::pass_q> {
   template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
   static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
     using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = forward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, true>(b, st, ws);
     const int p = st.ranks, me = st.me;
     const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v;
     w.qc.n = n;
@@ -258,40 +314,24 @@ struct runner<ring::pass_q> {
             class DK, class DV>
   static void backward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
                        DV dv, std::span<std::byte> ws) {
-    using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = backward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, false>(b, st, ws);
     const int p = st.ranks, me = st.me;
     const index_t n = st.mine;
-    w.qc.n = w.oc.n = w.dc.n = w.lc.n = n;
-    copy_in(b, q, w.qc);
-    copy_in(b, out, w.oc);
-    copy_in(b, dout, w.dc);
-    copy_in2(b, lse, w.lc);
+    auto& vis = w.vis;
+    vis.load(b, n, q, out, dout, lse);
     w.g.start(b, n);
     requests<C, B> reqs;
     for (int s = 0; s < p; ++s) {
       const int src = ring_next(me, p, -s);
       const index_t rows = st.rows(src), nn = st.rows(ring_next(me, p, -(s + 1)));
-      if (s + 1 < p) {
-        reqs.shift(comm, b, w.qc, w.qn, nn, 4);
-        reqs.shift(comm, b, w.oc, w.on, nn, 5);
-        reqs.shift(comm, b, w.dc, w.dn, nn, 6);
-        reqs.shift(comm, b, w.lc, w.ln, nn, 7);
-      }
-      backward_on(b, st.local(rows, n), st.scale<Acc>(), w.qc.cview(), k, v, w.ct.of(st, src), w.ct.of(st, me),
-                  w.oc.cview(), w.lc.cview2(), w.dc.cview(), w.g.q.view(), w.g.kv.k.view(), w.g.kv.v.view(), true,
+      if (s + 1 < p) vis.post(reqs, comm, b, nn);
+      backward_on(b, st.local(rows, n), st.scale<Acc>(), vis.q.cview(), k, v, w.ct.of(st, src), w.ct.of(st, me),
+                  vis.o.cview(), vis.l.cview2(), vis.d.cview(), w.g.q.view(), w.g.kv.k.view(), w.g.kv.v.view(), true,
                   w.local, st.cap);
       if (p > 1) reqs.shift(comm, b, w.g.q, w.gqn, nn, 8);
       reqs.wait(comm, b);
       if (p > 1) std::swap(w.g.q, w.gqn);
-      if (s + 1 < p) {
-        std::swap(w.qc, w.qn);
-        std::swap(w.oc, w.on);
-        std::swap(w.dc, w.dn);
-        std::swap(w.lc, w.ln);
-      }
+      if (s + 1 < p) vis.advance();
     }
     w.g.copy_to(b, dq, dk, dv);
   }
@@ -306,19 +346,15 @@ struct runner<ring::all_gather_kv> {
     kv_block<T, S> mine, all, full;
   };
   template <class T, class Acc, class S>
-  struct fwd {
-    coord_table ct;
+  struct fwd : ring_buffers {
     gathered<T, S> g;
-    std::span<std::byte> local;
   };
   //! dQ and dK/dV against every key, dK/dV padded per rank, and this rank's reduced rows.
   template <class T, class Acc, class S>
-  struct bwd {
-    coord_table ct;
+  struct bwd : ring_buffers {
     gathered<T, S> g;
     grads<Acc, S> d;
     kv_block<Acc, S> padded, reduced;
-    std::span<std::byte> local;
   };
   template <class T, class S, class A>
   static gathered<T, S> gather_buffers(A& a, const ring_state& st) {
@@ -328,20 +364,16 @@ struct runner<ring::all_gather_kv> {
   template <class T, class Acc, class S, class A>
   static fwd<T, Acc, S> forward_buffers(A& a, const ring_state& st) {
     fwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.g = gather_buffers<T, S>(a, st);
-    w.local = take_bytes(a, st.local_forward);
     return w;
   }
   template <class T, class Acc, class S, class A>
   static bwd<T, Acc, S> backward_buffers(A& a, const ring_state& st) {
     bwd<T, Acc, S> w;
-    w.ct = coord_table::take(a, st);
     w.g = gather_buffers<T, S>(a, st);
     w.d = grads<Acc, S>::take(a, st, st.mine, st.total);
     w.padded = kv_block<Acc, S>::take(a, st, st.ranks * st.max_rows);
     w.reduced = kv_block<Acc, S>::take(a, st, st.max_rows);
-    w.local = take_bytes(a, st.local_backward);
     return w;
   }
   template <class T, class Acc>
@@ -405,10 +437,7 @@ struct runner<ring::all_gather_kv> {
   //! works, the keys' coordinates come from the plan).
   template <class T, class Acc, class B, class C, class Q, class K, class V, class O, class L>
   static void forward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, std::span<std::byte> ws) {
-    using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = forward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, true>(b, st, ws);
     gather(b, comm, st, k, v, w.g);
     forward_on(b, st.local(st.mine, st.total), st.scale<Acc>(), q, w.g.full.k.cview(), w.g.full.v.cview(),
                w.ct.of(st, st.me), w.ct.all(), out, lse, w.local, st.cap);
@@ -420,10 +449,7 @@ struct runner<ring::all_gather_kv> {
             class DK, class DV>
   static void backward(const B& b, C& comm, const ring_state& st, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
                        DV dv, std::span<std::byte> ws) {
-    using S = typename backend_traits<B>::memory_space;
-    workspace_carver a(ws);
-    auto w = backward_buffers<T, Acc, S>(a, st);
-    w.ct.template bind<S>(b, st);
+    auto w = carve<runner, T, Acc, false>(b, st, ws);
     gather(b, comm, st, k, v, w.g);
     backward_on(b, st.local(st.mine, st.total), st.scale<Acc>(), q, w.g.full.k.cview(), w.g.full.v.cview(),
                 w.ct.of(st, st.me), w.ct.all(), out, lse, dout, w.d.q.view(), w.d.kv.k.view(), w.d.kv.v.view(), false,
