@@ -152,6 +152,12 @@ struct scratch_at {
   LOOM_HD A* operator()(index_t s) const { return base + s * width; }
 };
 
+//! Device path: the scratches of block j's sub-blocks, one per sub-block.
+template <class A>
+LOOM_HD scratch_at<A> team_scratches(const layout& lay, A* ws, index_t j) {
+  return scratch_at<A>{ws + lay.scratches() + j * lay.subs * lay.scratch, lay.scratch};
+}
+
 //! f(s, begin, end) for block j's sub-blocks s = first, first + step, ...
 template <class F>
 LOOM_HD void for_subs(const blocking& blk, index_t j, index_t first, index_t step, const F& f) {
@@ -167,18 +173,23 @@ LOOM_HD void reduce_subs(const K& k, const blocking& blk, const layout& lay, typ
            [&](index_t s, index_t lo, index_t hi) { k.reduce(lo, hi, ws + lay.sub_agg(j, s), scratch_of(s)); });
 }
 
+//! out = the `count` aggregates at aggs, aggs + lay.agg, ... composed in order (the first alone when count <= 1;
+//! tmp: agg values).
+template <class K>
+LOOM_HD void compose_in_order(const K& k, const layout& lay, const typename K::agg_type* aggs, index_t count,
+                              typename K::agg_type* out, typename K::agg_type* tmp) {
+  for (index_t c = 0; c < lay.agg; ++c) out[c] = aggs[c];
+  for (index_t i = 1; i < count; ++i) {
+    k.compose(out, aggs + i * lay.agg, tmp);
+    for (index_t c = 0; c < lay.agg; ++c) out[c] = tmp[c];
+  }
+}
+
 //! Block j's aggregate: its sub-blocks' aggregates composed in order (tmp: agg values).
 template <class K>
 LOOM_HD void fold_subs(const K& k, const blocking& blk, const layout& lay, typename K::agg_type* ws, index_t j,
                        typename K::agg_type* tmp) {
-  auto* agg = ws + lay.aggs() + j * lay.agg;
-  const auto* first = ws + lay.sub_agg(j, 0);
-  for (index_t c = 0; c < lay.agg; ++c) agg[c] = first[c];
-  const index_t subs = blk.subs_of(j);
-  for (index_t s = 1; s < subs; ++s) {
-    k.compose(agg, ws + lay.sub_agg(j, s), tmp);
-    for (index_t c = 0; c < lay.agg; ++c) agg[c] = tmp[c];
-  }
+  compose_in_order(k, lay, ws + lay.sub_agg(j, 0), blk.subs_of(j), ws + lay.aggs() + j * lay.agg, tmp);
 }
 
 //! The carry entering each sub-block of block j, advanced in order from `carry` (the block's).
@@ -232,7 +243,7 @@ struct team_reduce_step {
   template <class M>
   LOOM_HD void operator()(const M& m) const {
     const index_t j = m.league_rank();
-    const scratch_at<typename K::agg_type> mine{ws + lay.scratches() + j * lay.subs * lay.scratch, lay.scratch};
+    const auto mine = team_scratches(lay, ws, j);
     reduce_subs(k, blk, lay, ws, j, m.team_rank(), m.team_size(), mine);
     m.barrier();
     if (fold && m.team_rank() == 0) fold_subs(k, blk, lay, ws, j, ws + lay.temps_at() + j * lay.agg);
@@ -288,7 +299,7 @@ struct team_scan_step {
     if (m.team_rank() == 0)
       chain_subs(k, blk, lay, ws, j, single ? ws + lay.running() : ws + lay.carries() + j * lay.carry);
     m.barrier();
-    const scratch_at<typename K::agg_type> mine{ws + lay.scratches() + j * lay.subs * lay.scratch, lay.scratch};
+    const auto mine = team_scratches(lay, ws, j);
     scan_subs(k, blk, lay, ws, j, m.team_rank(), m.team_size(), mine);
   }
 };
@@ -303,12 +314,7 @@ struct total_step {
   typename K::agg_type* ws;
   LOOM_HD void operator()(index_t) const {
     auto* total = ws + lay.total_agg();
-    auto* tmp = total + lay.agg;
-    for (index_t c = 0; c < lay.agg; ++c) total[c] = ws[lay.aggs() + c];
-    for (index_t j = 1; j < count; ++j) {
-      k.compose(total, ws + lay.aggs() + j * lay.agg, tmp);
-      for (index_t c = 0; c < lay.agg; ++c) total[c] = tmp[c];
-    }
+    compose_in_order(k, lay, ws + lay.aggs(), count, total, total + lay.agg);
   }
 };
 
