@@ -104,6 +104,16 @@ struct spmm_common {
   const Acc* b = nullptr;  //!< K x N, row-major, leading dimension ldb
   index_t ldb = 0, n = 0, n_chunks = 0;
   epilogue<TC, Acc> out;
+
+  //! A work item: a band of tile_rows rows of A and its output columns [j0, j0 + nb).
+  struct item {
+    index_t band, j0, nb;
+  };
+  //! Work item w: band w / n_chunks, output columns from (w % n_chunks) n_block.
+  LOOM_HD item item_of(index_t w) const {
+    const index_t j0 = (w % n_chunks) * n_block;
+    return {w / n_chunks, j0, min_index(n_block, n - j0)};
+  }
 };
 
 template <class TA, class Space, class TC, class Acc, class Hook>
@@ -113,7 +123,7 @@ struct bitmap_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    const auto [band, j0, nb] = k.item_of(w);
     Acc acc[tile_rows * n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
@@ -212,7 +222,7 @@ struct csr_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    const auto [band, j0, nb] = k.item_of(w);
     Acc acc[n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
@@ -245,7 +255,7 @@ struct n_m_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const index_t band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block, nb = min_index(n_block, k.n - j0);
+    const auto [band, j0, nb] = k.item_of(w);
     const index_t groups = a.groups();
     Acc acc[n_block];
     for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
@@ -284,8 +294,7 @@ struct bitmap_team_kernel {
   LOOM_HD void operator()(const M& m) const {
     Acc* dense = static_cast<Acc*>(m.scratch());  // [tile_rows][tile_cols]
     Acc* result = dense + tile_rows * tile_cols;  // [tile_rows][n_block]
-    const index_t w = m.league_rank(), band = w / k.n_chunks, j0 = (w % k.n_chunks) * n_block;
-    const index_t nb = min_index(n_block, k.n - j0);
+    const auto [band, j0, nb] = k.item_of(m.league_rank());
     const int q = m.team_rank(), size = m.team_size();
     for (index_t i = q; i < tile_rows * n_block; i += size) result[i] = Acc(0);
     m.barrier();  // members zero other members' columns
