@@ -142,52 +142,51 @@ LOOM_SPARSE_X86_TARGET inline void row_sums(const __m512 (&acc)[tile_rows], floa
   }
 }
 
-//! N == 1: out[r] = sum over the band's tiles of A(row r, tile) . x(tile), r < 8.
-template <class T, class Space>
-LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t band, const float* x, float* out) {
+//! N == 1: out[r] = the lane sums of acc[r] (r < 8, zeros at first) after rows(acc, mk, p, xv) ran on each tile
+//! of the band in order: mk the tile's 8 row masks, p its first value, xv x over its 64 columns (zeros past A's).
+template <class T, class Space, class Rows>
+[[gnu::always_inline]] LOOM_SPARSE_X86_TARGET inline void band_tiles_dot(const bitmap_view<T, Space>& a, index_t band,
+                                                                         const float* x, float* out, const Rows& rows) {
   __m512 acc[tile_rows];
   for (auto& v : acc) v = _mm512_setzero_ps();
   const index_t gc = a.grid_cols();
-  const T* end = a.values + a.tile_offsets[a.tiles()];
   for (index_t tc = 0; tc < gc; ++tc) {
     const index_t t = band * gc + tc;
-    const T* p = a.values + a.tile_offsets[t];
-    const index_t c0 = tc * tile_cols;
     __m512 xv[4];
-    load_x(x, c0, a.cols, xv);
-    const tile_quarters tq(a.masks + t * tile_rows);
+    load_x(x, tc * tile_cols, a.cols, xv);
+    rows(acc, a.masks + t * tile_rows, a.values + a.tile_offsets[t], xv);
+  }
+  row_sums(acc, out);
+}
+
+//! band_vector's tile: each row's four quarters expanded (end: the end of A's values) times x.
+template <class T>
+struct expand_rows {
+  const T* end;
+  LOOM_SPARSE_X86_TARGET void operator()(__m512 (&acc)[tile_rows], const std::uint64_t* mk, const T* p,
+                                         const __m512 (&xv)[4]) const {
+    const tile_quarters tq(mk);
     for (int r = 0; r < static_cast<int>(tile_rows); ++r) {
       const __m512 s01 = _mm512_fmadd_ps(tq(4 * r + 1, p, end), xv[1], _mm512_mul_ps(tq(4 * r, p, end), xv[0]));
       const __m512 s23 = _mm512_fmadd_ps(tq(4 * r + 3, p, end), xv[3], _mm512_mul_ps(tq(4 * r + 2, p, end), xv[2]));
       acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(s01, s23));
     }
   }
-  row_sums(acc, out);
+};
+
+//! N == 1: out[r] = sum over the band's tiles of A(row r, tile) . x(tile), r < 8.
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET void band_vector(const bitmap_view<T, Space>& a, index_t band, const float* x, float* out) {
+  band_tiles_dot(a, band, x, out, expand_rows<T>{a.values + a.tile_offsets[a.tiles()]});
 }
 
-//! N == 1 for sparse rows: out[r] as band_vector. Per tile row, the column indices of its nonzeros
-//! (a byte compress of 0..63 by the row mask), x at those columns picked from the four registers
-//! holding x over the tile (two two-source permutes and a blend), times the row's packed values:
-//! one FMA per 16 nonzeros instead of four expands per row.
-template <class T, class Space>
-LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, index_t band, const float* x,
-                                               float* out) {
-  alignas(64) static constexpr std::uint8_t iota_bytes[64] = {
-      0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
-      22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
-      44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
-  const __m512i iota = _mm512_load_si512(iota_bytes);
-  const __m512i bit5 = _mm512_set1_epi32(32);
-  __m512 acc[tile_rows];
-  for (auto& v : acc) v = _mm512_setzero_ps();
-  const index_t gc = a.grid_cols();
-  for (index_t tc = 0; tc < gc; ++tc) {
-    const index_t t = band * gc + tc;
-    const T* p = a.values + a.tile_offsets[t];
-    const index_t c0 = tc * tile_cols;
-    __m512 xv[4];
-    load_x(x, c0, a.cols, xv);
-    const std::uint64_t* mk = a.masks + t * tile_rows;
+//! band_vector_gather's tile: x picked at each row's nonzero columns times the row's packed values
+//! (iota: the bytes 0..63; bit5: 32 in every int32 lane).
+struct gather_rows {
+  __m512i iota, bit5;
+  template <class T>
+  LOOM_SPARSE_X86_TARGET void operator()(__m512 (&acc)[tile_rows], const std::uint64_t* mk, const T* p,
+                                         const __m512 (&xv)[4]) const {
     for (index_t r = 0; r < tile_rows; ++r) {
       const std::uint64_t m = mk[r];
       const int cnt = static_cast<int>(__builtin_popcountll(m));
@@ -204,7 +203,19 @@ LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, i
       p += cnt;
     }
   }
-  row_sums(acc, out);
+};
+
+//! N == 1 for sparse rows: out[r] as band_vector. Per tile row, the column indices of its nonzeros (a byte compress of
+//! 0..63 by the row mask), x at those columns picked from the four registers holding x over the tile (two two-source
+//! permutes and a blend), times the row's packed values: one FMA per 16 nonzeros instead of four expands per row.
+template <class T, class Space>
+LOOM_SPARSE_X86_TARGET void band_vector_gather(const bitmap_view<T, Space>& a, index_t band, const float* x,
+                                               float* out) {
+  alignas(64) static constexpr std::uint8_t iota_bytes[64] = {
+      0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+      22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+      44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+  band_tiles_dot(a, band, x, out, gather_rows{_mm512_load_si512(iota_bytes), _mm512_set1_epi32(32)});
 }
 
 //! N == 1: the kernel for the band's density (measured on 4096 x 4096, 2 threads: the gather
