@@ -116,30 +116,20 @@ void mpi_user_reduce(void* in, void* inout, int* len, MPI_Datatype*) {
   for (int i = 0; i < *len; ++i) b[i] = apply(Op, a[i], b[i]);
 }
 
+//! A new MPI operator applying Op elementwise over T (for types MPI has no operators for).
+template <class T, reduce_op Op>
+MPI_Op mpi_user_op() {
+  MPI_Op o;
+  MPI_Op_create(&mpi_user_reduce<T, Op>, 1, &o);
+  return o;
+}
+
 template <class T>
 MPI_Op mpi_op(reduce_op op) {
   if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
     // MPI has no 16-bit floats: user operators over the 2-byte carrier, created once.
-    static const MPI_Op ops[4] = {[] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::sum>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::prod>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::min>, 1, &o);
-                                    return o;
-                                  }(),
-                                  [] {
-                                    MPI_Op o;
-                                    MPI_Op_create(&mpi_user_reduce<T, reduce_op::max>, 1, &o);
-                                    return o;
-                                  }()};
+    static const MPI_Op ops[4] = {mpi_user_op<T, reduce_op::sum>(), mpi_user_op<T, reduce_op::prod>(),
+                                  mpi_user_op<T, reduce_op::min>(), mpi_user_op<T, reduce_op::max>()};
     return ops[static_cast<int>(op)];
   } else {
     switch (op) {
