@@ -193,29 +193,22 @@ class local {
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void all_reduce(std::span<S> send, std::span<R> recv, reduce_op op) {
-    auto d = desc<R>(detail::coll_kind::all_reduce, send, recv);
-    d.op = op;
-    d.reduce = &detail::reduce_into<R>;
-    if (recv.size() != send.size())
-      d.local_error = "all_reduce: recv holds " + std::to_string(recv.size()) + " elements, expected " +
-                      std::to_string(send.size()) + " (the size of send)";
-    collective(d, [&](const std::vector<detail::coll_desc>& slots, std::byte* out) {
-      reduce_block(slots, out, 0, send.size(), op);
-    });
+    reduction(detail::coll_kind::all_reduce, send, recv, op, 0, send.size(),
+              recv.size() == send.size()
+                  ? std::string{}
+                  : "all_reduce: recv holds " + std::to_string(recv.size()) + " elements, expected " +
+                        std::to_string(send.size()) + " (the size of send)");
   }
 
   template <class S, class R>
   requires std::same_as<std::remove_const_t<S>, R> && reducible<R>
   void reduce_scatter(std::span<S> send, std::span<R> recv, reduce_op op) {
-    auto d = desc<R>(detail::coll_kind::reduce_scatter, send, recv);
-    d.op = op;
-    d.reduce = &detail::reduce_into<R>;
-    if (send.size() != recv.size() * static_cast<std::size_t>(size()))
-      d.local_error = "reduce_scatter: send holds " + std::to_string(send.size()) + " elements, expected " +
-                      std::to_string(size()) + " x " + std::to_string(recv.size()) + " (ranks x recv size)";
-    collective(d, [&](const std::vector<detail::coll_desc>& slots, std::byte* out) {
-      reduce_block(slots, out, static_cast<std::size_t>(rank_) * recv.size(), recv.size(), op);
-    });
+    reduction(detail::coll_kind::reduce_scatter, send, recv, op, static_cast<std::size_t>(rank_) * recv.size(),
+              recv.size(),
+              send.size() == recv.size() * static_cast<std::size_t>(size())
+                  ? std::string{}
+                  : "reduce_scatter: send holds " + std::to_string(send.size()) + " elements, expected " +
+                        std::to_string(size()) + " x " + std::to_string(recv.size()) + " (ranks x recv size)");
   }
 
   template <transferable T>
@@ -327,6 +320,20 @@ class local {
     const std::size_t es = slots[0].elem_size;
     std::memcpy(out, slots[0].send + offset * es, n * es);
     for (int q = 1; q < size(); ++q) slots[0].reduce(out, slot(slots, q).send + offset * es, n, op);
+  }
+
+  //! all_reduce and reduce_scatter: recv = op over the ranks' send elements [offset, offset + n), or every rank
+  //! throws when a rank's `error` is not empty.
+  template <class S, class R>
+  void reduction(detail::coll_kind kind, std::span<S> send, std::span<R> recv, reduce_op op, std::size_t offset,
+                 std::size_t n, std::string error) {
+    auto d = desc<R>(kind, send, recv);
+    d.op = op;
+    d.reduce = &detail::reduce_into<R>;
+    d.local_error = std::move(error);
+    collective(d, [&](const std::vector<detail::coll_desc>& slots, std::byte* out) {
+      reduce_block(slots, out, offset, n, op);
+    });
   }
 
   std::size_t global_rank() const { return static_cast<std::size_t>(g_->members[static_cast<std::size_t>(rank_)]); }
