@@ -123,7 +123,8 @@ struct bitmap_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const auto [band, j0, nb] = k.item_of(w);
+    const auto it = k.item_of(w);
+    const index_t band = it.band, j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
     Acc acc[tile_rows * n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
@@ -222,7 +223,8 @@ struct csr_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const auto [band, j0, nb] = k.item_of(w);
+    const auto it = k.item_of(w);
+    const index_t band = it.band, j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
     Acc acc[n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
@@ -255,7 +257,8 @@ struct n_m_kernel {
   Hook hook;
 
   LOOM_HD void operator()(index_t w) const {
-    const auto [band, j0, nb] = k.item_of(w);
+    const auto it = k.item_of(w);
+    const index_t band = it.band, j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
     const index_t groups = a.groups();
     Acc acc[n_block];
     for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
@@ -294,7 +297,8 @@ struct bitmap_team_kernel {
   LOOM_HD void operator()(const M& m) const {
     Acc* dense = static_cast<Acc*>(m.scratch());  // [tile_rows][tile_cols]
     Acc* result = dense + tile_rows * tile_cols;  // [tile_rows][n_block]
-    const auto [band, j0, nb] = k.item_of(m.league_rank());
+    const auto it = k.item_of(m.league_rank());
+    const index_t band = it.band, j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
     const int q = m.team_rank(), size = m.team_size();
     for (index_t i = q; i < tile_rows * n_block; i += size) result[i] = Acc(0);
     m.barrier();  // members zero other members' columns
