@@ -1,7 +1,7 @@
 // linear_attention::cublas: chunked linear attention's forward through cuBLAS's strided-batched
-// products on a GPU, against the fp64 token-by-token oracle (the same engine runs on the CPU in
-// gemm_engine_test.cpp). Needs a GPU: registered by the cuda-gpu presets, compiled by the cuda
-// presets.
+// products on a GPU, against the fp64 token-by-token oracle, and its backward against loom's
+// backward on the same device (the same engine runs on the CPU in gemm_engine_test.cpp). Needs a
+// GPU: registered by the cuda-gpu presets, compiled by the cuda presets.
 
 #define LOOM_TEST_BACKEND_CUDA 1
 #include <loom/comm/device_local.hpp>
@@ -134,6 +134,80 @@ std::pair<std::vector<double>, std::vector<double>> run_lasp2(const problem& p, 
   return {o, fin};
 }
 
+struct grads {
+  std::vector<double> dq, dk, dv, dlg, dinit;
+};
+
+// The backward of p on the GPU: cuBLAS's plan form (convenience = false), its convenience form, or
+// loom's own backward on the same plan (tiled).
+template <class P>
+grads run_backward(const problem& p, index_t chunk, const std::vector<double>& d_o, const std::vector<double>& dfin,
+                   int path) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
+  buffer<S> q(cast<S>(p.q)), k(cast<S>(p.k)), v(cast<S>(p.v)), dob(cast<S>(d_o)),
+      dq(std::vector<S>(p.q.size(), S(-7.0f))), dk(std::vector<S>(p.k.size(), S(-7.0f))),
+      dvb(std::vector<S>(p.v.size(), S(-7.0f)));
+  buffer<A> lg(cast<A>(p.lg)), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)), dfb(cast<A>(dfin)),
+      dlg(std::vector<A>(static_cast<std::size_t>(T * H), A(-7))),
+      dinit(std::vector<A>(static_cast<std::size_t>(docs * H * sz), A(-7)));
+  la::operands<P, cuda_memory> x{dv<const S, 3>(q.data(), {T, H, p.dk}), dv<const S, 3>(k.data(), {T, H, p.dk}),
+                                 dv<const S, 3>(v.data(), {T, H, p.dv})};
+  if (!p.init.empty()) x.initial_state = dv<const A, 4>(init.data(), {docs, H, p.dk, p.dv});
+  la::gradients<P, cuda_memory> g{dv<S, 3>(dq.data(), {T, H, p.dk}), dv<S, 3>(dk.data(), {T, H, p.dk}),
+                                  dv<S, 3>(dvb.data(), {T, H, p.dv})};
+  g.d_initial_state = dv<A, 4>(dinit.data(), {docs, H, p.dk, p.dv});
+  if (p.mode == gating::scalar) g.d_log_gate = dv<A, 2>(dlg.data(), {T, H});
+  loom::tensor_view<const A, 4, cuda_memory> dfv;
+  if (!dfin.empty()) dfv = dv<const A, 4>(dfb.data(), {docs, H, p.dk, p.dv});
+  const auto dov = dv<const S, 3>(dob.data(), {T, H, p.dv});
+  const loom::segments<> seg{std::span<const index_t>(p.cu)};
+  const la::options opt{.chunk = chunk, .scale = p.scale};
+  const loom::cuda b{};
+  auto call = [&](const auto& gate) {
+    if (path == 1) {
+      la::cublas::backward(b, seg, gate, x, dov, dfv, g, opt);
+      return;
+    }
+    const auto pl = la::cublas::make_plan<P>(b, seg, {T, H, p.dk, p.dv}, opt);
+    const loom::test::workspace ws(path == 0 ? pl.backward_workspace_bytes() : pl.base().backward_workspace_bytes());
+    if (path == 0)
+      la::cublas::backward(b, pl, gate, x, dov, dfv, g, ws.span());
+    else
+      la::backward(b, pl.base(), gate, x, dov, dfv, g, ws.span());
+    loom::fence(b);
+  };
+  if (p.mode == gating::none)
+    call(la::no_decay{});
+  else if (p.mode == gating::fixed)
+    call(la::fixed_decay<A, cuda_memory>{dv<const A, 1>(hlg.data(), {H})});
+  else
+    call(la::scalar_gate<A, cuda_memory>{dv<const A, 2>(lg.data(), {T, H})});
+  grads r{widen(dq.to_host()), widen(dk.to_host()), widen(dvb.to_host()), {}, widen(dinit.to_host())};
+  if (p.mode == gating::scalar) r.dlg = widen(dlg.to_host());
+  return r;
+}
+
+template <class P>
+void check_backward(const problem& p0, index_t chunk, const std::string& what) {
+  const problem p = loom::test::la::rounded<P>(p0);
+  const auto d_o = widen(cast<typename P::storage_type>(loom::test::uniform<double>(p.T * p.H * p.dv, -1, 1, 77)));
+  const auto dfin =
+      widen(cast<typename P::accum_type>(loom::test::uniform<double>(p.docs() * p.H * p.dk * p.dv, -1, 1, 78)));
+  const auto want = run_backward<P>(p, chunk, d_o, dfin, 2);
+  using loom::test::la::scaled_tol;
+  for (const int path : {0, 1}) {
+    const auto got = run_backward<P>(p, chunk, d_o, dfin, path);
+    const std::string w = what + (path == 1 ? " convenience" : " plan");
+    loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), w + " dq");
+    loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), w + " dk");
+    loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), w + " dv");
+    loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), w + " d initial state");
+    loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), w + " d log gate");
+  }
+}
+
 const char* name(gating g) {
   return g == gating::none ? "no_decay" : g == gating::fixed ? "fixed_decay" : "scalar_gate";
 }
@@ -157,6 +231,23 @@ TEST_CASE("linear_attention::cublas: forward against the recurrent oracle", "[li
       }
 }
 
+TEST_CASE("linear_attention::cublas: backward against loom's backward on the same device",
+          "[linear_attention][cublas][backward][gpu]") {
+  for (const index_t T : {index_t{1}, index_t{131}, index_t{1009}})
+    for (const auto mode : {gating::none, gating::fixed, gating::scalar}) {
+      const auto p = loom::test::la::make_problem(T, 3, 16, 24, mode,
+                                                  loom::test::la::random_docs(T, 4, static_cast<std::uint64_t>(T)),
+                                                  true, 80 + static_cast<std::uint64_t>(T));
+      for (const index_t chunk : {index_t{7}, index_t{64}}) {
+        const std::string what = std::string(name(mode)) + " T=" + std::to_string(T) + " C=" + std::to_string(chunk);
+        check_backward<loom::fp64>(p, chunk, what + " fp64");
+        check_backward<loom::fp32>(p, chunk, what + " fp32");
+        check_backward<loom::bf16>(p, chunk, what + " bf16");
+        check_backward<loom::fp16>(p, chunk, what + " fp16");
+      }
+    }
+}
+
 TEST_CASE("linear_attention::cublas: a plan not made by make_plan is rejected", "[linear_attention][cublas][gpu]") {
   buffer<float> q(std::vector<float>(8 * 2 * 4, 0.5f)), o(std::size_t{8 * 2 * 4});
   const la::operands<loom::fp32, cuda_memory> x{dv<const float, 3>(q.data(), {8, 2, 4}),
@@ -169,6 +260,15 @@ TEST_CASE("linear_attention::cublas: a plan not made by make_plan is rejected", 
                             dv<float, 3>(o.data(), {8, 2, 4}), {}, ws.span());
       },
       loom::errc::invalid_argument, {"linear_attention::cublas::forward", "not made by"});
+  buffer<float> dq(std::size_t{8 * 2 * 4}), dk(std::size_t{8 * 2 * 4}), dvb(std::size_t{8 * 2 * 4});
+  const la::gradients<loom::fp32, cuda_memory> g{dv<float, 3>(dq.data(), {8, 2, 4}), dv<float, 3>(dk.data(), {8, 2, 4}),
+                                                 dv<float, 3>(dvb.data(), {8, 2, 4})};
+  loom::test::require_loom_error(
+      [&] {
+        la::cublas::backward(loom::cuda{}, la::cublas::plan<loom::fp32>{}, la::no_decay{}, x,
+                             dv<const float, 3>(q.data(), {8, 2, 4}), {}, g, ws.span());
+      },
+      loom::errc::invalid_argument, {"linear_attention::cublas::backward", "not made by"});
 }
 
 TEST_CASE("linear_attention::cublas: LASP-2's forward with cuBLAS as its local step against the recurrent oracle",

@@ -1,39 +1,47 @@
 #pragma once
 
 //! @file
-//! Chunked linear attention's forward on loom::cuda through cuBLAS's strided-batched products
-//! (tensor cores for bfloat16 and half storage), with loom's call shape:
+//! Chunked linear attention's forward and backward on loom::cuda through cuBLAS's strided-batched
+//! products (tensor cores for bfloat16 and half storage), with loom's call shape:
 //!
 //!   auto plan = loom::linear_attention::cublas::make_plan<loom::bf16>(b, docs, {T, H, dk, dv}, {.chunk = 64});
 //!   loom::temporary_buffer<loom::cuda, std::byte> ws(b, plan.workspace_bytes());   // or the caller's memory
 //!   loom::linear_attention::cublas::forward(b, plan, gating, x, o, final_state, ws.bytes());   // allocates nothing
 //!   loom::linear_attention::cublas::forward(b, docs, gating, x, o, final_state, opts);          // convenience
+//!   loom::temporary_buffer<loom::cuda, std::byte> bws(b, plan.backward_workspace_bytes());
+//!   loom::linear_attention::cublas::backward(b, plan, gating, x, d_o, d_final_state, g, bws.bytes());
+//!   loom::linear_attention::cublas::backward(b, docs, gating, x, d_o, d_final_state, g, opts);   // convenience
 //!
 //! Compile with nvcc and link loom::cublas (the CUDA toolkit's cuBLAS). Inputs, gates, options and
-//! results are those of loom::linear_attention::forward (chunked.hpp): packed THD layout, documents
-//! as loom::segments, no_decay / fixed_decay / scalar_gate (full decay included), an initial and
-//! a final state per document and head. Storage float, double, bfloat16 or half; accumulation
-//! float (double for double).
+//! results are those of loom::linear_attention::forward and backward (chunked.hpp): packed THD
+//! layout, documents as loom::segments, no_decay / fixed_decay / scalar_gate (full decay
+//! included), an initial and a final state per document and head; the backward's gradients of q,
+//! k, v, the log-gates (scalar_gate) and the initial state (optional), from d o and an optional
+//! d final state. Storage float, double, bfloat16 or half; accumulation float (double for double).
 //!
-//! How it runs (detail/gemm_engine.hpp): every (head, chunk) is one entry of four strided batches
-//! of C-row products (the chunk states Ks^T V, the scores Q K^T, the inter-chunk term Q S0 and the
-//! masked P V), with loom's LOOM_HD passes between them (gates, gather into a zero-padded layout,
-//! the pass over chunk states per document and head, mask and scale, scatter). The products read
-//! operands in the storage type (S0 and the masked scores rounded to it, as tensor cores take
-//! them) and accumulate in the accumulation type; fp32 storage runs in fp32 unless the caller's
-//! cuBLAS math mode allows TF32. The same engine runs on the CPU in loom's tests with a reference
-//! provider, against the fp64 oracle.
+//! How it runs (detail/gemm_engine.hpp): every (head, chunk) is one entry of strided batches of
+//! C-row products (forward: the chunk states Ks^T V, the scores Q K^T, the inter-chunk term Q S0
+//! and the masked P V; the backward recomputes those, then the chunks' adjoint sums, dO V^T and the
+//! products of dq, dk and dv), with loom's LOOM_HD passes between them (gates, gather into a
+//! zero-padded layout, the passes over chunk states and adjoints per document and head, mask and
+//! scale, the gate gradient, scatter). The products read operands in the storage type (S0, the
+//! adjoints and the masked scores rounded to it, as tensor cores take them) and accumulate in the
+//! accumulation type; fp32 storage runs in fp32 unless the caller's cuBLAS math mode allows TF32.
+//! The same engine runs on the CPU in loom's tests with a reference provider, against the fp64
+//! oracle and (backward) loom's tiled backward.
 //!
 //! Plans: make_plan makes loom::linear_attention's plan (the chunk table; base(), which also runs
-//! loom::linear_attention::backward) and a cuBLAS handle on the current device. A plan is
+//! loom::linear_attention's own kernels) and a cuBLAS handle on the current device. A plan is
 //! immutable and may be shared by threads (calls are serialised on its handle while they are
 //! enqueued); calls must run with the plan's device current; the plan must outlive the stream work
-//! of its calls. Workspace: plan.workspace_bytes() of device memory (the padded operands, the
-//! chunk states and the scores: about H x T x (3 dk + dv + 2 C) elements plus H x chunks x dk x dv
-//! states). Completion: stream-ordered on b.stream, no host sync; the convenience form fences.
-//! The backward is not on cuBLAS: loom::linear_attention::backward(b, plan.base(), ...).
-//! On an H200 (docs/gpu.md, 2026-11-28, commit 29324c3) its GPU test passed and the forward ran at 0.1-0.2 % of the
-//! bf16 peak (loom.bench.cuda --linear), unprofiled.
+//! of its calls. Workspace: plan.workspace_bytes() of device memory for the forward (the padded
+//! operands, the chunk states and the scores: about H x T x (3 dk + dv + 2 C) elements plus
+//! H x chunks x dk x dv states), plan.backward_workspace_bytes() for the backward (the forward's
+//! and about H x T x (3 dk + 2 dv) elements more, plus H x chunks x dk x dv adjoints). Completion:
+//! stream-ordered on b.stream, no host sync; the convenience forms fence.
+//! On an H200 (docs/gpu.md, 2026-11-28, commit 29324c3) the forward's GPU test passed and the forward ran at 0.1-0.2 %
+//! of the bf16 peak (loom.bench.cuda --linear), unprofiled. The backward has not run on a GPU: it is
+//! tested on the CPU through the reference provider (and compiled by nvcc); its GPU test is written.
 
 #include <loom/backend/cuda.hpp>
 #include <loom/backend/detail/cublas_handle.hpp>
@@ -113,11 +121,15 @@ class plan {
  public:
   using precision = P;
   using backend_type = loom::cuda;
-  //! loom::linear_attention's plan of the same documents and shape (its chunk table; the backward
-  //! runs with it).
+  //! loom::linear_attention's plan of the same documents and shape (its chunk table; loom's own
+  //! kernels run with it).
   [[nodiscard]] const linear_attention::plan<P>& base() const noexcept { return base_; }
   [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout_.bytes; }
+  [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return backward_layout_.bytes; }
   [[nodiscard]] const linear_attention::detail::gemm_layout& layout() const noexcept { return layout_; }
+  [[nodiscard]] const linear_attention::detail::gemm_backward_layout& backward_layout() const noexcept {
+    return backward_layout_;
+  }
   //! @throws loom::error(invalid_argument) for a plan not made by make_plan.
   [[nodiscard]] detail::state& device_state(std::string_view call) const {
     LOOM_EXPECTS(st_ != nullptr, errc::invalid_argument, call,
@@ -128,13 +140,15 @@ class plan {
  private:
   linear_attention::plan<P> base_;
   linear_attention::detail::gemm_layout layout_;
+  linear_attention::detail::gemm_backward_layout backward_layout_;
   std::shared_ptr<detail::state> st_;
 
   template <precision_policy Q, memory_space D>
   friend plan<Q> make_plan(const loom::cuda&, const segments<D>&, const shape&, const options&);
 };
 
-//! Plans the forward of documents `docs` (as linear_attention::make_plan) on the current device.
+//! Plans the forward and backward of documents `docs` (as linear_attention::make_plan) on the
+//! current device.
 //! @throws as linear_attention::make_plan; loom::error(unsupported) for more than 2^31 - 1
 //!   (head, chunk) pairs; (internal, unsupported) a failing CUDA or cuBLAS call.
 template <precision_policy P = fp32, memory_space D = host_memory>
@@ -143,6 +157,8 @@ plan<P> make_plan(const loom::cuda& b, const segments<D>& docs, const shape& sh,
   plan<P> p;
   p.base_ = linear_attention::make_plan<P>(b, docs, sh, opt);
   p.layout_ = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(p.base_);
+  p.backward_layout_ =
+      linear_attention::detail::make_gemm_backward_layout<typename P::storage_type, typename P::accum_type>(p.base_);
   LOOM_EXPECTS(p.layout_.batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", p.layout_.batch,
                " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
   p.st_ = std::make_shared<detail::state>(call);
@@ -164,6 +180,25 @@ void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const 
   detail::check_cublas(cublasSetStream(st.handle.get(), b.stream), call, "cublasSetStream");
   linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle.get(), call}, p.base(), p.layout(), gating, x,
                                          o, final_state, workspace, call);
+}
+
+//! The backward (as linear_attention::backward) with a caller's workspace of
+//! plan.backward_workspace_bytes() device bytes, aligned to loom::workspace_alignment.
+//! Stream-ordered on b.stream; allocates nothing.
+//! @throws as linear_attention::backward; loom::error(invalid_argument) for a plan not made by
+//!   make_plan or a device other than the plan's; (internal, unsupported) cuBLAS failing.
+template <precision_policy P, class Gating>
+void backward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const operands<P, cuda_memory>& x,
+              tensor_view<const typename P::storage_type, 3, cuda_memory> d_o,
+              tensor_view<const typename P::accum_type, 4, cuda_memory> d_final_state,
+              const gradients<P, cuda_memory>& g, std::span<std::byte> workspace) {
+  constexpr std::string_view call = "linear_attention::cublas::backward";
+  detail::state& st = p.device_state(call);
+  loom::detail::check_plan_device(st.device, call);
+  std::lock_guard lock(st.enqueue);
+  detail::check_cublas(cublasSetStream(st.handle.get(), b.stream), call, "cublasSetStream");
+  linear_attention::detail::gemm_backward(b, detail::cublas_gemm{st.handle.get(), call}, p.base(), p.backward_layout(),
+                                          gating, x, d_o, d_final_state, g, workspace, call);
 }
 
 //! LASP-2's forward local step on cuBLAS: lasp2::make_plan<P>(b, comm, cublas::batched{}, docs,
@@ -232,6 +267,19 @@ void forward(const loom::cuda& b, const segments<D>& docs, const Gating& gating,
   const auto p = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
   loom::detail::with_temporary_workspace(
       b, p.workspace_bytes(), [&](std::span<std::byte> ws) { forward(b, p, gating, x, o, final_state, ws); });
+}
+
+//! Convenience form of backward: make_plan (precision of the operands), a temporary workspace, the
+//! plan form, fence.
+template <memory_space D = host_memory, class Gating, precision_policy P>
+void backward(const loom::cuda& b, const segments<D>& docs, const Gating& gating, const operands<P, cuda_memory>& x,
+              tensor_view<const typename P::storage_type, 3, cuda_memory> d_o,
+              tensor_view<const typename P::accum_type, 4, cuda_memory> d_final_state,
+              const gradients<P, cuda_memory>& g, const options& opt = {}) {
+  const auto p = make_plan<P>(b, docs, {x.q.extent(0), x.q.extent(1), x.q.extent(2), x.v.extent(2)}, opt);
+  loom::detail::with_temporary_workspace(b, p.backward_workspace_bytes(), [&](std::span<std::byte> ws) {
+    backward(b, p, gating, x, d_o, d_final_state, g, ws);
+  });
 }
 
 }  // namespace loom::linear_attention::cublas

@@ -298,6 +298,27 @@ bool run_forward_incoming(const B& b, const plan<P>& pl, const Gating& gating, c
   return false;
 }
 
+//! The checks of a backward's output gradients (d_o, d_final_state: optional) and gradients (dq,
+//! dk, dv; d_initial_state: optional; d_log_gate: for scalar_gate only, and there required) against
+//! plan pl. Every backward runs them (loom's kernels, the batched products).
+template <class Gating, class P, class Space>
+void check_backward_args(const plan<P>& pl, tensor_view<const typename P::storage_type, 3, Space> d_o,
+                         tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& g) {
+  expect_extents(d_o, {pl.tokens(), pl.heads(), pl.dv()}, "d_o");
+  if (present(dfin)) expect_extents(dfin, {pl.docs(), pl.heads(), pl.dk(), pl.dv()}, "d_final_state");
+  if (present(dfin))
+    LOOM_EXPECTS(dfin.is_contiguous(), errc::shape_mismatch, "d_final_state: expected a contiguous view");
+  expect_extents(g.dq, {pl.tokens(), pl.heads(), pl.dk()}, "dq");
+  expect_extents(g.dk, {pl.tokens(), pl.heads(), pl.dk()}, "dk");
+  expect_extents(g.dv, {pl.tokens(), pl.heads(), pl.dv()}, "dv");
+  check_state_out(g.d_initial_state, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "d_initial_state");
+  if constexpr (is_scalar_gate<Gating>)
+    expect_extents(g.d_log_gate, {pl.tokens(), pl.heads()}, "d_log_gate");
+  else
+    LOOM_EXPECTS(!present(g.d_log_gate), errc::invalid_argument,
+                 "d_log_gate: expected an empty view (only scalar_gate has a gate gradient)");
+}
+
 template <class B, class P, class Gating, class Space>
 void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                   tensor_view<const typename P::storage_type, 3, Space> d_o,
@@ -307,20 +328,8 @@ void run_backward(const B& b, const plan<P>& pl, const Gating& gating, const ope
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   auto [p, w] = setup(b, pl, gating, x, ws, true, call);
-  expect_extents(d_o, {pl.tokens(), pl.heads(), pl.dv()}, "d_o");
-  if (present(dfin)) expect_extents(dfin, {pl.docs(), pl.heads(), pl.dk(), pl.dv()}, "d_final_state");
-  if (present(dfin))
-    LOOM_EXPECTS(dfin.is_contiguous(), errc::shape_mismatch, "d_final_state: expected a contiguous view");
-  expect_extents(g.dq, {pl.tokens(), pl.heads(), pl.dk()}, "dq");
-  expect_extents(g.dk, {pl.tokens(), pl.heads(), pl.dk()}, "dk");
-  expect_extents(g.dv, {pl.tokens(), pl.heads(), pl.dv()}, "dv");
-  check_state_out(g.d_initial_state, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "d_initial_state");
+  check_backward_args<Gating>(pl, d_o, dfin, g);
   constexpr bool gated = is_scalar_gate<Gating>;
-  if constexpr (gated)
-    expect_extents(g.d_log_gate, {pl.tokens(), pl.heads()}, "d_log_gate");
-  else
-    LOOM_EXPECTS(!present(g.d_log_gate), errc::invalid_argument,
-                 "d_log_gate: expected an empty view (only scalar_gate has a gate gradient)");
   const index_t chunk_items = pl.chunks() * pl.heads(), doc_items = pl.docs() * pl.heads();
   const bool with_fin = gated && present(dfin);
   launch(b, chunk_state_kernel<S, A, Space>{p}, pl.chunks() * pl.head_groups(), pl.lanes());

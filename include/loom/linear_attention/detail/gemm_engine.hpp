@@ -1,25 +1,37 @@
 #pragma once
 
 //! @file
-//! Chunked linear attention's forward as batched dense products, for matrix engines (cuBLAS on
-//! tensor cores: linear_attention/cublas.cuh). Every chunk of every head becomes one batch entry of
-//! C rows, zero-padded past the chunk's end, so the four products are uniform strided batches:
+//! Chunked linear attention's forward and backward as batched dense products, for matrix engines
+//! (cuBLAS on tensor cores: linear_attention/cublas.cuh). Every chunk of every head becomes one
+//! batch entry of C rows, zero-padded past the chunk's end, so the products are uniform strided
+//! batches. The forward:
 //!
 //!   L   = Ks^T V       [dk x dv]   the chunk's own state (Ks: keys times exp(b_{n-1} - b_j))
 //!   Pf  = Q K^T        [C x C]     scores
 //!   O   = Q S0         [C x dv]    the inter-chunk term, S0 the state before the chunk
 //!   O  += Pm V         [C x dv]    Pm: scores masked (j <= i), decayed (exp(b_i - b_j)) and scaled
 //!
+//! The backward (gemm_backward; the gradients of backward_kernels.hpp) recomputes L, S0, Pm and O,
+//! then, with E the adjoint of the state at the chunk's end:
+//!
+//!   adj = Qe^T dO      [dk x dv]   the chunk's adjoint sum (Qe: rows of Q times scale exp(b_i))
+//!   dV  = K E + Pm^T dO            (K E's rows times exp(b_{n-1} - b_j))
+//!   dP  = dO V^T       [C x C]     dPm = dP masked, decayed and scaled as Pm
+//!   dQ  = dO S0^T + dPm K          (dO S0^T's rows times scale exp(b_i))
+//!   dK  = V E^T + dPm^T Q          (V E^T's rows times exp(b_{n-1} - b_j))
+//!
 //! between elementwise LOOM_HD passes run with loom::for_each_index on the backend (log-gates per
 //! chunk, gather into the padded layout, the pass over chunk states per document and head, mask
-//! and row scale, scatter). Products read storage-type operands (Q, K, Ks, V, S0 and Pm rounded to
-//! it, as matrix engines take them) and accumulate in the accumulation type; the state pass and
-//! the final state stay in the accumulation type. Notation and gates as forward_kernels.hpp
-//! (log-gates b, epochs across full-decay tokens, decay_between). Padded rows are zero, so no
-//! product mixes two chunks, and no chunk holds two documents: documents stay isolated. Within a
-//! chunk, the masked product Pm V multiplies zeros by the chunk's later values, so a non-finite
-//! value reaches the outputs of the earlier tokens of its own chunk (the tiled kernels do not
-//! read them).
+//! and row scale, scatter; in the backward the reverse pass over the chunks' adjoints per document
+//! and head, E_{c-1} = a_c E_c + adj_c from d final state, and for scalar_gate the gate gradient).
+//! Products read storage-type operands (Q, K, Ks, V, S0, Pm, dO, Qe, E and dPm rounded to it, as
+//! matrix engines take them) and accumulate in the accumulation type; the state and adjoint passes,
+//! the final state, d initial state and the gate gradient stay in the accumulation type. Notation
+//! and gates as forward_kernels.hpp (log-gates b, epochs across full-decay tokens, decay_between).
+//! Padded rows are zero, so no product mixes two chunks, and no chunk holds two documents:
+//! documents stay isolated. Within a chunk, the masked products multiply zeros by the chunk's other
+//! values, so a non-finite value reaches the results of other tokens of its own chunk (the tiled
+//! kernels do not read them).
 //!
 //! The products go through a provider G: g(op_a, op_b, m, n, k, alpha, a, lda, stride_a, b, ldb,
 //! stride_b, beta, c, ldc, stride_c, batch) computes, for each batch entry, the row-major
@@ -57,16 +69,24 @@ struct gemm_layout {
               o = 0, bytes = 0;
 };
 
-//! The engine's layout for plan pl with storage S and accumulation A.
+//! The backward's workspace: the forward's blocks (at the same offsets; forward.bytes is the
+//! forward's size), then dO [rows, dv] and Qe [rows, dk] (S), per (head, chunk) E [dk, dv] (S),
+//! dQ, dK [rows, dk] and dV [rows, dv] (A), dB [T, H] (A), the token offsets [docs + 1] and the
+//! final states [docs, H, dk, dv] (A, for the gate gradient). bytes: the backward's size.
+struct gemm_backward_layout {
+  gemm_layout forward;
+  std::size_t dog = 0, qe = 0, e = 0, dq = 0, dk = 0, dv = 0, db = 0, cu = 0, fin = 0, bytes = 0;
+};
+
+//! The forward's blocks of plan pl (storage S, accumulation A) added to l.
 //! @throws loom::error(invalid_argument) for sizes whose products overflow index_t.
 template <class S, class A, class P>
-gemm_layout make_gemm_layout(const plan<P>& pl) {
+gemm_layout add_gemm_blocks(workspace_layout& l, const plan<P>& pl) {
   using loom::detail::checked_mul;
   constexpr std::string_view what = "linear_attention: the batched-product workspace";
   const index_t batch = checked_mul(pl.heads(), pl.chunks(), what);
   const index_t rows = checked_mul(batch, pl.chunk(), what);
   const index_t states = checked_mul(batch, checked_mul(pl.dk(), pl.dv(), what), what);
-  workspace_layout l;
   gemm_layout g;
   g.batch = batch;
   g.chunks = l.add<chunk_info>(pl.chunks());
@@ -86,6 +106,37 @@ gemm_layout make_gemm_layout(const plan<P>& pl) {
   return g;
 }
 
+//! The engine's forward layout for plan pl with storage S and accumulation A.
+//! @throws loom::error(invalid_argument) for sizes whose products overflow index_t.
+template <class S, class A, class P>
+gemm_layout make_gemm_layout(const plan<P>& pl) {
+  workspace_layout l;
+  return add_gemm_blocks<S, A>(l, pl);
+}
+
+//! The engine's backward layout for plan pl with storage S and accumulation A.
+//! @throws loom::error(invalid_argument) for sizes whose products overflow index_t.
+template <class S, class A, class P>
+gemm_backward_layout make_gemm_backward_layout(const plan<P>& pl) {
+  using loom::detail::checked_mul;
+  constexpr std::string_view what = "linear_attention: the batched-product workspace";
+  workspace_layout l;
+  gemm_backward_layout g;
+  g.forward = add_gemm_blocks<S, A>(l, pl);
+  const index_t rows = checked_mul(g.forward.batch, pl.chunk(), what), sz = checked_mul(pl.dk(), pl.dv(), what);
+  g.dog = l.add<S>(checked_mul(rows, pl.dv(), what));
+  g.qe = l.add<S>(checked_mul(rows, pl.dk(), what));
+  g.e = l.add<S>(checked_mul(g.forward.batch, sz, what));
+  g.dq = l.add<A>(checked_mul(rows, pl.dk(), what));
+  g.dk = l.add<A>(checked_mul(rows, pl.dk(), what));
+  g.dv = l.add<A>(checked_mul(rows, pl.dv(), what));
+  g.db = l.add<A>(checked_mul(pl.tokens(), pl.heads(), what));
+  g.cu = l.add<index_t>(pl.docs() + 1);
+  g.fin = l.add<A>(checked_mul(checked_mul(pl.docs(), pl.heads(), what), sz, what));
+  g.bytes = l.bytes();
+  return g;
+}
+
 //! What every elementwise pass reads and writes; copied by value into each functor.
 template <class S, class A, class Space>
 struct gemm_pass {
@@ -94,12 +145,22 @@ struct gemm_pass {
   S *qg = nullptr, *kg = nullptr, *ks = nullptr, *vg = nullptr, *s0 = nullptr, *pm = nullptr;
   const A* init = nullptr;  // [docs, H, dk, dv] or null
   A* fin = nullptr;         // [docs, H, dk, dv] or null
-  S* out = nullptr;         // o (t, h, e) at out[t * ot + h * oh + e * oe]
-  index_t ot = 0, oh = 0, oe = 0;
 
   //! Row i of chunk ci, head h, in the padded layout.
   LOOM_HD index_t row(index_t h, index_t ci, index_t i) const { return (h * p.n_chunks + ci) * p.c + i; }
   LOOM_HD index_t length(index_t ci) const { return p.chunks[ci].end - p.chunks[ci].begin; }
+  //! f_i, the factor of S0 in row i's output: scale exp(b_i), 0 after a full-decay token of the
+  //! chunk and past its end.
+  LOOM_HD A query_factor(index_t h, index_t ci, index_t i) const {
+    const index_t r0 = row(h, ci, 0);
+    return i < length(ci) && ep[r0 + i] == A(0) ? p.scale * exp_acc(b[r0 + i]) : A(0);
+  }
+  //! w_i = exp(b_{n-1} - b_i), the factor of row i's key in the chunk's own state (0 across a
+  //! full-decay token and past the chunk's end).
+  LOOM_HD A key_factor(index_t h, index_t ci, index_t i) const {
+    const index_t r0 = row(h, ci, 0), n = length(ci);
+    return i < n ? decay_between(b + r0, ep + r0, n - 1, i) : A(0);
+  }
 };
 
 //! Per (head, chunk): the log-gates b and epochs of the chunk's rows (0 past its end).
@@ -136,7 +197,7 @@ struct gemm_gather_qk {
       return;
     }
     const index_t t = g.p.chunks[at.ci].begin + at.i;
-    const A f = decay_between(g.b + g.row(at.h, at.ci, 0), g.ep + g.row(at.h, at.ci, 0), n - 1, at.i);
+    const A f = g.key_factor(at.h, at.ci, at.i);
     const S kd = g.p.k(t, at.h, at.x);
     g.qg[to] = g.p.q(t, at.h, at.x);
     g.kg[to] = kd;
@@ -173,8 +234,9 @@ struct gemm_state_pass {
   }
 };
 
-//! Per (head, chunk, row i, column j): Pm(i, j) = scale exp(b_i - b_j) Pf(i, j) for j <= i inside
-//! the chunk (0 elsewhere). A factor of 0 selects 0 (no 0 x inf).
+//! Per (head, chunk, row i, column j): Pm(i, j) = M(i, j) Pf(i, j), M(i, j) = scale exp(b_i - b_j) for
+//! j <= i inside the chunk (0 elsewhere). A factor of 0 selects 0 (no 0 x inf). The backward runs it
+//! again on dP (in Pf's block) for dPm = M dP (into Pm's block).
 template <class S, class A, class Space>
 struct gemm_mask {
   gemm_pass<S, A, Space> g;
@@ -187,29 +249,103 @@ struct gemm_mask {
   }
 };
 
-//! Per (head, chunk, row i, value column e): O (= Q S0 so far) times scale exp(b_i) (0 after a
-//! full-decay token, and past the chunk's end). A factor of 0 selects 0 (no 0 x inf).
-template <class S, class A, class Space>
+//! Per (head, chunk, row i, column x of rows of `width`): x(i) times the row's query_factor (Query)
+//! or key_factor, in place. A factor of 0 selects 0 (no 0 x inf).
+template <class S, class A, class Space, bool Query>
 struct gemm_row_scale {
   gemm_pass<S, A, Space> g;
+  A* x = nullptr;
+  index_t width = 0;
   LOOM_HD void operator()(index_t item) const {
-    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
-    const index_t r0 = g.row(at.h, at.ci, 0);
-    const A f = at.i < g.length(at.ci) && g.ep[r0 + at.i] == A(0) ? g.p.scale * exp_acc(g.b[r0 + at.i]) : A(0);
-    A& o = g.o[at.r * g.p.dv + at.x];
-    o = f == A(0) ? A(0) : o * f;
+    const gemm_item at(item, width, g.p.c, g.p.n_chunks);
+    const A f = Query ? g.query_factor(at.h, at.ci, at.i) : g.key_factor(at.h, at.ci, at.i);
+    A& y = x[at.r * width + at.x];
+    y = f == A(0) ? A(0) : y * f;
   }
 };
 
-//! Per (head, chunk, row i < n, value column e): the output into o (t, h, e).
+//! Per (head, chunk, row i < n, column x of `out`'s rows): src (rows of out.extent(2) values in the
+//! padded layout) into out (t, h, x).
 template <class S, class A, class Space>
 struct gemm_scatter {
   gemm_pass<S, A, Space> g;
+  const A* src = nullptr;
+  tensor_view<S, 3, Space> out;
   LOOM_HD void operator()(index_t item) const {
-    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
+    const index_t width = out.extent(2);
+    const gemm_item at(item, width, g.p.c, g.p.n_chunks);
     if (at.i >= g.length(at.ci)) return;
-    const index_t t = g.p.chunks[at.ci].begin + at.i;
-    g.out[t * g.ot + at.h * g.oh + at.x * g.oe] = S(g.o[at.r * g.p.dv + at.x]);
+    out(g.p.chunks[at.ci].begin + at.i, at.h, at.x) = S(src[at.r * width + at.x]);
+  }
+};
+
+//! The backward's blocks and views of one call; copied by value into each backward functor.
+template <class S, class A, class Space>
+struct gemm_adjoint {
+  gemm_pass<S, A, Space> g;
+  tensor_view<const S, 3, Space> d_o;
+  S *dog = nullptr, *qe = nullptr, *e = nullptr;  // dO, Qe [rows, .], E per (head, chunk)
+  A *adj = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr, *db = nullptr;
+  const A* dfin = nullptr;  // [docs, H, dk, dv] or null (zero)
+  A* dinit = nullptr;       // [docs, H, dk, dv] or null
+};
+
+//! Per (head, chunk, row, value column e): dO into the padded layout (zeros past the chunk's end).
+template <class S, class A, class Space>
+struct gemm_gather_do {
+  gemm_adjoint<S, A, Space> a;
+  LOOM_HD void operator()(index_t item) const {
+    const auto& g = a.g;
+    const gemm_item at(item, g.p.dv, g.p.c, g.p.n_chunks);
+    a.dog[at.r * g.p.dv + at.x] = at.i >= g.length(at.ci) ? S(0.0f) : a.d_o(g.p.chunks[at.ci].begin + at.i, at.h, at.x);
+  }
+};
+
+//! Per (head, chunk, row i, key column d): Qe = f_i Q (query_factor; 0 past the chunk's end).
+template <class S, class A, class Space>
+struct gemm_scale_q {
+  gemm_adjoint<S, A, Space> a;
+  LOOM_HD void operator()(index_t item) const {
+    const auto& g = a.g;
+    const gemm_item at(item, g.p.dk, g.p.c, g.p.n_chunks);
+    const A f = g.query_factor(at.h, at.ci, at.i);
+    const index_t at_x = at.r * g.p.dk + at.x;
+    a.qe[at_x] = f == A(0) ? S(0.0f) : S(f * static_cast<A>(g.qg[at_x]));
+  }
+};
+
+//! Per (document, head, state element): the reverse pass over the document's chunks. E of each
+//! chunk (the adjoint of the state at its end, rounded to S for the products), run <- a run + adj
+//! (decay_add; a as gemm_state_pass's), from d final state (or 0); the document's d initial state.
+template <class S, class A, class Space>
+struct gemm_adjoint_pass {
+  gemm_adjoint<S, A, Space> a;
+  LOOM_HD void operator()(index_t item) const {
+    const auto& g = a.g;
+    const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
+    A run = a.dfin ? a.dfin[dh * sz + e] : A(0);
+    for (index_t ci = g.p.doc_chunk[doc + 1]; ci-- > g.p.doc_chunk[doc];) {
+      const index_t at = (h * g.p.n_chunks + ci) * sz + e, last = g.row(h, ci, g.length(ci) - 1);
+      a.e[at] = S(run);
+      const A decay = g.ep[last] == A(0) ? exp_acc(g.b[last]) : A(0);
+      run = decay_add(decay, run, a.adj[at]);
+    }
+    if (a.dinit) a.dinit[dh * sz + e] = run;
+  }
+};
+
+//! Per (head, chunk, row i < n): dB_i = dO_i . O_i - k_i . dK_i into db (t, h) ([T, H]).
+template <class S, class A, class Space>
+struct gemm_gate_rows {
+  gemm_adjoint<S, A, Space> a;
+  LOOM_HD void operator()(index_t r) const {
+    const auto& g = a.g;
+    const index_t h = r / g.p.c / g.p.n_chunks, ci = r / g.p.c % g.p.n_chunks, i = r % g.p.c;
+    if (i >= g.length(ci)) return;
+    A s = A(0);
+    for (index_t e = 0; e < g.p.dv; ++e) s += static_cast<A>(a.dog[r * g.p.dv + e]) * g.o[r * g.p.dv + e];
+    for (index_t d = 0; d < g.p.dk; ++d) s -= static_cast<A>(g.kg[r * g.p.dk + d]) * a.dk[r * g.p.dk + d];
+    a.db[(g.p.chunks[ci].begin + i) * g.p.heads + h] = s;
   }
 };
 
@@ -238,19 +374,14 @@ struct host_gemm {
   }
 };
 
-//! The elementwise passes' state of one call: the checks of linear_attention::forward, the
-//! workspace carved at gl, the operands, gate and outputs bound.
+//! The elementwise passes' state of one call over the workspace carved at gl (nothing checked):
+//! operands, gate and chunk table bound, final states into fin (null: not written).
 template <class B, class P, class Gating, class Space>
-gemm_pass<typename P::storage_type, typename P::accum_type, Space> gemm_setup(
+gemm_pass<typename P::storage_type, typename P::accum_type, Space> gemm_bind(
     const B& b, const plan<P>& pl, const gemm_layout& gl, const Gating& gating, const operands<P, Space>& x,
-    tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
-    std::span<std::byte> ws, std::string_view call) {
+    typename P::accum_type* fin, std::span<std::byte> ws) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
-  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
-  expect_extents(o, {pl.tokens(), pl.heads(), pl.dv()}, "o");
-  check_state_out(fin, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "final_state");
-  check_workspace(ws, gl.bytes, call);
   const workspace_carver w(ws);
   gemm_pass<S, A, Space> g;
   g.p = problem_of(b, pl, gating, x, w.at<chunk_info>(gl.chunks), w.at<index_t>(gl.doc_chunk));
@@ -258,9 +389,21 @@ gemm_pass<typename P::storage_type, typename P::accum_type, Space> gemm_setup(
   g.qg = w.at<S>(gl.qg), g.kg = w.at<S>(gl.kg), g.ks = w.at<S>(gl.ks), g.vg = w.at<S>(gl.vg);
   g.s0 = w.at<S>(gl.s0), g.pm = w.at<S>(gl.pm);
   g.init = present(x.initial_state) ? x.initial_state.data() : nullptr;
-  g.fin = present(fin) ? fin.data() : nullptr;
-  g.out = o.data(), g.ot = o.stride(0), g.oh = o.stride(1), g.oe = o.stride(2);
+  g.fin = fin;
   return g;
+}
+
+//! The forward's checks (those of linear_attention::forward), then gemm_bind.
+template <class B, class P, class Gating, class Space>
+gemm_pass<typename P::storage_type, typename P::accum_type, Space> gemm_setup(
+    const B& b, const plan<P>& pl, const gemm_layout& gl, const Gating& gating, const operands<P, Space>& x,
+    tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
+    std::span<std::byte> ws, std::string_view call) {
+  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
+  expect_extents(o, {pl.tokens(), pl.heads(), pl.dv()}, "o");
+  check_state_out(fin, pl.docs(), pl.heads(), pl.dk(), pl.dv(), "final_state");
+  check_workspace(ws, gl.bytes, call);
+  return gemm_bind(b, pl, gl, gating, x, present(fin) ? fin.data() : nullptr, ws);
 }
 
 //! The first phase: gates, the padded operands, every chunk's own state L = Ks^T V, and the pass
@@ -280,11 +423,11 @@ void gemm_states(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout
   for_each_index(b, pl.docs() * heads * dk * dv, gemm_state_pass<S, A, Space>{g});
 }
 
-//! The second phase: the scores, the inter-chunk term Q S0, the mask and row scale, the intra-chunk
-//! term, and the outputs scattered to o.
+//! The second phase's products: the scores Pf, the inter-chunk term Q S0, the mask (Pm) and row
+//! scale, the intra-chunk term: the outputs in O (padded, accumulation type).
 template <class B, class G, class P, class S, class A, class Space>
-void gemm_outputs(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl,
-                  const gemm_pass<S, A, Space>& g) {
+void gemm_output_products(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl,
+                          const gemm_pass<S, A, Space>& g) {
   const index_t c = pl.chunk(), dk = pl.dk(), dv = pl.dv();
   const index_t batch = gl.batch, rows = batch * c;
   if (batch == 0) return;
@@ -295,10 +438,17 @@ void gemm_outputs(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
   gemm(gemm_op::n, gemm_op::n, c, dv, dk, one, static_cast<const S*>(g.qg), dk, c * dk, static_cast<const S*>(g.s0), dv,
        dk * dv, zero, g.o, dv, c * dv, batch);
   for_each_index(b, rows * c, gemm_mask<S, A, Space>{g});
-  for_each_index(b, rows * dv, gemm_row_scale<S, A, Space>{g});
+  for_each_index(b, rows * dv, gemm_row_scale<S, A, Space, true>{g, g.o, dv});
   gemm(gemm_op::n, gemm_op::n, c, dv, c, one, static_cast<const S*>(g.pm), c, c * c, static_cast<const S*>(g.vg), dv,
        c * dv, one, g.o, dv, c * dv, batch);
-  for_each_index(b, rows * dv, gemm_scatter<S, A, Space>{g});
+}
+
+//! The second phase: the output products, then the outputs scattered to o.
+template <class B, class G, class P, class S, class A, class Space>
+void gemm_outputs(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout& gl, const gemm_pass<S, A, Space>& g,
+                  tensor_view<S, 3, Space> o) {
+  gemm_output_products(b, gemm, pl, gl, g);
+  if (gl.batch > 0) for_each_index(b, gl.batch * pl.chunk() * pl.dv(), gemm_scatter<S, A, Space>{g, g.o, o});
 }
 
 //! The forward of plan pl through provider gemm on backend b, with the engine's layout gl (from
@@ -310,7 +460,96 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
                   tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws, std::string_view call) {
   const auto g = gemm_setup(b, pl, gl, gating, x, o, fin, ws, call);
   gemm_states(b, gemm, pl, gl, g);
-  gemm_outputs(b, gemm, pl, gl, g);
+  gemm_outputs(b, gemm, pl, gl, g, o);
+}
+
+//! The backward of plan pl (as linear_attention::backward: the same checks, the same gradients)
+//! through provider gemm on backend b, with the engine's backward layout bl (from
+//! make_gemm_backward_layout for pl) in `ws`: the forward's states and output products (O kept),
+//! then per (head, chunk) batch entry
+//!   adj = Qe^T dO      the chunk's adjoint sum (Qe: rows of Q times f_i, the factor of S0)
+//!   E   = the reverse pass over the chunks of each document (adj, the chunk decays, d final state)
+//!   dV  = row-scale_w(K E) + Pm^T dO        dP = dO V^T, dPm = M dP
+//!   dQ  = row-scale_f(dO S0^T) + dPm K      dK = row-scale_w(V E^T) + dPm^T Q
+//! (w_j = key_factor, f_i = query_factor), for scalar_gate dB_i = dO_i . O_i - k_i . dK_i and the
+//! gate gradient (gate_gradient_kernel: the reverse cumulative sum per document from
+//! <S_fin, dS_fin>), and the gradients scattered. Allocates nothing; no fence.
+template <class B, class G, class P, class Gating, class Space>
+void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_backward_layout& bl, const Gating& gating,
+                   const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
+                   tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& grads,
+                   std::span<std::byte> ws, std::string_view call) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
+  check_backward_args<Gating>(pl, d_o, dfin, grads);
+  check_workspace(ws, bl.bytes, call, "plan.backward_workspace_bytes()");
+  constexpr bool gated = is_scalar_gate<Gating>;
+  const bool with_fin = gated && present(dfin);
+  const workspace_carver w(ws);
+  const gemm_layout& gl = bl.forward;
+  gemm_adjoint<S, A, Space> a;
+  a.g = gemm_bind(b, pl, gl, gating, x, with_fin ? w.at<A>(bl.fin) : nullptr, ws);
+  a.d_o = d_o;
+  a.dog = w.at<S>(bl.dog), a.qe = w.at<S>(bl.qe), a.e = w.at<S>(bl.e);
+  a.adj = a.g.l;  // L is spent once the state pass has run
+  a.dq = w.at<A>(bl.dq), a.dk = w.at<A>(bl.dk), a.dv = w.at<A>(bl.dv), a.db = w.at<A>(bl.db);
+  a.dfin = present(dfin) ? dfin.data() : nullptr;
+  a.dinit = present(grads.d_initial_state) ? grads.d_initial_state.data() : nullptr;
+  const auto& g = a.g;
+  gemm_states(b, gemm, pl, gl, g);
+  gemm_output_products(b, gemm, pl, gl, g);
+  const index_t c = pl.chunk(), dk = pl.dk(), dv = pl.dv(), batch = gl.batch, rows = batch * c;
+  const A one = A(1), zero = A(0);
+  const auto cs = [](const S* p) { return p; };
+  if (batch > 0) {
+    for_each_index(b, rows * dv, gemm_gather_do<S, A, Space>{a});
+    for_each_index(b, rows * dk, gemm_scale_q<S, A, Space>{a});
+    // adj = Qe^T dO per chunk
+    gemm(gemm_op::t, gemm_op::n, dk, dv, c, one, cs(a.qe), dk, c * dk, cs(a.dog), dv, c * dv, zero, a.adj, dv, dk * dv,
+         batch);
+  }
+  for_each_index(b, pl.docs() * pl.heads() * dk * dv, gemm_adjoint_pass<S, A, Space>{a});
+  if (batch > 0) {
+    // dV = row-scale_w(K E) + Pm^T dO
+    gemm(gemm_op::n, gemm_op::n, c, dv, dk, one, cs(g.kg), dk, c * dk, cs(a.e), dv, dk * dv, zero, a.dv, dv, c * dv,
+         batch);
+    for_each_index(b, rows * dv, gemm_row_scale<S, A, Space, false>{g, a.dv, dv});
+    gemm(gemm_op::t, gemm_op::n, c, dv, c, one, cs(g.pm), c, c * c, cs(a.dog), dv, c * dv, one, a.dv, dv, c * dv,
+         batch);
+    // dP = dO V^T (into Pf's block), dPm = M dP (into Pm's: Pm is spent)
+    gemm(gemm_op::n, gemm_op::t, c, c, dv, one, cs(a.dog), dv, c * dv, cs(g.vg), dv, c * dv, zero, g.pf, c, c * c,
+         batch);
+    for_each_index(b, rows * c, gemm_mask<S, A, Space>{g});
+    // dQ = row-scale_f(dO S0^T) + dPm K
+    gemm(gemm_op::n, gemm_op::t, c, dk, dv, one, cs(a.dog), dv, c * dv, cs(g.s0), dv, dk * dv, zero, a.dq, dk, c * dk,
+         batch);
+    for_each_index(b, rows * dk, gemm_row_scale<S, A, Space, true>{g, a.dq, dk});
+    gemm(gemm_op::n, gemm_op::n, c, dk, c, one, cs(g.pm), c, c * c, cs(g.kg), dk, c * dk, one, a.dq, dk, c * dk, batch);
+    // dK = row-scale_w(V E^T) + dPm^T Q
+    gemm(gemm_op::n, gemm_op::t, c, dk, dv, one, cs(g.vg), dv, c * dv, cs(a.e), dv, dk * dv, zero, a.dk, dk, c * dk,
+         batch);
+    for_each_index(b, rows * dk, gemm_row_scale<S, A, Space, false>{g, a.dk, dk});
+    gemm(gemm_op::t, gemm_op::n, c, dk, c, one, cs(g.pm), c, c * c, cs(g.qg), dk, c * dk, one, a.dk, dk, c * dk, batch);
+  }
+  if constexpr (gated) {
+    const index_t doc_items = pl.docs() * pl.heads();
+    if (batch > 0) for_each_index(b, rows, gemm_gate_rows<S, A, Space>{a});
+    index_t* cu = const_cast<index_t*>(pl.offsets().data());
+    if constexpr (!Space::host_accessible) {
+      cu = w.at<index_t>(bl.cu);
+      upload(b, cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
+    }
+    if (doc_items > 0)
+      for_each_index(
+          b, doc_items,
+          gate_gradient_kernel<A, Space>{cu, pl.docs(), pl.heads(), dk * dv, a.db, g.fin, a.dfin, grads.d_log_gate});
+  }
+  if (batch > 0) {
+    for_each_index(b, rows * dk, gemm_scatter<S, A, Space>{g, a.dq, grads.dq});
+    for_each_index(b, rows * dk, gemm_scatter<S, A, Space>{g, a.dk, grads.dk});
+    for_each_index(b, rows * dv, gemm_scatter<S, A, Space>{g, a.dv, grads.dv});
+  }
 }
 
 //! The forward with a state X entering document 0 from outside (LASP-2; the contract of
@@ -342,7 +581,7 @@ bool gemm_forward_incoming(const B& b, const G& gemm, const plan<P>& pl, const g
     g0.init = xin;
     for_each_index(b, one, gemm_state_pass<S, A, Space>{g0});
   }
-  gemm_outputs(b, gemm, pl, gl, g);
+  gemm_outputs(b, gemm, pl, gl, g, o);
   return with_x;
 }
 
