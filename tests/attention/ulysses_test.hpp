@@ -1019,3 +1019,93 @@ TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs t
   });
   CHECK(lt::all_contain(what, "sequence_parallel::make_plan: options.only = ulysses is not feasible"));
 }
+
+namespace {
+// make_plan's steps with the local step of every ring (the ring variants and the hybrid's inner
+// ring) on a fused band-mask engine, the reference of fused_reference.hpp that reads the tables a
+// cuDNN engine reads: ring_cudnn.cuh's cudnn_steps with the reference in cuDNN's place. Ulysses
+// keeps loom's kernel (over cuDNN its local step is one attention::cudnn plan).
+struct reference_steps {
+  template <loom::precision_policy P, class B, loom::comm::communicator C, class V>
+  auto ring(const B& b, C& comm, V, const shard::plan& sh, const la::head_shape& s, const la::options& o) const {
+    using T = typename P::storage_type;
+    using Acc = typename P::accum_type;
+    return la::ring::detail::make_fused_plan<P, V>(
+        b, comm, sh, s, o, "ring::make_plan (fused reference)", 7, [&](const la::detail::fused_program& prog, index_t) {
+          return std::make_shared<lt::band_engine<T, Acc>>(prog, s, la::detail::scale_of<Acc>(o, s.dim_qk));
+        });
+  }
+  template <loom::precision_policy P, class B, loom::comm::communicator C>
+  auto ulysses(const B& b, C& comm, const shard::plan& sh, const la::head_shape& s, const la::options& o) const {
+    return lu::make_plan<P>(b, comm, sh, s, o);
+  }
+  template <loom::precision_policy P, class B, loom::comm::communicator C>
+  auto hybrid(const B& b, C& comm, const shard::plan& sh, const la::head_shape& s, const la::options& o) const {
+    using inner = decltype(ring<P>(b, comm, la::ring::pass_kv{}, sh, s, o));
+    return lh::detail::hybrid_maker::make<inner, P>(
+        b, comm, sh, s, o, "hybrid::make_plan (fused reference)",
+        [&](const lh::grid& grid) { lh::detail::require_dense_heads(s, grid.ulysses, "hybrid"); },
+        [&](C& rc, const shard::plan& sp, const la::head_shape& hs) {
+          return ring<P>(b, rc, la::ring::pass_kv{}, sp, hs, o);
+        });
+  }
+};
+}  // namespace
+
+TEST_CASE("sequence_parallel: the pick runs on the steps make_plan was given (a fused engine in every ring)",
+          "[attention][planner][sequence_parallel][fused]") {
+  struct cfg {
+    index_t hq, hkv;
+    lp::strategy only;
+    lsp::sharding layout;
+  };
+  const std::vector<cfg> cfgs{
+      {4, 2, lp::strategy::ring_pass_kv, lsp::sharding::zigzag},
+      {4, 2, lp::strategy::ring_pass_q, lsp::sharding::per_document},
+      {4, 2, lp::strategy::all_gather_kv, lsp::sharding::contiguous},
+      {4, 4, lp::strategy::ulysses, lsp::sharding::zigzag},
+      {2, 2, lp::strategy::hybrid, lsp::sharding::zigzag},
+  };
+  const int p = 4;
+  std::uint64_t seed = 1210;
+  for (const auto& c : cfgs) {
+    const auto g = make_global({0, 0, c.hq, c.hkv, 8, 8, true}, docs, seed += 10);
+    INFO(lp::to_string(c.only));
+    std::vector<int> fused(p, -1);
+    const auto res = run<double>(
+        g, p, true,
+        [&](auto& comm, const auto& be) {
+          lsp::options o;
+          o.attention = opts_of(g.s);
+          o.machine = {1e12, 1e10};
+          o.layout = c.layout;
+          o.only = c.only;
+          auto sp = lsp::detail::make_plan_with<loom::fp64>(be, comm, reference_steps{},
+                                                            loom::segments<>(std::span<const index_t>(g.cu)),
+                                                            shape_of(g.s), o, "sequence_parallel::make_plan (test)");
+          using Plan = decltype(sp);
+          using Engine = lt::band_engine<double, double>;
+          using B = std::remove_cvref_t<decltype(be)>;
+          using Comm = std::remove_cvref_t<decltype(comm)>;
+          static_assert(std::is_same_v<typename Plan::ring_q_plan,
+                                       la::ring::fused_plan<B, loom::fp64, Engine, la::ring::pass_q>>);
+          static_assert(std::is_same_v<typename Plan::hybrid_plan,
+                                       lh::plan<B, Comm, loom::fp64, la::ring::fused_plan<B, loom::fp64, Engine>>>);
+          // The concrete plan is the steps' (a fused ring plan, or a hybrid over one), not loom's kernel.
+          const auto& cp = sp.concrete();
+          fused[static_cast<std::size_t>(comm.rank())] =
+              std::visit([](const auto& x) { return static_cast<int>(requires { x.fused(); }); }, cp) +
+              static_cast<int>(std::holds_alternative<typename Plan::hybrid_plan>(cp));
+          CHECK(sp.kind() == c.only);
+          return sp;
+        },
+        [](const auto& be, auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto ws) {
+          lsp::forward(be, comm, plan, q, k, v, o, l, ws);
+        },
+        [](const auto& be, auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto d, auto dq,
+           auto dk, auto dv, auto ws) { lsp::backward(be, comm, plan, q, k, v, o, l, d, dq, dk, dv, ws); });
+    const int want = c.only == lp::strategy::ulysses ? 0 : 1;
+    for (int f : fused) CHECK(f == want);
+    check(res, g, true, {1e-10, 1e-10}, lp::to_string(c.only));
+  }
+}

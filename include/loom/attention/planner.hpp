@@ -65,6 +65,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -331,8 +332,54 @@ inline shard::plan shard_of(const loom::segments<>& documents, int ranks, shardi
 
 }  // namespace detail
 
-template <class B, class C, precision_policy P>
+//! How make_plan makes the concrete plan of its pick, i.e. which local step the strategies run:
+//! loom's own attention kernel. ring_cudnn.cuh's make_plan(b, comm, cudnn::fused{}, ...) runs the
+//! pick through cuDNN's fused attention instead. A steps type has const members
+//!   ring<P>(b, comm, variant, sharding, shape, opts)      (pass_kv, pass_q, all_gather_kv)
+//!   ulysses<P>(b, comm, sharding, shape, opts)
+//!   hybrid<P>(b, comm, ring_sharding, shape, opts)
+//! each returning the concrete plan that ring::, ulysses:: or hybrid::forward / backward take.
+struct loom_kernel {
+  template <precision_policy P, class B, comm::communicator C, class V>
+  auto ring(const B& b, C& comm, V v, const shard::plan& sh, const attention::head_shape& s,
+            const attention::options& o) const {
+    return attention::ring::make_plan<P>(b, comm, v, sh, s, o);
+  }
+  template <precision_policy P, class B, comm::communicator C>
+  auto ulysses(const B& b, C& comm, const shard::plan& sh, const attention::head_shape& s,
+               const attention::options& o) const {
+    return attention::ulysses::make_plan<P>(b, comm, sh, s, o);
+  }
+  template <precision_policy P, class B, comm::communicator C>
+  auto hybrid(const B& b, C& comm, const shard::plan& sh, const attention::head_shape& s,
+              const attention::options& o) const {
+    return attention::hybrid::make_plan<P>(b, comm, sh, s, o);
+  }
+};
+
+template <class B, class C, precision_policy P, class Steps>
 class plan;
+
+namespace detail {
+//! The concrete plan types of a steps type (see loom_kernel).
+template <class Steps, precision_policy P, class B, class C, class V>
+using ring_plan_of = decltype(std::declval<const Steps&>().template ring<P>(
+    std::declval<const B&>(), std::declval<C&>(), V{}, std::declval<const shard::plan&>(),
+    std::declval<const attention::head_shape&>(), std::declval<const attention::options&>()));
+template <class Steps, precision_policy P, class B, class C>
+using ulysses_plan_of = decltype(std::declval<const Steps&>().template ulysses<P>(
+    std::declval<const B&>(), std::declval<C&>(), std::declval<const shard::plan&>(),
+    std::declval<const attention::head_shape&>(), std::declval<const attention::options&>()));
+template <class Steps, precision_policy P, class B, class C>
+using hybrid_plan_of = decltype(std::declval<const Steps&>().template hybrid<P>(
+    std::declval<const B&>(), std::declval<C&>(), std::declval<const shard::plan&>(),
+    std::declval<const attention::head_shape&>(), std::declval<const attention::options&>()));
+
+//! The body of every make_plan: the agreement, the pick, the concrete plan made by `steps`.
+template <precision_policy P, class B, comm::communicator C, class Steps>
+plan<B, C, P, Steps> make_plan_with(const B& b, C& comm, const Steps& steps, const loom::segments<>& documents,
+                                    const attention::head_shape& s, const options& opt, std::string_view call);
+}  // namespace detail
 
 //! Picks a strategy for this layer with the planner's cost model (or options.only) and plans it
 //! on this rank. documents: the whole sequence's documents (the same on every rank); s: heads and
@@ -340,22 +387,26 @@ class plan;
 //! @throws loom::error(invalid_argument) on every rank: the planner's errors (shape, machine), a
 //! forced strategy that is not feasible, the concrete make_plan's errors, ranks disagreeing.
 template <precision_policy P = fp32, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const attention::head_shape& s,
-                        const options& opt = {});
+plan<B, C, P, loom_kernel> make_plan(const B& b, C& comm, const loom::segments<>& documents,
+                                     const attention::head_shape& s, const options& opt = {}) {
+  return detail::make_plan_with<P>(b, comm, loom_kernel{}, documents, s, opt, "sequence_parallel::make_plan");
+}
 
 //! The plan of the strategy make_plan picked, on one rank: its choice (inspect it with
 //! choice().explain()), the layout of the rows every rank holds and the concrete plan. Immutable;
-//! readable from several threads (calls: as the concrete plan allows).
-template <class B, class C, precision_policy P = fp32>
+//! readable from several threads (calls: as the concrete plan allows). Steps: how the concrete plan
+//! was made (loom_kernel: loom's attention kernel).
+template <class B, class C, precision_policy P = fp32, class Steps = loom_kernel>
 class plan {
  public:
   //! An empty plan (make one with make_plan).
   plan() = default;
-  using ring_kv_plan = attention::ring::plan<attention::ring::pass_kv, B, P>;
-  using ring_q_plan = attention::ring::plan<attention::ring::pass_q, B, P>;
-  using ring_ag_plan = attention::ring::plan<attention::ring::all_gather_kv, B, P>;
-  using ulysses_plan = attention::ulysses::plan<B, P>;
-  using hybrid_plan = attention::hybrid::plan<B, C, P>;
+  using steps_type = Steps;
+  using ring_kv_plan = detail::ring_plan_of<Steps, P, B, C, attention::ring::pass_kv>;
+  using ring_q_plan = detail::ring_plan_of<Steps, P, B, C, attention::ring::pass_q>;
+  using ring_ag_plan = detail::ring_plan_of<Steps, P, B, C, attention::ring::all_gather_kv>;
+  using ulysses_plan = detail::ulysses_plan_of<Steps, P, B, C>;
+  using hybrid_plan = detail::hybrid_plan_of<Steps, P, B, C>;
   //! The concrete plan of the pick: index 1 + static_cast<int>(strategy) (never monostate once
   //! made).
   using concrete_plan =
@@ -413,19 +464,18 @@ class plan {
   explicit plan(std::shared_ptr<const state> s) : s_(std::move(s)) {}
   std::shared_ptr<const state> s_;
 
-  template <precision_policy Q, class B2, comm::communicator C2>
-  friend plan<B2, C2, Q> make_plan(const B2&, C2&, const loom::segments<>&, const attention::head_shape&,
-                                   const options&);
+  template <precision_policy Q, class B2, comm::communicator C2, class S2>
+  friend plan<B2, C2, Q, S2> detail::make_plan_with(const B2&, C2&, const S2&, const loom::segments<>&,
+                                                    const attention::head_shape&, const options&, std::string_view);
 };
 
-template <precision_policy P, class B, comm::communicator C>
-plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, const attention::head_shape& s,
-                        const options& opt) {
-  constexpr std::string_view call = "sequence_parallel::make_plan";
+template <precision_policy P, class B, comm::communicator C, class Steps>
+plan<B, C, P, Steps> detail::make_plan_with(const B& b, C& comm, const Steps& steps, const loom::segments<>& documents,
+                                            const attention::head_shape& s, const options& opt, std::string_view call) {
   using T = typename P::storage_type;
   using Acc = typename P::accum_type;
   namespace lp = attention::planner;
-  using state = typename plan<B, C, P>::state;
+  using state = typename plan<B, C, P, Steps>::state;
   auto st = std::make_shared<state>();
   st->ranks = comm.size();
   st->me = comm.rank();
@@ -461,33 +511,33 @@ plan<B, C, P> make_plan(const B& b, C& comm, const loom::segments<>& documents, 
   st->sharding = detail::shard_of(documents, best.kind == strategy::hybrid ? best.ring : comm.size(), opt.layout);
   const shard::plan& sh = st->sharding;
   namespace ring = attention::ring;
+  const attention::options& ao = opt.attention;
   switch (best.kind) {
     case strategy::ring_pass_kv:
-      st->plan.template emplace<1>(ring::make_plan<P>(b, comm, ring::pass_kv{}, sh, s, opt.attention));
+      st->plan.template emplace<1>(steps.template ring<P>(b, comm, ring::pass_kv{}, sh, s, ao));
       break;
     case strategy::ring_pass_q:
-      st->plan.template emplace<2>(ring::make_plan<P>(b, comm, ring::pass_q{}, sh, s, opt.attention));
+      st->plan.template emplace<2>(steps.template ring<P>(b, comm, ring::pass_q{}, sh, s, ao));
       break;
     case strategy::all_gather_kv:
-      st->plan.template emplace<3>(ring::make_plan<P>(b, comm, ring::all_gather_kv{}, sh, s, opt.attention));
+      st->plan.template emplace<3>(steps.template ring<P>(b, comm, ring::all_gather_kv{}, sh, s, ao));
       break;
     case strategy::ulysses:
-      st->plan.template emplace<4>(attention::ulysses::make_plan<P>(b, comm, sh, s, opt.attention));
+      st->plan.template emplace<4>(steps.template ulysses<P>(b, comm, sh, s, ao));
       break;
     case strategy::hybrid:
-      st->plan.template emplace<5>(attention::hybrid::make_plan<P>(b, comm, sh, s, opt.attention));
+      st->plan.template emplace<5>(steps.template hybrid<P>(b, comm, sh, s, ao));
       break;
   }
-  return plan<B, C, P>(std::move(st));
+  return plan<B, C, P, Steps>(std::move(st));
 }
 
 //! The same from documents in the backend's memory: read once here (a copy and a fence of b),
 //! checked like host offsets, then planned as above (the shard plans are host objects).
 template <precision_policy P = fp32, class B, comm::communicator C, memory_space Space>
-requires(!std::is_same_v<Space, host_memory>) plan<B, C, P> make_plan(const B& b, C& comm,
-                                                                      const loom::segments<Space>& documents,
-                                                                      const attention::head_shape& s,
-                                                                      const options& opt = {}) {
+requires(!std::is_same_v<Space, host_memory>) plan<B, C, P, loom_kernel> make_plan(
+    const B& b, C& comm, const loom::segments<Space>& documents, const attention::head_shape& s,
+    const options& opt = {}) {
   return loom::detail::with_host_segments(
       b, documents, [&](const loom::segments<>& h) { return sequence_parallel::make_plan<P>(b, comm, h, s, opt); });
 }
@@ -495,17 +545,18 @@ requires(!std::is_same_v<Space, host_memory>) plan<B, C, P> make_plan(const B& b
 //! Runs the picked strategy's forward on its plan: allocates nothing. Views: this rank's rows
 //! (plan.tokens(rank)), shapes as ulysses.hpp; workspace: plan.workspace_bytes().
 //! @throws loom::error on this rank only, as the concrete forward.
-template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L>
-void forward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out, L lse,
+template <class B, class C, precision_policy P, class Steps, comm::communicator C0, class Q, class K, class V, class O,
+          class L>
+void forward(const B& b, C0& comm, const plan<B, C, P, Steps>& sp, Q q, K k, V v, O out, L lse,
              std::span<std::byte> workspace) {
   std::visit(
       [&](const auto& p) {
         using Plan = std::remove_cvref_t<decltype(p)>;
         if constexpr (std::is_same_v<Plan, std::monostate>)
           LOOM_FAIL(errc::invalid_argument, "sequence_parallel::forward: the plan was not made by make_plan");
-        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::ulysses_plan>)
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P, Steps>::ulysses_plan>)
           attention::ulysses::forward(b, comm, p, q, k, v, out, lse, workspace);
-        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P, Steps>::hybrid_plan>)
           attention::hybrid::forward(b, comm, p, q, k, v, out, lse, workspace);
         else
           attention::ring::forward(b, comm, p, q, k, v, out, lse, workspace);
@@ -514,18 +565,18 @@ void forward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out
 }
 
 //! Runs the picked strategy's backward on its plan (as forward).
-template <class B, class C, precision_policy P, comm::communicator C0, class Q, class K, class V, class O, class L,
-          class DO, class DQ, class DK, class DV>
-void backward(const B& b, C0& comm, const plan<B, C, P>& sp, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk, DV dv,
-              std::span<std::byte> workspace) {
+template <class B, class C, precision_policy P, class Steps, comm::communicator C0, class Q, class K, class V, class O,
+          class L, class DO, class DQ, class DK, class DV>
+void backward(const B& b, C0& comm, const plan<B, C, P, Steps>& sp, Q q, K k, V v, O out, L lse, DO dout, DQ dq, DK dk,
+              DV dv, std::span<std::byte> workspace) {
   std::visit(
       [&](const auto& p) {
         using Plan = std::remove_cvref_t<decltype(p)>;
         if constexpr (std::is_same_v<Plan, std::monostate>)
           LOOM_FAIL(errc::invalid_argument, "sequence_parallel::backward: the plan was not made by make_plan");
-        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::ulysses_plan>)
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P, Steps>::ulysses_plan>)
           attention::ulysses::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
-        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P>::hybrid_plan>)
+        else if constexpr (std::is_same_v<Plan, typename plan<B, C, P, Steps>::hybrid_plan>)
           attention::hybrid::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
         else
           attention::ring::backward(b, comm, p, q, k, v, out, lse, dout, dq, dk, dv, workspace);
