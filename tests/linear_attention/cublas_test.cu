@@ -1,7 +1,8 @@
 // linear_attention::cublas: chunked linear attention's forward through cuBLAS's strided-batched
 // products on a GPU, against the fp64 token-by-token oracle, and its backward against loom's
-// backward on the same device (the same engine runs on the CPU in gemm_engine_test.cpp). Needs a
-// GPU: registered by the cuda-gpu presets, compiled by the cuda presets.
+// backward on the same device; LASP-2 with cuBLAS as its local step, forward and backward (the
+// same engine runs on the CPU in gemm_engine_test.cpp and the LASP-2 tests). Needs a GPU:
+// registered by the cuda-gpu presets, compiled by the cuda presets.
 
 #define LOOM_TEST_BACKEND_CUDA 1
 #include <loom/comm/device_local.hpp>
@@ -208,6 +209,73 @@ void check_backward(const problem& p0, index_t chunk, const std::string& what) {
   }
 }
 
+// LASP-2's forward then backward on P ranks of comm::device_local (one GPU), slices of about T / P
+// tokens, both local steps on cuBLAS (products = true) or on loom's kernels: the gradients
+// gathered, the initial-state gradients summed (each written by one rank).
+template <class P>
+grads run_lasp2_backward(const problem& p, int ranks, index_t chunk, const std::vector<double>& d_o,
+                         const std::vector<double>& dfin, bool products) {
+  using S = typename P::storage_type;
+  using A = typename P::accum_type;
+  const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
+  grads r{std::vector<double>(p.q.size()), std::vector<double>(p.k.size()), std::vector<double>(p.v.size()),
+          std::vector<double>(p.mode == gating::scalar ? p.lg.size() : 0), std::vector<double>(p.init.size())};
+  std::mutex mu;
+  loom::comm::run_device_local(ranks, [&](loom::comm::device_local& comm, loom::cuda b) {
+    const int rk = comm.rank();
+    const index_t from = T * rk / ranks, n = T * (rk + 1) / ranks - from;
+    auto slice = [&](const std::vector<double>& x, index_t row) {
+      return std::vector<double>(x.begin() + from * row, x.begin() + (from + n) * row);
+    };
+    buffer<S> q(cast<S>(slice(p.q, H * p.dk))), k(cast<S>(slice(p.k, H * p.dk))), v(cast<S>(slice(p.v, H * p.dv))),
+        od(static_cast<std::size_t>(n * H * p.dv)), dob(cast<S>(slice(d_o, H * p.dv))),
+        dq(static_cast<std::size_t>(n * H * p.dk)), dk(static_cast<std::size_t>(n * H * p.dk)),
+        dvb(static_cast<std::size_t>(n * H * p.dv));
+    buffer<A> lg(cast<A>(slice(p.lg, H))), hlg(cast<A>(p.head_lg)), init(cast<A>(p.init)), dfb(cast<A>(dfin)),
+        fd(std::vector<A>(static_cast<std::size_t>(docs * H * sz), A(0))), xin(static_cast<std::size_t>(H * sz)),
+        dlg(static_cast<std::size_t>(n * H)), dinit(std::vector<A>(static_cast<std::size_t>(docs * H * sz), A(0)));
+    la::operands<P, cuda_memory> x{dv<const S, 3>(q.data(), {n, H, p.dk}), dv<const S, 3>(k.data(), {n, H, p.dk}),
+                                   dv<const S, 3>(v.data(), {n, H, p.dv})};
+    if (!p.init.empty()) x.initial_state = dv<const A, 4>(init.data(), {docs, H, p.dk, p.dv});
+    la::gradients<P, cuda_memory> g{dv<S, 3>(dq.data(), {n, H, p.dk}), dv<S, 3>(dk.data(), {n, H, p.dk}),
+                                    dv<S, 3>(dvb.data(), {n, H, p.dv})};
+    g.d_initial_state = dv<A, 4>(dinit.data(), {docs, H, p.dk, p.dv});
+    if (p.mode == gating::scalar) g.d_log_gate = dv<A, 2>(dlg.data(), {n, H});
+    const loom::segments<> seg{std::span<const index_t>(p.cu)};
+    const la::lasp2::options opt{.chunked = {.chunk = chunk, .scale = p.scale}};
+    auto both = [&](const auto& pl, const auto& gate) {
+      const loom::test::workspace ws(pl.workspace_bytes());
+      la::lasp2::forward(b, comm, pl, gate, x, dv<S, 3>(od.data(), {n, H, p.dv}),
+                         dv<A, 4>(fd.data(), {docs, H, p.dk, p.dv}), dv<A, 3>(xin.data(), {H, p.dk, p.dv}), ws.span());
+      la::lasp2::backward(b, comm, pl, gate, x, dv<const S, 3>(dob.data(), {n, H, p.dv}),
+                          dv<const A, 4>(dfb.data(), {docs, H, p.dk, p.dv}),
+                          dv<const A, 3>(xin.data(), {H, p.dk, p.dv}), g, ws.span());
+      loom::fence(b);
+    };
+    auto call = [&](const auto& gate) {
+      if (products)
+        both(la::lasp2::make_plan<P>(b, comm, la::cublas::batched{}, seg, from, {n, H, p.dk, p.dv}, opt), gate);
+      else
+        both(la::lasp2::make_plan<P>(b, comm, seg, from, {n, H, p.dk, p.dv}, opt), gate);
+    };
+    if (p.mode == gating::none)
+      call(la::no_decay{});
+    else if (p.mode == gating::fixed)
+      call(la::fixed_decay<A, cuda_memory>{dv<const A, 1>(hlg.data(), {H})});
+    else
+      call(la::scalar_gate<A, cuda_memory>{dv<const A, 2>(lg.data(), {n, H})});
+    const auto qh = widen(dq.to_host()), kh = widen(dk.to_host()), vh = widen(dvb.to_host()), gh = widen(dlg.to_host()),
+               ih = widen(dinit.to_host());
+    const std::lock_guard lock(mu);
+    std::copy(qh.begin(), qh.end(), r.dq.begin() + from * H * p.dk);
+    std::copy(kh.begin(), kh.end(), r.dk.begin() + from * H * p.dk);
+    std::copy(vh.begin(), vh.end(), r.dv.begin() + from * H * p.dv);
+    if (p.mode == gating::scalar) std::copy(gh.begin(), gh.end(), r.dlg.begin() + from * H);
+    for (std::size_t i = 0; i < ih.size(); ++i) r.dinit[i] += ih[i];
+  });
+  return r;
+}
+
 const char* name(gating g) {
   return g == gating::none ? "no_decay" : g == gating::fixed ? "fixed_decay" : "scalar_gate";
 }
@@ -287,6 +355,41 @@ TEST_CASE("linear_attention::cublas: LASP-2's forward with cuBLAS as its local s
       };
       one(loom::fp32{}, " fp32");
       one(loom::bf16{}, " bf16");
+    }
+  }
+}
+
+TEST_CASE("linear_attention::cublas: LASP-2's backward with cuBLAS as its local step against the oracle",
+          "[linear_attention][cublas][lasp2][backward][gpu]") {
+  // Against the fp64 oracle and against LASP-2's backward on loom's kernels on the same device.
+  const index_t T = 1009;
+  for (const auto mode : {gating::none, gating::fixed, gating::scalar}) {
+    const auto p0 = loom::test::la::make_problem(T, 3, 16, 24, mode, loom::test::la::random_docs(T, 4, 92), true, 93);
+    for (const int ranks : {1, 2, 3, 4}) {
+      const std::string what = std::string(name(mode)) + " P=" + std::to_string(ranks);
+      auto one = [&]<class P>(P, const char* prec) {
+        using loom::test::la::scaled_tol;
+        const problem p = loom::test::la::rounded<P>(p0);
+        const auto d_o =
+            widen(cast<typename P::storage_type>(loom::test::uniform<double>(p.T * p.H * p.dv, -1, 1, 94)));
+        const auto dfin =
+            widen(cast<typename P::accum_type>(loom::test::uniform<double>(p.docs() * p.H * p.dk * p.dv, -1, 1, 95)));
+        const auto want = loom::test::la::oracle(p, &d_o, &dfin);
+        const auto got = run_lasp2_backward<P>(p, ranks, 64, d_o, dfin, true);
+        const auto kernels = run_lasp2_backward<P>(p, ranks, 64, d_o, dfin, false);
+        const std::string w = what + prec;
+        loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), w + " dq");
+        loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), w + " dk");
+        loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), w + " dv");
+        loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), w + " d initial state");
+        if (mode == gating::scalar)
+          loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), w + " d log gate");
+        loom::test::require_close(got.dq, kernels.dq, scaled_tol<P>(kernels.dq), w + " dq against loom's kernels");
+        loom::test::require_close(got.dk, kernels.dk, scaled_tol<P>(kernels.dk), w + " dk against loom's kernels");
+        loom::test::require_close(got.dv, kernels.dv, scaled_tol<P>(kernels.dv), w + " dv against loom's kernels");
+      };
+      one(loom::fp64{}, " fp64");
+      one(loom::fp32{}, " fp32");
     }
   }
 }

@@ -2,9 +2,10 @@
 // (fp64, serial, itself checked against the oracle): documents crossing ranks, empty and
 // single-token documents, every gating, both exchanges and (host memory) both forward schedules;
 // bitwise exact on small integers; one agreement per plan, the exchange's traffic counted byte for
-// byte and nothing allocated per plan-taking call; on the stand-in, 50 seeds of stream delays give
-// the same bits. One body, run on host memory (serial, comm::local) and on the device stand-in
-// (comm::standin): support/distributed.hpp.
+// byte and nothing allocated per plan-taking call; on host memory the same with both local steps
+// as batched products (the reference provider), and those against the fp64 oracle and loom's
+// kernels; on the stand-in, 50 seeds of stream delays give the same bits. One body, run on host memory (serial,
+// comm::local) and on the device stand-in (comm::standin): support/distributed.hpp.
 
 #include <loom/backend/serial.hpp>
 #include <loom/linear_attention/chunked.hpp>
@@ -23,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "isolation_checks.hpp"
 #include "lasp2_ranks.hpp"
 
 using loom::index_t;
@@ -124,6 +126,53 @@ TEST_CASE("lasp2 over ranks equals single-device chunked attention", "[linear_at
     }
 }
 
+namespace {
+
+//! LASP-2 with both local steps through batched products (the reference provider; on cuBLAS:
+//! linear_attention::cublas::batched) on P ranks, documents crossing every slice boundary (P = 5:
+//! rank 1's slice is empty, inside a document), against the fp64 oracle at the oracle checks'
+//! tolerances and against LASP-2 on loom's kernels with the same plan inputs.
+template <class Prec>
+void check_products(int P, gating mode, const std::string& what) {
+  using S = typename Prec::storage_type;
+  using A = typename Prec::accum_type;
+  using products = lin::detail::host_products;
+  const index_t T = 157, H = 2, dk = 4, dv = 3;
+  const problem p = lt::la::rounded<Prec>(lt::la::make_problem(T, H, dk, dv, mode, mixed_docs, true, 80));
+  const auto d_o = lt::la::rounded_to<S>(lt::uniform<double>(T * H * dv, -1, 1, 81));
+  const auto dfin = lt::la::rounded_to<A>(lt::uniform<double>(p.docs() * H * dk * dv, -1, 1, 82));
+  const auto want = lt::la::oracle(p, &d_o, &dfin);
+  const std::vector<index_t> cut = P == 1   ? std::vector<index_t>{0, T}
+                                   : P == 2 ? std::vector<index_t>{0, 70, T}
+                                   : P == 3 ? std::vector<index_t>{0, 20, 120, T}
+                                            : std::vector<index_t>{0, 20, 20, 70, 130, T};
+  REQUIRE(cut.size() == static_cast<std::size_t>(P) + 1);
+  const lt::tolerance same = std::is_same_v<S, double> ? lt::tolerance{1e-11, 1e-11} : lt::tolerance{2e-5, 2e-5};
+  for (const auto& sc : lt::la::schedules())
+    for (index_t chunk : {7, 16}) {
+      const auto got =
+          lt::la::run_lasp2<Prec, lt::space, lt::la::ranks_under_test, products>(p, cut, d_o, dfin, sc, chunk);
+      const auto kernels = lt::la::run_lasp2<Prec>(p, cut, d_o, dfin, sc, chunk);
+      INFO(what << ", P = " << P << ", gating " << static_cast<int>(mode) << ", exchange " << static_cast<int>(sc.ex)
+                << (sc.fused ? ", chunk-parallel" : "") << ", C = " << chunk);
+      lt::la::require_oracle_close<Prec>(got, want, mode);
+      compare(got, kernels, same, what + " against loom's kernels");
+    }
+}
+
+}  // namespace
+
+TEST_CASE("lasp2 over ranks through batched products: the backward against the oracle and loom's kernels",
+          "[linear_attention][lasp2][comm][products]") {
+  // Host memory only (the reference provider reads it); the forward runs on the products too.
+  const int P = GENERATE(1, 2, 3, 5);
+  const auto mode = GENERATE(gating::none, gating::fixed, gating::scalar);
+  if constexpr (std::is_same_v<lt::space, loom::host_memory>) {
+    check_products<loom::fp64>(P, mode, "fp64");
+    check_products<loom::fp32>(P, mode, "fp32");
+  }
+}
+
 TEST_CASE("lasp2 over ranks is bitwise exact on small integers without decay", "[linear_attention][lasp2][comm]") {
   const int P = GENERATE(2, 3, 5, 7);
   const index_t T = 120;
@@ -146,9 +195,13 @@ TEST_CASE("lasp2 over ranks is bitwise exact on small integers without decay", "
   CHECK(got.dinit == want.dinit);
 }
 
-TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pass, nothing allocated per call",
-          "[linear_attention][lasp2][comm][plan]") {
-  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
+namespace {
+
+//! Per-call traffic and allocations of `calls` forward + backward pairs with one plan, its local
+//! steps on loom's kernels (Engine void) or through the products tag Engine.
+template <class Engine>
+void check_traffic(lasp2::exchange ex, const std::string& what) {
+  INFO(what);
   const int P = 3, calls = 2;
   const index_t T = 61, H = 2, dk = 3, dv = 2, docs = 3;
   const std::vector<index_t> cu{0, 25, 25, T}, splits{0, 20, 41, T};
@@ -162,8 +215,14 @@ TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pa
     auto comm = lt::counted(inner);
     const auto r = static_cast<std::size_t>(comm.rank());
     const index_t from = splits[r], n = splits[r + 1] - from;
-    const auto pl = lasp2::make_plan(b, comm, loom::segments{std::span<const index_t>(cu)}, from, {n, H, dk, dv},
-                                     {.chunked = {.chunk = 8}, .exchange = ex});
+    const lasp2::options opt{.chunked = {.chunk = 8}, .exchange = ex};
+    const auto pl = [&] {
+      if constexpr (std::is_void_v<Engine>)
+        return lasp2::make_plan(b, comm, loom::segments{std::span<const index_t>(cu)}, from, {n, H, dk, dv}, opt);
+      else
+        return lasp2::make_plan(b, comm, Engine{}, loom::segments{std::span<const index_t>(cu)}, from, {n, H, dk, dv},
+                                opt);
+    }();
     auto& mine = seen[r];
     const auto& t = comm.counts();
     mine[0] = t.collectives.load(), mine[1] = t.gathered_in.load(), mine[2] = t.messages.load();
@@ -209,6 +268,18 @@ TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pa
     CHECK(m[7] - m[3] == (gathered ? 0 : passes * (P - 1) * msg));
     CHECK(m[8] == 0);
   }
+}
+
+}  // namespace
+
+TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pass, nothing allocated per call",
+          "[linear_attention][lasp2][comm][plan]") {
+  // With loom's kernels and, on host memory, with both local steps through batched products (the
+  // reference provider): the same traffic, nothing allocated.
+  const auto ex = GENERATE(lasp2::exchange::all_gather, lasp2::exchange::posted);
+  check_traffic<void>(ex, "loom's kernels");
+  if constexpr (std::is_same_v<lt::space, loom::host_memory>)
+    check_traffic<lin::detail::host_products>(ex, "batched products");
 }
 
 TEST_CASE("lasp2 over ranks: a forward schedule the memory cannot run is rejected on every rank",

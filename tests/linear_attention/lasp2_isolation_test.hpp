@@ -2,8 +2,11 @@
 // ways of entering the incoming state): a NaN or an infinity in one document (q, k, v, its initial
 // state; d_o or its final-state gradient) leaves every other document's outputs, final states and
 // gradients with the same bits as the same run with that document clean, forward and backward.
-// Full decay (log-gates of -3e38 and -inf) matches the fp64 oracle. One body, run on host memory
-// (serial, comm::local) and on the device stand-in (comm::standin): support/distributed.hpp.
+// Full decay (log-gates of -3e38 and -inf) matches the fp64 oracle. On host memory both also with the
+// local steps as batched products (the reference provider). One body, run on host memory (serial,
+// comm::local) and on the device stand-in (comm::standin): support/distributed.hpp.
+
+#include <loom/linear_attention/detail/gemm_engine.hpp>
 
 #include <support/random.hpp>
 #include <support/tolerance.hpp>
@@ -14,6 +17,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../scan/poison.hpp"
@@ -30,6 +34,15 @@ using loom::test::la::rounded_to;
 
 namespace {
 
+//! LASP-2 on the ranks under test, its local steps on loom's kernels (Engine void) or through the
+//! products tag Engine.
+template <class P, class Engine>
+loom::test::la::outputs run(const problem& p, const std::vector<index_t>& cut, const std::vector<double>& d_o,
+                            const std::vector<double>& dfin, loom::test::la::schedule sc, index_t chunk) {
+  return loom::test::la::run_lasp2<P, loom::test::space, loom::test::la::ranks_under_test, Engine>(p, cut, d_o, dfin,
+                                                                                                   sc, chunk);
+}
+
 //! Cut points of T tokens over P ranks, every slice non-empty and the documents crossing them.
 std::vector<index_t> splits(index_t T, int ranks, std::uint64_t stream) {
   auto g = loom::test::rng(stream);
@@ -39,7 +52,8 @@ std::vector<index_t> splits(index_t T, int ranks, std::uint64_t stream) {
   return s;
 }
 
-template <class P>
+//! Engine: void (loom's kernels) or a products tag (both local steps as batched products).
+template <class P, class Engine = void>
 void isolation(const std::string& what) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
@@ -54,13 +68,13 @@ void isolation(const std::string& what) {
         const auto d_o = rounded_to<S>(loom::test::uniform<double>(T * H * dv, -1, 1, 16));
         const auto dfin = rounded_to<A>(loom::test::uniform<double>(docs * H * sz, -1, 1, 17));
         const auto cut = splits(T, ranks, 18 + static_cast<std::uint64_t>(ranks));
-        const auto want = loom::test::la::run_lasp2<P>(clean, cut, d_o, dfin, sc, 16);
+        const auto want = run<P, Engine>(clean, cut, d_o, dfin, sc, 16);
         for (input in : {input::q, input::k, input::v, input::init, input::d_o, input::d_final})
           for (index_t s : {1, 3, 4, 5, 7}) {
             const lp::value val = lp::all_values[++n % 3];
             const auto dirty = loom::test::la::poison_input<A>(clean, d_o, dfin, in, s, n, val);
             if (!dirty) continue;
-            const auto got = loom::test::la::run_lasp2<P>(dirty->p, cut, dirty->d_o, dirty->dfin, sc, 16);
+            const auto got = run<P, Engine>(dirty->p, cut, dirty->d_o, dirty->dfin, sc, 16);
             INFO(what << ", gating " << static_cast<int>(mode) << ", P = " << ranks << ", exchange "
                       << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : "") << ": " << lp::name(val)
                       << " in " << name(in) << " of document " << s << " (token " << dirty->token << ", head "
@@ -70,7 +84,7 @@ void isolation(const std::string& what) {
       }
 }
 
-template <class P>
+template <class P, class Engine = void>
 void full_decay(const std::string& what) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
@@ -93,7 +107,7 @@ void full_decay(const std::string& what) {
           const std::vector<index_t> cut = ranks == 2   ? std::vector<index_t>{0, 60, T}
                                            : ranks == 3 ? std::vector<index_t>{0, 30, 60, T}
                                                         : std::vector<index_t>{0, 30, 31, 90, T};
-          const auto got = loom::test::la::run_lasp2<P>(p, cut, d_o, dfin, sc, 7);
+          const auto got = run<P, Engine>(p, cut, d_o, dfin, sc, 7);
           INFO(what << ", log-gate " << huge << ", gating " << static_cast<int>(mode) << ", P = " << ranks
                     << ", exchange " << static_cast<int>(sc.ex) << (sc.fused ? ", chunk-parallel" : ""));
           loom::test::la::require_oracle_close<P>(got, want, mode);
@@ -107,10 +121,17 @@ TEST_CASE("lasp2 isolation: a non-finite value in one document changes no other,
           "[linear_attention][lasp2][comm][isolation]") {
   isolation<loom::fp64>("fp64");
   isolation<loom::fp32>("fp32");
+  // both local steps as batched products (the reference provider reads host memory)
+  if constexpr (std::is_same_v<loom::test::space, loom::host_memory>)
+    isolation<loom::fp64, loom::linear_attention::detail::host_products>("fp64, batched products");
 }
 
 TEST_CASE("lasp2: huge and infinite negative log-gates are full decay, across ranks",
           "[linear_attention][lasp2][comm][isolation]") {
   full_decay<loom::fp64>("fp64");
   full_decay<loom::fp32>("fp32");
+  if constexpr (std::is_same_v<loom::test::space, loom::host_memory>) {
+    full_decay<loom::fp64, loom::linear_attention::detail::host_products>("fp64, batched products");
+    full_decay<loom::fp32, loom::linear_attention::detail::host_products>("fp32, batched products");
+  }
 }

@@ -201,30 +201,37 @@ void backward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const
                                           gating, x, d_o, d_final_state, g, workspace, call);
 }
 
-//! LASP-2's forward local step on cuBLAS: lasp2::make_plan<P>(b, comm, cublas::batched{}, docs,
-//! token_begin, slice, opts) (lasp2.hpp) makes a LASP-2 plan whose forward runs the batched
-//! engine (gemm_engine.hpp: the chunk states before the exchange, document 0's again from the
-//! incoming state after it, then the outputs) on its own cuBLAS handle; the backward runs loom's
-//! kernels. Stream-ordered as lasp2::forward; the products of a call are enqueued under the
-//! engine's lock (held through the call's exchange).
+//! LASP-2's local steps on cuBLAS: lasp2::make_plan<P>(b, comm, cublas::batched{}, docs,
+//! token_begin, slice, opts) (lasp2.hpp) makes a LASP-2 plan whose forward and backward run the
+//! batched engine (gemm_engine.hpp) on its own cuBLAS handle: forward, the chunk states before the
+//! exchange, document 0's again from the incoming state after it, then the outputs; backward,
+//! gemm_backward on the slice (the segments' final states kept for the correction by the incoming
+//! adjoint) before the exchange. Stream-ordered as lasp2::forward and lasp2::backward; the products
+//! of a call are enqueued under the engine's lock (the forward holds it through the call's
+//! exchange). The backward has not run on a GPU: tested on the CPU through the reference provider.
 struct batched {
   template <class P>
   struct engine {
     static_assert(detail::storable<typename P::storage_type>,
                   "linear_attention::cublas: storage float, double, bfloat16 or half");
     linear_attention::detail::gemm_layout layout;
+    linear_attention::detail::gemm_backward_layout backward_layout;
     std::shared_ptr<detail::state> st;
 
     static std::shared_ptr<const engine> make(const loom::cuda&, const linear_attention::plan<P>& pl,
                                               std::string_view call) {
+      using S = typename P::storage_type;
+      using A = typename P::accum_type;
       auto e = std::make_shared<engine>();
-      e->layout = linear_attention::detail::make_gemm_layout<typename P::storage_type, typename P::accum_type>(pl);
+      e->layout = linear_attention::detail::make_gemm_layout<S, A>(pl);
+      e->backward_layout = linear_attention::detail::make_gemm_backward_layout<S, A>(pl);
       LOOM_EXPECTS(e->layout.batch <= std::numeric_limits<int>::max(), errc::unsupported, call, ": ", e->layout.batch,
                    " (head, chunk) pairs; cuBLAS's batch count takes at most 2^31 - 1 (raise options.chunk)");
       e->st = std::make_shared<detail::state>(call);
       return e;
     }
     [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout.bytes; }
+    [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return backward_layout.bytes; }
 
     template <class Gating>
     void forward(const loom::cuda& b, const linear_attention::plan<P>& pl, const Gating& gating,
@@ -245,6 +252,16 @@ struct batched {
       return linear_attention::detail::gemm_forward_incoming(
           b, detail::cublas_gemm{st->handle.get(), call}, pl, layout, gating, x, o, fin, ws, end_state, roles,
           std::forward<Post>(post), std::forward<Finish>(finish), call);
+    }
+    template <class Gating>
+    void backward(const loom::cuda& b, const linear_attention::plan<P>& pl, const Gating& gating,
+                  const operands<P, cuda_memory>& x, tensor_view<const typename P::storage_type, 3, cuda_memory> d_o,
+                  tensor_view<const typename P::accum_type, 4, cuda_memory> dfin,
+                  const gradients<P, cuda_memory>& grads, std::span<std::byte> ws, typename P::accum_type* fin_out,
+                  std::string_view call) const {
+      const auto lock = enter(b, call);
+      linear_attention::detail::gemm_backward(b, detail::cublas_gemm{st->handle.get(), call}, pl, backward_layout,
+                                              gating, x, d_o, dfin, grads, ws, call, fin_out);
     }
 
    private:

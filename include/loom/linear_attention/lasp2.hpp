@@ -13,6 +13,9 @@
 //! state for the chunks run after the exchange and as an added product for those run before it
 //! (docs/linear_attention.md: the schedule, and which precisions use which). Backward mirrors it: one all_gather of
 //! (product of gates, d state leaving the slice to the left) and a suffix fold.
+//! The local step of both passes: loom's chunked kernels, or, for a plan made with a products tag
+//! (make_plan(b, comm, linear_attention::cublas::batched{}, ...)), the batched dense products of
+//! gemm_engine.hpp (on cuBLAS; the backward's not run on a GPU), with the same exchanges.
 //!
 //! Communication per rank per pass: one all_gather of H (1 + dk dv) + 1 values of Accum per rank,
 //! i.e. each rank sends (H (1 + dk dv) + 1) sizeof(Accum) bytes and receives P times that,
@@ -81,7 +84,7 @@ namespace detail {
 struct access;
 }  // namespace detail
 
-//! A local engine of batched products for LASP-2's forward: Tag::engine<P> makes one per plan
+//! A local engine of batched products for LASP-2's passes: Tag::engine<P> makes one per plan
 //! (linear_attention::cublas::batched on cuBLAS; linear_attention::detail::host_products, the
 //! reference provider, in loom's CPU tests).
 template <class Tag, class P>
@@ -95,9 +98,9 @@ concept products_tag = requires {
 //! every forward / backward given it (layer after layer, step after step): such calls allocate
 //! nothing and repeat no agreement. Immutable; holds no reference to the communicator (any
 //! communicator of the same size, used on the same rank, will do). Shareable between threads for
-//! reading; each call needs its own workspace. Engine: the forward's local step, loom's chunked
-//! kernels (linear_attention::detail::kernel_step) or an engine of batched products (make_plan
-//! with a products tag); the backward runs loom's kernels either way.
+//! reading; each call needs its own workspace. Engine: the local step of both passes, loom's
+//! chunked kernels (linear_attention::detail::kernel_step) or an engine of batched products
+//! (make_plan with a products tag).
 template <precision_policy P = fp32, class Engine = linear_attention::detail::kernel_step>
 class plan {
  public:
@@ -118,7 +121,7 @@ class plan {
   std::size_t backward_workspace_bytes() const noexcept { return c_.bwd.bytes; }
   //! Bytes of a workspace that serves both passes.
   std::size_t workspace_bytes() const noexcept { return c_.fwd.bytes > c_.bwd.bytes ? c_.fwd.bytes : c_.bwd.bytes; }
-  //! The forward's engine of batched products (null for loom's kernels).
+  //! The engine of batched products of both passes (null for loom's kernels).
   const Engine* engine() const noexcept { return e_.get(); }
 
  private:
@@ -146,7 +149,7 @@ struct access {
   }
 
   //! make_plan with `check(core)` run on this rank inside the agreement (the convenience forms
-  //! check their views there); `make_engine(b, slice_plan, call)` makes the forward's engine, also
+  //! check their views there); `make_engine(b, slice_plan, call)` makes the passes' engine, also
   //! inside the agreement (a rank whose engine cannot be made fails every rank).
   template <class P, class E = linear_attention::detail::kernel_step, class B, class C, class Check,
             class MakeEngine = std::nullptr_t>
@@ -191,6 +194,7 @@ struct access {
       if constexpr (!std::is_same_v<E, linear_attention::detail::kernel_step>) {
         p.e_ = make_engine(b, c.pl, call);
         c.engine_bytes = p.e_->workspace_bytes();
+        c.engine_backward_bytes = p.e_->backward_workspace_bytes();
       }
       c.make_moves();
       c.fwd = c.make_layout(false);
@@ -230,10 +234,12 @@ plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t t
   });
 }
 
-//! Plans LASP-2 (as above) whose forward runs its local step as batched dense products through the
-//! engine of Tag (linear_attention::cublas::batched: cuBLAS's strided-batched products on
-//! loom::cuda, cublas.cuh): the chunk states before the exchange, document 0's again from the
-//! incoming state after it, then the outputs (gemm_engine.hpp). The backward runs loom's kernels.
+//! Plans LASP-2 (as above) whose forward and backward run their local steps as batched dense
+//! products through the engine of Tag (linear_attention::cublas::batched: cuBLAS's strided-batched
+//! products on loom::cuda, cublas.cuh): forward, the chunk states before the exchange, document 0's
+//! again from the incoming state after it, then the outputs; backward, gemm_backward on the slice
+//! before the exchange (gemm_engine.hpp), then the same exchange and correction by the incoming
+//! adjoint as with loom's kernels. Workspaces: the larger of the engine's and the kernels' per pass.
 //! The engine is made inside the agreement. @throws as make_plan, and what the engine's make throws.
 template <precision_policy P = fp32, backend B, comm::communicator C, class Tag, memory_space DocSpace = host_memory>
 requires products_tag<Tag, P> plan<P, typename Tag::template engine<P>> make_plan(const B& b, C& comm, Tag,
@@ -292,8 +298,12 @@ void backward(const B& b, C& comm, const plan<P, E>& pl, const Gating& gating, c
               tensor_view<const typename P::accum_type, 3, Space> incoming_state, const gradients<P, Space>& g,
               std::span<std::byte> workspace) {
   detail::check_spaces<B, C, Space>();
-  linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
-                                                   incoming_state, g, workspace);
+  if constexpr (std::is_same_v<E, linear_attention::detail::kernel_step>)
+    linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
+                                                     incoming_state, g, workspace);
+  else
+    linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
+                                                     incoming_state, g, workspace, pl.engine());
 }
 
 //! Convenience form of forward: make_plan (the precision and slice of the operands; this call's

@@ -473,12 +473,14 @@ void gemm_forward(const B& b, const G& gemm, const plan<P>& pl, const gemm_layou
 //!   dQ  = row-scale_f(dO S0^T) + dPm K      dK = row-scale_w(V E^T) + dPm^T Q
 //! (w_j = key_factor, f_i = query_factor), for scalar_gate dB_i = dO_i . O_i - k_i . dK_i and the
 //! gate gradient (gate_gradient_kernel: the reverse cumulative sum per document from
-//! <S_fin, dS_fin>), and the gradients scattered. Allocates nothing; no fence.
+//! <S_fin, dS_fin>), and the gradients scattered. fin_out (optional, [docs, H, dk, dv] in the
+//! backend's memory): receives every document's final state (LASP-2's correction by the incoming
+//! adjoint reads the last one), as run_backward's. Allocates nothing; no fence.
 template <class B, class G, class P, class Gating, class Space>
 void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_backward_layout& bl, const Gating& gating,
                    const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
                    tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& grads,
-                   std::span<std::byte> ws, std::string_view call) {
+                   std::span<std::byte> ws, std::string_view call, typename P::accum_type* fin_out = nullptr) {
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
@@ -489,7 +491,7 @@ void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_back
   const workspace_carver w(ws);
   const gemm_layout& gl = bl.forward;
   gemm_adjoint<S, A, Space> a;
-  a.g = gemm_bind(b, pl, gl, gating, x, with_fin ? w.at<A>(bl.fin) : nullptr, ws);
+  a.g = gemm_bind(b, pl, gl, gating, x, fin_out ? fin_out : with_fin ? w.at<A>(bl.fin) : nullptr, ws);
   a.d_o = d_o;
   a.dog = w.at<S>(bl.dog), a.qe = w.at<S>(bl.qe), a.e = w.at<S>(bl.e);
   a.adj = a.g.l;  // L is spent once the state pass has run
@@ -541,9 +543,9 @@ void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_back
       upload(b, cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
     }
     if (doc_items > 0)
-      for_each_index(
-          b, doc_items,
-          gate_gradient_kernel<A, Space>{cu, pl.docs(), pl.heads(), dk * dv, a.db, g.fin, a.dfin, grads.d_log_gate});
+      for_each_index(b, doc_items,
+                     gate_gradient_kernel<A, Space>{cu, pl.docs(), pl.heads(), dk * dv, a.db,
+                                                    with_fin ? g.fin : nullptr, a.dfin, grads.d_log_gate});
   }
   if (batch > 0) {
     for_each_index(b, rows * dk, gemm_scatter<S, A, Space>{g, a.dq, grads.dq});
@@ -586,19 +588,23 @@ bool gemm_forward_incoming(const B& b, const G& gemm, const plan<P>& pl, const g
 }
 
 //! The batched-product engine on the reference provider (host memory), for the CPU tests of the
-//! paths that run on cuBLAS: LASP-2's local step (lasp2::make_plan with host_products{}).
+//! paths that run on cuBLAS: LASP-2's local steps, forward and backward (lasp2::make_plan with
+//! host_products{}).
 struct host_products {
   template <class P>
   struct engine {
     gemm_layout layout;
+    gemm_backward_layout backward_layout;
     template <class B>
     static std::shared_ptr<const engine> make(const B&, const plan<P>& pl, std::string_view) {
       static_assert(backend_traits<B>::memory_space::host_accessible,
                     "host_products: the reference provider reads host memory");
-      return std::make_shared<const engine>(
-          engine{make_gemm_layout<typename P::storage_type, typename P::accum_type>(pl)});
+      using S = typename P::storage_type;
+      using A = typename P::accum_type;
+      return std::make_shared<const engine>(engine{make_gemm_layout<S, A>(pl), make_gemm_backward_layout<S, A>(pl)});
     }
     [[nodiscard]] std::size_t workspace_bytes() const noexcept { return layout.bytes; }
+    [[nodiscard]] std::size_t backward_workspace_bytes() const noexcept { return backward_layout.bytes; }
     template <class B, class Gating, class Space>
     void forward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
                  tensor_view<typename P::storage_type, 3, Space> o, tensor_view<typename P::accum_type, 4, Space> fin,
@@ -613,6 +619,13 @@ struct host_products {
                           std::string_view call) const {
       return gemm_forward_incoming(b, host_gemm{}, pl, layout, gating, x, o, fin, ws, end_state, roles,
                                    std::forward<Post>(post), std::forward<Finish>(finish), call);
+    }
+    template <class B, class Gating, class Space>
+    void backward(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x,
+                  tensor_view<const typename P::storage_type, 3, Space> d_o,
+                  tensor_view<const typename P::accum_type, 4, Space> dfin, const gradients<P, Space>& grads,
+                  std::span<std::byte> ws, typename P::accum_type* fin_out, std::string_view call) const {
+      gemm_backward(b, host_gemm{}, pl, backward_layout, gating, x, d_o, dfin, grads, ws, call, fin_out);
     }
   };
 };

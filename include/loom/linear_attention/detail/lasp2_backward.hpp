@@ -33,12 +33,16 @@ void check_backward_call(const C& comm, const B& b, const lasp2_core<P>& wk, con
   }
 }
 
-template <class P, class C, class B, class Gating, class Space>
+//! The LASP-2 backward on this rank. Engine: kernel_step (loom's kernels: run_backward), or an
+//! engine of batched products (gemm_engine.hpp: backward with the contract of gemm_backward, the
+//! segments' final states into fin_out), given by pointer.
+template <class P, class C, class B, class Gating, class Space, class Engine = kernel_step>
 void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gating& gating,
                          const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
                          tensor_view<const typename P::accum_type, 4, Space> dfin,
                          tensor_view<const typename P::accum_type, 3, Space> incoming, const gradients<P, Space>& g,
-                         std::span<std::byte> ws) {
+                         std::span<std::byte> ws, const Engine* engine = nullptr) {
+  constexpr bool kernels = std::is_same_v<Engine, kernel_step>;
   using S = typename P::storage_type;
   using A = typename P::accum_type;
   constexpr std::string_view call = "lasp2::backward";
@@ -60,8 +64,11 @@ void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gat
   move_states(b, buf.table, wk.bwd_dfin, df, dfin_loc, one);
   operands<P, Space> xl{x.q, x.k, x.v, view_of<const A, 4, Space>(init_loc, {segs, H, dk, dv})};
   gradients<P, Space> gl{g.dq, g.dk, g.dv, g.d_log_gate, view_of<A, 4, Space>(dinit_loc, {segs, H, dk, dv})};
-  run_backward(b, wk.pl, gating, xl, d_o, view_of<const A, 4, Space>(dfin_loc, {segs, H, dk, dv}), gl, buf.kernels,
-               fin_loc, call);
+  const auto dfin_view = view_of<const A, 4, Space>(dfin_loc, {segs, H, dk, dv});
+  if constexpr (kernels)
+    run_backward(b, wk.pl, gating, xl, d_o, dfin_view, gl, buf.kernels, fin_loc, call);
+  else
+    engine->backward(b, wk.pl, gating, xl, d_o, dfin_view, gl, buf.kernels, fin_loc, call);
   // The element passed to the left, y -> a y + M: identity for an empty slice; (product of the
   // gates, d state leaving the slice) when one document spans it; else a reset to the constant M
   // (the d state leaving segment 0, zero when the slice starts with a document).

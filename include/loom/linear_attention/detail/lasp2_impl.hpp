@@ -287,8 +287,9 @@ struct lasp2_core {
   int rank = 0, ranks = 1;
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
   bool posted_exchange = false;
-  std::size_t request_bytes = 0;  //!< sizeof the requests of make_plan's communicator (0: stream-ordered, none)
-  std::size_t engine_bytes = 0;   //!< the forward's local engine's workspace, when not loom's kernels
+  std::size_t request_bytes = 0;          //!< sizeof the requests of make_plan's communicator (0: stream-ordered, none)
+  std::size_t engine_bytes = 0;           //!< the local engine's forward workspace, when not loom's kernels
+  std::size_t engine_backward_bytes = 0;  //!< the local engine's backward workspace, when not loom's kernels
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
@@ -376,7 +377,8 @@ struct lasp2_core {
     w.reqs = l.add<std::byte>(
         posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
     w.table = l.add<index_t>(static_cast<index_t>(table.size()));
-    w.kernel_bytes = backward ? pl.backward_workspace_bytes() : std::max(pl.forward_workspace_bytes(), engine_bytes);
+    w.kernel_bytes = backward ? std::max(pl.backward_workspace_bytes(), engine_backward_bytes)
+                              : std::max(pl.forward_workspace_bytes(), engine_bytes);
     w.kernels = l.add<std::byte>(static_cast<index_t>(w.kernel_bytes));
     w.bytes = l.bytes();
     return w;
@@ -462,7 +464,7 @@ void check_forward_call(const C& comm, const B& b, const lasp2_core<P>& w, const
   }
 }
 
-//! The local step of a LASP-2 forward when no engine is given: loom's chunked kernels.
+//! The local step of a LASP-2 pass when no engine is given: loom's chunked kernels.
 struct kernel_step {};
 
 //! The LASP-2 forward on this rank. Engine: kernel_step (loom's kernels: run_forward /
