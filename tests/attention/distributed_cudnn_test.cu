@@ -300,3 +300,37 @@ TEST_CASE(
     CHECK(w.find("dense head shards: Ulysses rank 1 computes query heads [2, 5)") != std::string::npos);
   }
 }
+
+TEST_CASE(
+    "sequence_parallel with cuDNN: every strategy the planner can pick, forced, equals one device's cuDNN attention, "
+    "P = 4",
+    "[attention][cudnn][gpu]") {
+  if (gpus() < 1) {
+    WARN("no GPU: not run");
+    return;
+  }
+  namespace lsp = loom::sequence_parallel;
+  using strategy = la::planner::strategy;
+  const problem pb(causal());
+  const int p = 4;
+  for (const auto& [only, u] :
+       {std::pair{strategy::ring_pass_kv, 1}, std::pair{strategy::ring_pass_q, 1},
+        std::pair{strategy::all_gather_kv, 1}, std::pair{strategy::ulysses, 1}, std::pair{strategy::hybrid, 2}}) {
+    INFO(la::planner::to_string(only));
+    lsp::options o;
+    o.attention = pb.opt;
+    o.layout = lsp::sharding::zigzag;
+    o.only = only;
+    o.ulysses = only == strategy::hybrid ? u : 0;
+    // The rows every rank holds: zigzag over the P ranks, or over the R = P / U ring ranks (hybrid).
+    const auto sp = loom::shard::make_plan(std::span<const index_t>(pb.docs), p / u, loom::shard::zigzag{});
+    std::vector<int> picked(p, -1);
+    pb.check_distributed(p, {sp, u}, [&](const loom::cuda& b, loom::comm::device_local& comm) {
+      auto plan = lsp::make_plan<loom::bf16>(b, comm, la::cudnn::fused{},
+                                             loom::segments{std::span<const index_t>(pb.docs)}, pb.heads(), o);
+      picked[static_cast<std::size_t>(comm.rank())] = static_cast<int>(plan.kind());
+      return plan;
+    });
+    for (int k : picked) CHECK(k == static_cast<int>(only));
+  }
+}

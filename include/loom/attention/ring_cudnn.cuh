@@ -46,6 +46,11 @@
 //! ring_sharding, shape, opts) (below); it also needs each Ulysses rank's query heads to be one
 //! GQA block, so that the head shards the ring reads are dense.
 //!
+//! The planner's pick through cuDNN: sequence_parallel::make_plan<P>(b, comm, cudnn::fused{},
+//! documents, shape, opts) (below) picks as sequence_parallel::make_plan and makes the pick's plan
+//! over cuDNN (the ring variants and the hybrid above, Ulysses from ulysses_cudnn.cuh);
+//! sequence_parallel::forward / backward run it.
+//!
 //! The runner is tested on the CPU with a reference engine that reads the same tables
 //! (tests/attention/ring_test.hpp, serial and the device stand-in); the cuDNN form has a [gpu]
 //! case in tests/attention/distributed_cudnn_test.cu for .ci/gpu. Not run: the last GPU run,
@@ -54,6 +59,8 @@
 #include <loom/attention/cudnn.hpp>
 #include <loom/attention/detail/ring_fused.hpp>
 #include <loom/attention/hybrid.hpp>
+#include <loom/attention/planner.hpp>
+#include <loom/attention/ulysses_cudnn.cuh>
 #include <loom/backend/cuda.hpp>
 
 #include <cstddef>
@@ -214,3 +221,39 @@ plan<loom::cuda, C, P, ring::fused_plan<loom::cuda, P, cudnn::detail::ring_engin
 }
 
 }  // namespace loom::attention::hybrid
+
+namespace loom::sequence_parallel {
+
+//! make_plan's steps (planner.hpp's loom_kernel) over cuDNN's fused attention: the ring variants
+//! and the hybrid's inner ring as ring::make_plan with cudnn::fused, Ulysses as ulysses_cudnn.cuh's.
+struct cudnn_steps {
+  template <precision_policy P, class B, comm::communicator C, class V>
+  auto ring(const B& b, C& comm, V v, const shard::plan& sh, const attention::head_shape& s,
+            const attention::options& o) const {
+    return attention::ring::make_plan<P>(b, comm, v, attention::cudnn::fused{}, sh, s, o);
+  }
+  template <precision_policy P, class B, comm::communicator C>
+  auto ulysses(const B& b, C& comm, const shard::plan& sh, const attention::head_shape& s,
+               const attention::options& o) const {
+    return attention::ulysses::make_plan<P>(b, comm, attention::cudnn::fused{}, sh, s, o);
+  }
+  template <precision_policy P, class B, comm::communicator C>
+  auto hybrid(const B& b, C& comm, const shard::plan& sh, const attention::head_shape& s,
+              const attention::options& o) const {
+    return attention::hybrid::make_plan<P>(b, comm, attention::cudnn::fused{}, sh, s, o);
+  }
+};
+
+//! Picks a strategy as make_plan (planner.hpp) and plans it with cuDNN's fused attention as every
+//! step's local kernel (see the file comment); sequence_parallel::forward / backward run it.
+//! Collective over comm: make_plan's agreement, then the pick's own.
+//! @throws loom::error on every rank: as make_plan; as the pick's make_plan with cudnn::fused
+//! (unsupported: what cuDNN does not take, a head split that is not one GQA block per rank).
+template <precision_policy P = bf16, comm::communicator C>
+plan<loom::cuda, C, P, cudnn_steps> make_plan(const loom::cuda& b, C& comm, attention::cudnn::fused,
+                                              const loom::segments<>& documents, const attention::head_shape& s,
+                                              const options& opt = {}) {
+  return detail::make_plan_with<P>(b, comm, cudnn_steps{}, documents, s, opt, "sequence_parallel::make_plan (cuDNN)");
+}
+
+}  // namespace loom::sequence_parallel
