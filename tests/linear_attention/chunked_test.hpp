@@ -156,12 +156,7 @@ void check_backward(const problem& p0, index_t chunk, const std::string& what) {
   const auto dfr = widen(cast<typename P::accum_type>(dfin));
   const auto want = loom::test::la::oracle(p, &dor, &dfr);
   const auto got = run<P>(p, chunk, d_o, dfin);
-  loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), what + " dq");
-  loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), what + " dk");
-  loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), what + " dv");
-  loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), what + " d initial state");
-  if (p.mode == gating::scalar)
-    loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), what + " d log gate");
+  loom::test::la::require_gradients_close<P>(got, want, p.mode == gating::scalar, what);
 }
 
 const char* name(gating g) {

@@ -197,15 +197,10 @@ void check_backward(const problem& p0, index_t chunk, const std::string& what) {
   const auto dfin =
       widen(cast<typename P::accum_type>(loom::test::uniform<double>(p.docs() * p.H * p.dk * p.dv, -1, 1, 78)));
   const auto want = run_backward<P>(p, chunk, d_o, dfin, 2);
-  using loom::test::la::scaled_tol;
   for (const int path : {0, 1}) {
     const auto got = run_backward<P>(p, chunk, d_o, dfin, path);
     const std::string w = what + (path == 1 ? " convenience" : " plan");
-    loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), w + " dq");
-    loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), w + " dk");
-    loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), w + " dv");
-    loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), w + " d initial state");
-    loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), w + " d log gate");
+    loom::test::la::require_gradients_close<P>(got, want, true, w);
   }
 }
 
@@ -378,12 +373,7 @@ TEST_CASE("linear_attention::cublas: LASP-2's backward with cuBLAS as its local 
         const auto got = run_lasp2_backward<P>(p, ranks, 64, d_o, dfin, true);
         const auto kernels = run_lasp2_backward<P>(p, ranks, 64, d_o, dfin, false);
         const std::string w = what + prec;
-        loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), w + " dq");
-        loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), w + " dk");
-        loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), w + " dv");
-        loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), w + " d initial state");
-        if (mode == gating::scalar)
-          loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), w + " d log gate");
+        loom::test::la::require_gradients_close<P>(got, want, mode == gating::scalar, w);
         loom::test::require_close(got.dq, kernels.dq, scaled_tol<P>(kernels.dq), w + " dq against loom's kernels");
         loom::test::require_close(got.dk, kernels.dk, scaled_tol<P>(kernels.dk), w + " dk against loom's kernels");
         loom::test::require_close(got.dv, kernels.dv, scaled_tol<P>(kernels.dv), w + " dv against loom's kernels");

@@ -288,14 +288,8 @@ void check_backward(const problem& p0, index_t chunk, bool with_dfin, const std:
   const auto [d_o, dfin] = seeds<P>(p, with_dfin, 77);
   const auto want = loom::test::la::oracle(p, &d_o, with_dfin ? &dfin : nullptr);
   const auto got = run_backward<P>(loom::serial{}, p, chunk, d_o, dfin);
-  using loom::test::la::scaled_tol;
   CHECK(all_finite(got));
-  loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), what + " dq");
-  loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), what + " dk");
-  loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), what + " dv");
-  loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), what + " d initial state");
-  if (p.mode == gating::scalar)
-    loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), what + " d log gate");
+  loom::test::la::require_gradients_close<P>(got, want, p.mode == gating::scalar, what);
 }
 
 }  // namespace
@@ -354,12 +348,7 @@ TEST_CASE("linear attention's backward as batched products agrees with loom's ti
       const auto got = run_backward<P>(loom::openmp{.threads = 2}, p, chunk, d_o, dfin);
       const auto want = run_backward<P>(loom::serial{}, p, chunk, d_o, dfin, true);
       const std::string what = std::string(name(mode)) + " C=" + std::to_string(chunk) + prec;
-      using loom::test::la::scaled_tol;
-      loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), what + " dq");
-      loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), what + " dk");
-      loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), what + " dv");
-      loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), what + " d initial state");
-      loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), what + " d log gate");
+      loom::test::la::require_gradients_close<P>(got, want, true, what);
     }
   };
   one(loom::fp64{}, " fp64");

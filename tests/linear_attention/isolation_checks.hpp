@@ -107,11 +107,7 @@ void require_oracle_close(const result& got, const result& want, gating mode) {
   CHECK(all_finite(got));
   lt::require_close(got.o, want.o, scaled_tol<P>(want.o), "o");
   lt::require_close(got.fin, want.fin, scaled_tol<P>(want.fin), "final state");
-  lt::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), "dq");
-  lt::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), "dk");
-  lt::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), "dv");
-  lt::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), "d initial state");
-  if (mode == gating::scalar) lt::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), "d log gate");
+  require_gradients_close<P>(got, want, mode == gating::scalar);
 }
 
 }  // namespace loom::test::la

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -178,6 +179,19 @@ tolerance scaled_tol(const std::vector<double>& oracle) {
   const double rms = oracle.empty() ? 0 : std::sqrt(ss / static_cast<double>(oracle.size()));
   tol.abs *= (rms > 1 ? rms : 1) * (std::is_same_v<typename P::storage_type, double> ? 1 : 4);
   return tol;
+}
+
+//! The gradients of `got` against `want` (dq, dk, dv, d initial state, and d log g where
+//! `gate_gradient`) at precision P's scaled tolerances (scaled_tol of want's), each named by
+//! `what` and the output.
+template <class P, class Got, class Want>
+void require_gradients_close(const Got& got, const Want& want, bool gate_gradient, const std::string& what = "") {
+  auto name = [&](const char* x) { return what.empty() ? std::string(x) : what + " " + x; };
+  loom::test::require_close(got.dq, want.dq, scaled_tol<P>(want.dq), name("dq"));
+  loom::test::require_close(got.dk, want.dk, scaled_tol<P>(want.dk), name("dk"));
+  loom::test::require_close(got.dv, want.dv, scaled_tol<P>(want.dv), name("dv"));
+  loom::test::require_close(got.dinit, want.dinit, scaled_tol<P>(want.dinit), name("d initial state"));
+  if (gate_gradient) loom::test::require_close(got.dlg, want.dlg, scaled_tol<P>(want.dlg), name("d log gate"));
 }
 
 }  // namespace loom::test::la
