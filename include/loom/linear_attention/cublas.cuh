@@ -40,7 +40,8 @@
 //! and about H x T x (3 dk + 2 dv) elements more, plus H x chunks x dk x dv adjoints). Completion:
 //! stream-ordered on b.stream, no host sync; the convenience forms fence.
 //! On an H200 (docs/gpu.md, 2026-11-28, commit 29324c3) the forward's GPU test passed and the forward ran at 0.1-0.2 %
-//! of the bf16 peak (loom.bench.cuda --linear), unprofiled. The backward has not run on a GPU: it is
+//! of the bf16 peak (loom.bench.cuda --linear), unprofiled. The backward has not run on a GPU (the last GPU
+//! run, docs/gpu.md: NVIDIA H200, 2026-11-28, commit 29324c3, predates it): it is
 //! tested on the CPU through the reference provider (and compiled by nvcc); its GPU test is written.
 
 #include <loom/backend/cuda.hpp>
@@ -208,7 +209,8 @@ void backward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const
 //! gemm_backward on the slice (the segments' final states kept for the correction by the incoming
 //! adjoint) before the exchange. Stream-ordered as lasp2::forward and lasp2::backward; the products
 //! of a call are enqueued under the engine's lock (the forward holds it through the call's
-//! exchange). The backward has not run on a GPU: tested on the CPU through the reference provider.
+//! exchange). The backward has not run on a GPU (docs/gpu.md: the H200 run of 2026-11-28, commit
+//! 29324c3, predates it): tested on the CPU through the reference provider.
 struct batched {
   template <class P>
   struct engine {

@@ -15,7 +15,8 @@
 //! (product of gates, d state leaving the slice to the left) and a suffix fold.
 //! The local step of both passes: loom's chunked kernels, or, for a plan made with a products tag
 //! (make_plan(b, comm, linear_attention::cublas::batched{}, ...)), the batched dense products of
-//! gemm_engine.hpp (on cuBLAS; the backward's not run on a GPU), with the same exchanges.
+//! gemm_engine.hpp (on cuBLAS; the backward's not run on a GPU: docs/gpu.md's H200 run of
+//! 2026-11-28, commit 29324c3, predates it), with the same exchanges.
 //!
 //! Communication per rank per pass: one all_gather of H (1 + dk dv) + 1 values of Accum per rank,
 //! i.e. each rank sends (H (1 + dk dv) + 1) sizeof(Accum) bytes and receives P times that,
