@@ -37,14 +37,29 @@ void upload(const B& b, void* dst, const void* src, std::size_t bytes) {
 template <class A>
 struct blocks {
   chunk_info* chunks = nullptr;
-  index_t *doc_chunk = nullptr, *cu = nullptr;
+  index_t* doc_chunk = nullptr;
+  const index_t* cu = nullptr;
   A *states = nullptr, *log_decay = nullptr, *cum = nullptr, *scratch = nullptr, *adj = nullptr, *db = nullptr,
     *fin = nullptr;
 };
 
-//! Checks the caller's workspace (size and alignment) and carves the pass's blocks from it.
-template <class P>
-blocks<typename P::accum_type> carve(const plan<P>& pl, std::span<std::byte> ws, bool backward, std::string_view call) {
+//! The plan's document offsets [docs + 1] where the backend's kernels read them: the plan's own on
+//! host-accessible memory, else uploaded (stream-ordered) into `room` (docs + 1 elements).
+template <class B, class P>
+const index_t* offsets_on(const B& b, const plan<P>& pl, index_t* room) {
+  if constexpr (backend_traits<B>::memory_space::host_accessible) {
+    return pl.offsets().data();
+  } else {
+    upload(b, room, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
+    return room;
+  }
+}
+
+//! Checks the caller's workspace (size and alignment) and carves the pass's blocks from it (the
+//! offsets where the backend reads them: offsets_on).
+template <class B, class P>
+blocks<typename P::accum_type> carve(const B& b, const plan<P>& pl, std::span<std::byte> ws, bool backward,
+                                     std::string_view call) {
   using A = typename P::accum_type;
   const pass_layout& l = plan_access::layout(pl, backward);
   check_workspace(ws, l.bytes, call);
@@ -52,7 +67,7 @@ blocks<typename P::accum_type> carve(const plan<P>& pl, std::span<std::byte> ws,
   blocks<A> w;
   w.chunks = c.at<chunk_info>(l.chunks);
   w.doc_chunk = c.at<index_t>(l.doc_chunk);
-  w.cu = c.at<index_t>(l.cu);
+  w.cu = offsets_on(b, pl, c.at<index_t>(l.cu));
   w.states = c.at<A>(l.states);
   w.log_decay = c.at<A>(l.log_decay);
   w.cum = c.at<A>(l.cum);
@@ -104,12 +119,8 @@ template <class B, class P, class Gating, class Space>
 auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P, Space>& x, std::span<std::byte> ws,
            bool backward, std::string_view call) {
   check_operands(x, pl.tokens(), pl.heads(), pl.dk(), pl.dv(), pl.docs());
-  auto w = carve(pl, ws, backward, call);
+  auto w = carve(b, pl, ws, backward, call);
   auto p = problem_of(b, pl, gating, x, w.chunks, w.doc_chunk);
-  if constexpr (Space::host_accessible)
-    w.cu = const_cast<index_t*>(pl.offsets().data());
-  else
-    upload(b, w.cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
   p.states = w.states;
   p.log_decay = w.log_decay;
   p.scratch = w.scratch;

@@ -149,6 +149,12 @@ struct gemm_pass {
   //! Row i of chunk ci, head h, in the padded layout.
   LOOM_HD index_t row(index_t h, index_t ci, index_t i) const { return (h * p.n_chunks + ci) * p.c + i; }
   LOOM_HD index_t length(index_t ci) const { return p.chunks[ci].end - p.chunks[ci].begin; }
+  //! a_c, the decay of the state across chunk ci: exp(b_{n-1}), 0 when the chunk holds a
+  //! full-decay token (it forgets the state before it).
+  LOOM_HD A chunk_decay(index_t h, index_t ci) const {
+    const index_t last = row(h, ci, length(ci) - 1);
+    return ep[last] == A(0) ? exp_acc(b[last]) : A(0);
+  }
   //! f_i, the factor of S0 in row i's output: scale exp(b_i), 0 after a full-decay token of the
   //! chunk and past its end.
   LOOM_HD A query_factor(index_t h, index_t ci, index_t i) const {
@@ -225,10 +231,9 @@ struct gemm_state_pass {
     const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
     A s = g.init ? g.init[dh * sz + e] : A(0);
     for (index_t ci = g.p.doc_chunk[doc]; ci < g.p.doc_chunk[doc + 1]; ++ci) {
-      const index_t at = (h * g.p.n_chunks + ci) * sz + e, last = g.row(h, ci, g.length(ci) - 1);
+      const index_t at = (h * g.p.n_chunks + ci) * sz + e;
       g.s0[at] = S(s);
-      const A a = g.ep[last] == A(0) ? exp_acc(g.b[last]) : A(0);  // a full-decay token forgets S0
-      s = decay_add(a, s, g.l[at]);
+      s = decay_add(g.chunk_decay(h, ci), s, g.l[at]);
     }
     if (g.fin) g.fin[dh * sz + e] = s;
   }
@@ -325,10 +330,9 @@ struct gemm_adjoint_pass {
     const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
     A run = a.dfin ? a.dfin[dh * sz + e] : A(0);
     for (index_t ci = g.p.doc_chunk[doc + 1]; ci-- > g.p.doc_chunk[doc];) {
-      const index_t at = (h * g.p.n_chunks + ci) * sz + e, last = g.row(h, ci, g.length(ci) - 1);
+      const index_t at = (h * g.p.n_chunks + ci) * sz + e;
       a.e[at] = S(run);
-      const A decay = g.ep[last] == A(0) ? exp_acc(g.b[last]) : A(0);
-      run = decay_add(decay, run, a.adj[at]);
+      run = decay_add(g.chunk_decay(h, ci), run, a.adj[at]);
     }
     if (a.dinit) a.dinit[dh * sz + e] = run;
   }
@@ -537,11 +541,7 @@ void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_back
   if constexpr (gated) {
     const index_t doc_items = pl.docs() * pl.heads();
     if (batch > 0) for_each_index(b, rows, gemm_gate_rows<S, A, Space>{a});
-    index_t* cu = const_cast<index_t*>(pl.offsets().data());
-    if constexpr (!Space::host_accessible) {
-      cu = w.at<index_t>(bl.cu);
-      upload(b, cu, pl.offsets().data(), sizeof(index_t) * pl.offsets().size());
-    }
+    const index_t* cu = offsets_on(b, pl, w.at<index_t>(bl.cu));
     if (doc_items > 0)
       for_each_index(b, doc_items,
                      gate_gradient_kernel<A, Space>{cu, pl.docs(), pl.heads(), dk * dv, a.db,
