@@ -194,6 +194,7 @@ struct access {
                                             {slice.tokens, slice.heads, slice.dk, slice.dv}, chunked);
       if constexpr (!std::is_same_v<E, linear_attention::detail::kernel_step>) {
         p.e_ = make_engine(b, c.pl, call);
+        c.engine = true;
         c.engine_bytes = p.e_->workspace_bytes();
         c.engine_backward_bytes = p.e_->backward_workspace_bytes();
       }
@@ -240,7 +241,7 @@ plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t t
 //! products on loom::cuda, cublas.cuh): forward, the chunk states before the exchange, document 0's
 //! again from the incoming state after it, then the outputs; backward, gemm_backward on the slice
 //! before the exchange (gemm_engine.hpp), then the same exchange and correction by the incoming
-//! adjoint as with loom's kernels. Workspaces: the larger of the engine's and the kernels' per pass.
+//! adjoint as with loom's kernels. The local step's part of each workspace is the engine's.
 //! The engine is made inside the agreement. @throws as make_plan, and what the engine's make throws.
 template <precision_policy P = fp32, backend B, comm::communicator C, class Tag, memory_space DocSpace = host_memory>
 requires products_tag<Tag, P> plan<P, typename Tag::template engine<P>> make_plan(const B& b, C& comm, Tag,

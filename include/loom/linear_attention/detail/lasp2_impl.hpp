@@ -288,8 +288,9 @@ struct lasp2_core {
   index_t begin = 0, tokens = 0, heads = 0, dk = 0, dv = 0, sz = 0, docs = 0;
   bool posted_exchange = false;
   std::size_t request_bytes = 0;          //!< sizeof the requests of make_plan's communicator (0: stream-ordered, none)
-  std::size_t engine_bytes = 0;           //!< the local engine's forward workspace, when not loom's kernels
-  std::size_t engine_backward_bytes = 0;  //!< the local engine's backward workspace, when not loom's kernels
+  bool engine = false;                    //!< the local step is an engine of batched products, not loom's kernels
+  std::size_t engine_bytes = 0;           //!< the engine's forward workspace (engine only)
+  std::size_t engine_backward_bytes = 0;  //!< the engine's backward workspace (engine only)
   std::vector<index_t> cu;
   slice_info s;
   plan<P> pl;
@@ -377,8 +378,9 @@ struct lasp2_core {
     w.reqs = l.add<std::byte>(
         posted_exchange ? static_cast<index_t>(request_bytes) * 2 * static_cast<index_t>(ranks - 1) : 0);
     w.table = l.add<index_t>(static_cast<index_t>(table.size()));
-    w.kernel_bytes = backward ? std::max(pl.backward_workspace_bytes(), engine_backward_bytes)
-                              : std::max(pl.forward_workspace_bytes(), engine_bytes);
+    // The local step's workspace: the engine's where the plan has one (loom's kernels never run then).
+    w.kernel_bytes = engine ? (backward ? engine_backward_bytes : engine_bytes)
+                            : (backward ? pl.backward_workspace_bytes() : pl.forward_workspace_bytes());
     w.kernels = l.add<std::byte>(static_cast<index_t>(w.kernel_bytes));
     w.bytes = l.bytes();
     return w;
