@@ -183,17 +183,38 @@ TEST_CASE("linear attention as batched products: the workspace check", "[linear_
       loom::errc::shape_mismatch, {"o"});
 }
 
+namespace {
+
+// p's operands, initial states and scalar gate in fp32 (the vectors kept with the views over them).
+struct fp32_inputs {
+  std::vector<float> q, k, v, lg, init;
+  la::operands<loom::fp32> x;
+  la::scalar_gate<float> gate;
+  explicit fp32_inputs(const problem& p)
+      : q(cast<float>(p.q)),
+        k(cast<float>(p.k)),
+        v(cast<float>(p.v)),
+        lg(cast<float>(p.lg)),
+        init(cast<float>(p.init)),
+        x{loom::tensor_view<const float, 3>(q.data(), {p.T, p.H, p.dk}),
+          loom::tensor_view<const float, 3>(k.data(), {p.T, p.H, p.dk}),
+          loom::tensor_view<const float, 3>(v.data(), {p.T, p.H, p.dv})},
+        gate{loom::tensor_view<const float, 2>(lg.data(), {p.T, p.H})} {
+    x.initial_state = loom::tensor_view<const float, 4>(init.data(), {p.docs(), p.H, p.dk, p.dv});
+  }
+  fp32_inputs(const fp32_inputs&) = delete;
+  fp32_inputs& operator=(const fp32_inputs&) = delete;
+};
+
+}  // namespace
+
 TEST_CASE("linear attention as batched products: the plan-taking call allocates nothing, and a plan serves many calls",
           "[linear_attention][gemm_engine]") {
   const problem p = loom::test::la::make_problem(131, 3, 8, 5, gating::scalar, {0, 40, 41, 131}, true, 11);
-  const auto q = cast<float>(p.q), k = cast<float>(p.k), v = cast<float>(p.v), lg = cast<float>(p.lg),
-             init = cast<float>(p.init);
   const index_t T = p.T, H = p.H, docs = p.docs();
-  la::operands<loom::fp32> x{loom::tensor_view<const float, 3>(q.data(), {T, H, p.dk}),
-                             loom::tensor_view<const float, 3>(k.data(), {T, H, p.dk}),
-                             loom::tensor_view<const float, 3>(v.data(), {T, H, p.dv})};
-  x.initial_state = loom::tensor_view<const float, 4>(init.data(), {docs, H, p.dk, p.dv});
-  const la::scalar_gate<float> gate{loom::tensor_view<const float, 2>(lg.data(), {T, H})};
+  const fp32_inputs in(p);
+  const auto& x = in.x;
+  const auto& gate = in.gate;
   const loom::openmp b{.threads = 2};
   const auto pl = la::make_plan(b, loom::segments<>{std::span<const index_t>(p.cu)}, {T, H, p.dk, p.dv},
                                 {.chunk = 16, .scale = p.scale});
@@ -453,13 +474,10 @@ TEST_CASE("linear attention's backward as batched products allocates nothing, an
   const problem p = loom::test::la::make_problem(131, 3, 8, 5, gating::scalar, {0, 40, 41, 131}, true, 11);
   const auto [d_o, dfin] = seeds<loom::fp32>(p, true, 12);
   const index_t T = p.T, H = p.H, docs = p.docs(), sz = p.dk * p.dv;
-  const auto q = cast<float>(p.q), k = cast<float>(p.k), v = cast<float>(p.v), lg = cast<float>(p.lg),
-             init = cast<float>(p.init), dob = cast<float>(d_o), dfb = cast<float>(dfin);
-  la::operands<loom::fp32> x{loom::tensor_view<const float, 3>(q.data(), {T, H, p.dk}),
-                             loom::tensor_view<const float, 3>(k.data(), {T, H, p.dk}),
-                             loom::tensor_view<const float, 3>(v.data(), {T, H, p.dv})};
-  x.initial_state = loom::tensor_view<const float, 4>(init.data(), {docs, H, p.dk, p.dv});
-  const la::scalar_gate<float> gate{loom::tensor_view<const float, 2>(lg.data(), {T, H})};
+  const auto dob = cast<float>(d_o), dfb = cast<float>(dfin);
+  const fp32_inputs in(p);
+  const auto& x = in.x;
+  const auto& gate = in.gate;
   const loom::openmp b{.threads = 2};
   const auto pl = la::make_plan(b, loom::segments<>{std::span<const index_t>(p.cu)}, {T, H, p.dk, p.dv},
                                 {.chunk = 16, .scale = p.scale});
