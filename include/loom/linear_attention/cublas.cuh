@@ -105,6 +105,14 @@ struct state {
   loom::detail::cublas_handle handle;
   int device;
   std::mutex enqueue;  // cublasSetStream and the call's products on the shared handle
+  //! A call's entry: the device check, then the handle's stream set to b's under the lock, held
+  //! (returned) while the call enqueues its products.
+  std::unique_lock<std::mutex> enter(const loom::cuda& b, std::string_view call) {
+    loom::detail::check_plan_device(device, call);
+    std::unique_lock lock(enqueue);
+    check_cublas(cublasSetStream(handle.get(), b.stream), call, "cublasSetStream");
+    return lock;
+  }
 };
 
 }  // namespace detail
@@ -176,9 +184,7 @@ void forward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const 
              tensor_view<typename P::accum_type, 4, cuda_memory> final_state, std::span<std::byte> workspace) {
   constexpr std::string_view call = "linear_attention::cublas::forward";
   detail::state& st = p.device_state(call);
-  loom::detail::check_plan_device(st.device, call);
-  std::lock_guard lock(st.enqueue);
-  detail::check_cublas(cublasSetStream(st.handle.get(), b.stream), call, "cublasSetStream");
+  const auto lock = st.enter(b, call);
   linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st.handle.get(), call}, p.base(), p.layout(), gating, x,
                                          o, final_state, workspace, call);
 }
@@ -195,9 +201,7 @@ void backward(const loom::cuda& b, const plan<P>& p, const Gating& gating, const
               const gradients<P, cuda_memory>& g, std::span<std::byte> workspace) {
   constexpr std::string_view call = "linear_attention::cublas::backward";
   detail::state& st = p.device_state(call);
-  loom::detail::check_plan_device(st.device, call);
-  std::lock_guard lock(st.enqueue);
-  detail::check_cublas(cublasSetStream(st.handle.get(), b.stream), call, "cublasSetStream");
+  const auto lock = st.enter(b, call);
   linear_attention::detail::gemm_backward(b, detail::cublas_gemm{st.handle.get(), call}, p.base(), p.backward_layout(),
                                           gating, x, d_o, d_final_state, g, workspace, call);
 }
@@ -240,7 +244,7 @@ struct batched {
                  const operands<P, cuda_memory>& x, tensor_view<typename P::storage_type, 3, cuda_memory> o,
                  tensor_view<typename P::accum_type, 4, cuda_memory> fin, std::span<std::byte> ws,
                  std::string_view call) const {
-      const auto lock = enter(b, call);
+      const auto lock = st->enter(b, call);
       linear_attention::detail::gemm_forward(b, detail::cublas_gemm{st->handle.get(), call}, pl, layout, gating, x, o,
                                              fin, ws, call);
     }
@@ -250,7 +254,7 @@ struct batched {
                           tensor_view<typename P::accum_type, 4, cuda_memory> fin, std::span<std::byte> ws,
                           typename P::accum_type* end_state, linear_attention::detail::incoming_roles roles,
                           Post&& post, Finish&& finish, std::string_view call) const {
-      const auto lock = enter(b, call);
+      const auto lock = st->enter(b, call);
       return linear_attention::detail::gemm_forward_incoming(
           b, detail::cublas_gemm{st->handle.get(), call}, pl, layout, gating, x, o, fin, ws, end_state, roles,
           std::forward<Post>(post), std::forward<Finish>(finish), call);
@@ -261,18 +265,9 @@ struct batched {
                   tensor_view<const typename P::accum_type, 4, cuda_memory> dfin,
                   const gradients<P, cuda_memory>& grads, std::span<std::byte> ws, typename P::accum_type* fin_out,
                   std::string_view call) const {
-      const auto lock = enter(b, call);
+      const auto lock = st->enter(b, call);
       linear_attention::detail::gemm_backward(b, detail::cublas_gemm{st->handle.get(), call}, pl, backward_layout,
                                               gating, x, d_o, dfin, grads, ws, call, fin_out);
-    }
-
-   private:
-    //! The device check, then the handle's stream set under the lock held while enqueueing.
-    std::unique_lock<std::mutex> enter(const loom::cuda& b, std::string_view call) const {
-      loom::detail::check_plan_device(st->device, call);
-      std::unique_lock lock(st->enqueue);
-      detail::check_cublas(cublasSetStream(st->handle.get(), b.stream), call, "cublasSetStream");
-      return lock;
     }
   };
 };
