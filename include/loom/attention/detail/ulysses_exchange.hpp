@@ -357,13 +357,7 @@ class head_pipeline {
     grad_back_ = in3_.back();
     {
       workspace_layout w;
-      f_.table = w.add<index_t>(token_table::columns * tt);
-      f_.send = w.add<T>(elems(in3_.send_elems()));
-      f_.recv = w.add<T>(elems(in3_.recv_elems()));
-      f_.q = w.add<T>(tt * hq * dk);
-      f_.k = w.add<T>(tt * hkv * dk);
-      f_.v = w.add<T>(tt * hkv * dv);
-      f_.out = w.add<T>(tt * hq * dv);
+      add_shards(w, f_, in3_);
       f_.lse = w.add<Acc>(tt * hq);
       f_.osend = w.add<T>(elems(out_back_.send_elems()));
       f_.orecv = w.add<T>(elems(out_back_.recv_elems()));
@@ -373,13 +367,7 @@ class head_pipeline {
     }
     {
       workspace_layout w;
-      b_.table = w.add<index_t>(token_table::columns * tt);
-      b_.send = w.add<T>(elems(in5_.send_elems()));
-      b_.recv = w.add<T>(elems(in5_.recv_elems()));
-      b_.q = w.add<T>(tt * hq * dk);
-      b_.k = w.add<T>(tt * hkv * dk);
-      b_.v = w.add<T>(tt * hkv * dv);
-      b_.out = w.add<T>(tt * hq * dv);
+      add_shards(w, b_, in5_);
       b_.dout = w.add<T>(tt * hq * dv);
       b_.lsend = w.add<Acc>(elems(lse_in_.send_elems()));
       b_.lrecv = w.add<Acc>(elems(lse_in_.recv_elems()));
@@ -512,12 +500,28 @@ class head_pipeline {
     }
     return {at[0], at[1], at[2], at[3], at[4]};
   }
-  struct fwd_at {
-    std::size_t table, send, recv, q, k, v, out, lse, osend, orecv, lsend, lrecv, inner;
+  //! Where both passes' workspaces begin: the token table, the to-heads exchange's send and receive
+  //! buffers, the head shards of q, k, v and out.
+  struct shards_at {
+    std::size_t table, send, recv, q, k, v, out;
   };
-  struct bwd_at {
-    std::size_t table, send, recv, q, k, v, out, dout, lsend, lrecv, lse, dq, dk, dv, gsend, grecv, acc, inner;
+  struct fwd_at : shards_at {
+    std::size_t lse, osend, orecv, lsend, lrecv, inner;
   };
+  struct bwd_at : shards_at {
+    std::size_t dout, lsend, lrecv, lse, dq, dk, dv, gsend, grecv, acc, inner;
+  };
+  //! Adds shards_at's blocks to w, the exchange's buffers those of `x` (the pass's to-heads exchange).
+  void add_shards(workspace_layout& w, shards_at& s, const exchange& x) const {
+    const index_t tt = tokens_.total_tokens(), hq = hs_.q_count(me_), hkv = hs_.kv_count(me_);
+    s.table = w.add<index_t>(token_table::columns * tt);
+    s.send = w.add<T>(elems(x.send_elems()));
+    s.recv = w.add<T>(elems(x.recv_elems()));
+    s.q = w.add<T>(tt * hq * dk_);
+    s.k = w.add<T>(tt * hkv * dk_);
+    s.v = w.add<T>(tt * hkv * dv_);
+    s.out = w.add<T>(tt * hq * dv_);
+  }
   shard::plan tokens_;
   head_split hs_;
   int me_ = 0;
