@@ -219,11 +219,15 @@ TEST_CASE("spmm fp32: small integers give exactly the oracle's result" LOOM_BACK
 // On a CPU with AVX-512 the cases above run the vector kernels of detail/kernels_x86.hpp for
 // bitmap fp32, on one with AVX2 those of detail/kernels_avx2.hpp for bitmap and CSR; these run the
 // portable kernels that every other CPU takes.
+namespace {
+struct portable_only {  // vector kernels off for the scope (the switch of every family)
+  portable_only() { ls::detail::x86::avx512_allowed() = false; }
+  ~portable_only() { ls::detail::x86::avx512_allowed() = true; }
+};
+}  // namespace
+
 TEST_CASE("spmm fp32 with the portable kernels (vector kernels switched off)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
-  struct portable_only {
-    portable_only() { ls::detail::x86::avx512_allowed() = false; }
-    ~portable_only() { ls::detail::x86::avx512_allowed() = true; }
-  } guard;
+  const portable_only guard;
   REQUIRE_FALSE(ls::detail::x86::avx512_available());
   REQUIRE_FALSE(ls::detail::x86::avx2_available());
   sweep<float, float, float>(false, lt::tolerance_for<loom::fp32>(), false);
@@ -231,23 +235,47 @@ TEST_CASE("spmm fp32 with the portable kernels (vector kernels switched off)" LO
 }
 #endif
 
-// K * N above 2^18 for the first 64-column chunk: the AVX2 CSR kernel walks A's columns in blocks
-// of 2048 per band (three here); N = 67 adds a 3-column chunk that it takes in one pass.
-TEST_CASE("spmm fp32: a wide K (the CSR kernel's column blocks)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
-  const index_t m = 11, k = 4111, n = 67;
-  for (double sp : {0.9, 0.3}) {
-    const auto a = make_matrix<float>(m, k, sp, false, 301);
-    const dense_operand<float> b(k, n, false, lt::uniform<float>(k * n, -1, 1, 302));
-    const dense_operand<float> c0(m, n, false, lt::small_integers<float>(m * n, -2, 2, 303));
-    for (int f = 0; f < 2; ++f) {
-      INFO(format_name(f) << " sparsity=" << sp);
-      const auto got = run(f, a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
-      const auto want = oracle(a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
-      const auto tol = lt::tolerance_for<loom::fp32>();
-      lt::require_close(got, want, {tol.rel, tol.abs * (1 + std::sqrt(static_cast<double>(k)))}, "spmm");
+// B panels that outgrow L2 (K * nb above 2^18 floats for a chunk of nb columns). With more than 32
+// columns the host CSR product takes 8 bands (64 rows) per work item and the AVX2 kernel walks A's
+// columns 128 at a time: 139 x 4111 x 67 (two full items and one of 11 rows; 33 blocks, the last of
+// 15 columns; N = 67 adds a 3-column chunk taken in one pass) and 139 x 8209 x 37 (a masked last
+// vector). With 32 columns or fewer it keeps one band per item and walks 2048 columns at a time:
+// 11 x 8209 x 32 (five blocks, the last of 17 columns).
+namespace {
+void wide_k_cases() {
+  static_assert(ls::detail::csr_grouped(4111, 64) && ls::detail::csr_grouped(8209, 37) &&
+                !ls::detail::csr_grouped(8209, 32) && !ls::detail::csr_grouped(4111, 3));
+  static_assert(ls::detail::csr_block(4111, 64) == 128 && ls::detail::csr_block(8209, 32) == 2048 &&
+                ls::detail::csr_block(4111, 3) == 4111);
+  struct shape {
+    index_t m, k, n;
+  };
+  for (const auto [m, k, n] : {shape{139, 4111, 67}, shape{139, 8209, 37}, shape{11, 8209, 32}})
+    for (double sp : {0.9, 0.3}) {
+      const auto a = make_matrix<float>(m, k, sp, false, 301);
+      const dense_operand<float> b(k, n, false, lt::uniform<float>(k * n, -1, 1, 302));
+      const dense_operand<float> c0(m, n, false, lt::small_integers<float>(m * n, -2, 2, 303));
+      for (int f = 0; f < 2; ++f) {
+        INFO(format_name(f) << " " << m << " x " << k << " x " << n << " sparsity=" << sp);
+        const auto got = run(f, a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+        const auto want = oracle(a, m, k, b, c0, 1.0, 0.0, static_cast<const std::vector<float>*>(nullptr));
+        const auto tol = lt::tolerance_for<loom::fp32>();
+        lt::require_close(got, want, {tol.rel, tol.abs * (1 + std::sqrt(static_cast<double>(k)))}, "spmm");
+      }
     }
-  }
 }
+
+}  // namespace
+
+TEST_CASE("spmm fp32: a wide K (the CSR kernel's column blocks)" LOOM_BACKEND_TAG, "[sparse][spmm]") { wide_k_cases(); }
+
+#if defined(LOOM_SPARSE_X86_KERNELS)
+TEST_CASE("spmm fp32: a wide K with the portable kernels (vector kernels switched off)" LOOM_BACKEND_TAG,
+          "[sparse][spmm]") {
+  const portable_only guard;
+  wide_k_cases();
+}
+#endif
 
 TEST_CASE("spmm bf16 and fp16 storage, fp32 accumulation" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   sweep<loom::bfloat16, loom::bfloat16, loom::bfloat16>(false, lt::tolerance_for<loom::bf16>(), false);
@@ -338,6 +366,26 @@ TEST_CASE("spmm: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][sp
   ls::spmm(make_backend(), bm, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
   ls::spmm(loom::serial{}, bm, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
   REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
+}
+
+TEST_CASE("spmm csr with 8 bands per work item: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  const index_t m = 211, k = 4111, n = 67;  // csr_grouped(k, 64): items of 64 rows, the last of 19
+  const auto a = make_matrix<float>(m, k, 0.8, false, 10);
+  const auto cs = ls::to_csr(loom::tensor_view<const float, 2>(a.data(), {m, k}));
+  REQUIRE(ls::detail::bands_per_item<decltype(cs.view())>(k, n) == ls::detail::csr_group_bands);
+  const auto bvals = lt::uniform<float>(k * n, -1, 1, 11);
+  std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
+  const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
+  ls::spmm(make_backend(), cs, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
+  ls::spmm(loom::serial{}, cs, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
+  REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
+  // a plan holds extents only: one made from the same matrix as a bitmap runs CSR the same way
+  const auto be = make_backend();
+  const auto pl = ls::make_plan(be, ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k})), n);
+  loom::workspace_buffer ws(pl.workspace_bytes());
+  std::vector<float> c3(c1.size());
+  ls::spmm(be, pl, cs, bv, loom::tensor_view<float, 2>(c3.data(), {m, n}), ws.span());
+  REQUIRE(std::memcmp(c1.data(), c3.data(), sizeof(float) * c1.size()) == 0);
 }
 #endif
 

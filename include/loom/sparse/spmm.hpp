@@ -19,10 +19,12 @@
 //! type must be at least as wide as the one the operands deduce (a compile-time check).
 //!
 //! Kernel ("load as sparse, compute as dense"): work items are bands of 8 output rows x up to 64
-//! output columns; each decodes A one tile at a time into L1 and runs a unit-stride micro-kernel
-//! over a row-major B panel (see detail/kernels.hpp). B is packed into such a panel of the
-//! accumulation type (the workspace: K * N values) unless it already is one and C does not overlap
-//! it. Work O(nnz * N + M * N + tiles * N / 64); A is read once per 64 columns of N.
+//! output columns (a host CSR product whose 64-column panel of B outgrows L2 takes 8 bands per
+//! item, so that a block of B rows serves 64 rows; detail/kernels_avx2.hpp); each decodes A one
+//! tile at a time into L1 and runs a unit-stride micro-kernel over a row-major B panel (see
+//! detail/kernels.hpp). B is packed into such a panel of the accumulation type (the workspace:
+//! K * N values) unless it already is one and C does not overlap it. Work
+//! O(nnz * N + M * N + tiles * N / 64); A is read once per 64 columns of N.
 //! Deterministic: each output element is summed in a fixed order that does not depend on the
 //! backend or thread count. On loom::cuda the bitmap format runs a dedicated kernel
 //! (detail/spmm_cuda.cuh; compiled, not run, in loom's CI); csr and n_m run the generic kernels,

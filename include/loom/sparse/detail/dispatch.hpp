@@ -101,7 +101,7 @@ using deduced_accum =
 
 //! What a plan derives from A's extents and N: the sizes a kernel forms (checked for overflow).
 struct geometry {
-  index_t m = 0, k = 0, n = 0, panel = 0, items = 0;
+  index_t m = 0, k = 0, n = 0, panel = 0, items = 0;  //!< items: one band of tile_rows rows each
 };
 
 template <class AV>
@@ -115,6 +115,17 @@ geometry plan_geometry(const AV& a, index_t n) {
   g.items = loom::detail::checked_mul(loom::detail::ceil_div(m, tile_rows), loom::detail::ceil_div(n, n_block),
                                       "spmm: work items (A.rows / 8 * B.cols / 64)");
   return g;
+}
+
+//! Bands of tile_rows rows per work item of a product of A (its view type AV) with a B of n columns:
+//! csr_group_bands for a CSR A in host memory when csr_grouped(K, min(n, n_block)), else 1. From
+//! the format and the shape only (a plan holds extents, not the format).
+template <class AV>
+index_t bands_per_item(index_t k, index_t n) {
+  if constexpr (requires(const AV& a) { a.row_ptr; } && AV::space::host_accessible)
+    return csr_grouped(k, min_index(n, n_block)) ? csr_group_bands : 1;
+  else
+    return 1;
 }
 
 //! The per-call checks of B, C and the bias against the plan's geometry (allocate nothing unless
@@ -178,6 +189,7 @@ void spmm_run(const Backend& b, const geometry& g, const AV& a, const BV& bm, co
   spmm_common<TC, Acc> common;
   common.n = n;
   common.n_chunks = loom::detail::ceil_div(n, n_block);
+  common.bands = bands_per_item<AV>(k, n);
   common.out = {c.data(),
                 c.stride(0),
                 c.stride(1),
@@ -197,7 +209,8 @@ void spmm_run(const Backend& b, const geometry& g, const AV& a, const BV& bm, co
     common.b = panel;
     common.ldb = n;
   }
-  spmm_runner<Backend, AV>::run(eb, K{a, common, hook}, g.items);
+  const index_t items = loom::detail::ceil_div(loom::detail::ceil_div(m, tile_rows), common.bands) * common.n_chunks;
+  spmm_runner<Backend, AV>::run(eb, K{a, common, hook}, items);
 }
 
 }  // namespace loom::sparse::detail

@@ -2,10 +2,11 @@
 
 //! @file
 //! The CPU (and generic-backend) SpMM kernels: one LOOM_HD functor per format, run by
-//! loom::for_each_index over work items = (band of tile_rows output rows) x (chunk of up to
-//! n_block output columns). A work item keeps its tile_rows x n_block accumulators in L1, decodes
-//! one tile of A at a time into a (column, value) list in L1, then runs a micro-kernel whose inner
-//! loops are unit-stride over a row-major B panel (vectorised by the compiler, no intrinsics).
+//! loom::for_each_index over work items = (band of tile_rows output rows; spmm_common::bands of
+//! them for a host CSR product with a wide B panel) x (chunk of up to n_block output columns).
+//! A work item keeps its tile_rows x n_block accumulators in L1, decodes one tile of A at a time
+//! into a (column, value) list in L1, then runs a micro-kernel whose inner loops are unit-stride
+//! over a row-major B panel (vectorised by the compiler, no intrinsics).
 //! For N == 1 the bitmap kernel takes one FMA per decoded nonzero with B's element, into
 //! rotating partial sums.
 //! Hook: called with the storage index of every stored value the kernel reads (coverage tests);
@@ -103,6 +104,7 @@ template <class TC, class Acc>
 struct spmm_common {
   const Acc* b = nullptr;  //!< K x N, row-major, leading dimension ldb
   index_t ldb = 0, n = 0, n_chunks = 0;
+  index_t bands = 1;  //!< bands of tile_rows rows per work item (csr: csr_group_bands when csr_grouped)
   epilogue<TC, Acc> out;
 
   //! A work item: a band of tile_rows rows of A and its output columns [j0, j0 + nb).
@@ -224,20 +226,20 @@ struct csr_kernel {
 
   LOOM_HD void operator()(index_t w) const {
     const auto it = k.item_of(w);
-    const index_t band = it.band, j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
+    const index_t j0 = it.j0, nb = it.nb;  // plain locals: lambdas capture them
+    const index_t i0 = it.band * k.bands * tile_rows, i1 = min_index(i0 + k.bands * tile_rows, a.rows);
     Acc acc[n_block];
 #if defined(LOOM_SPARSE_X86_KERNELS) && !LOOM_IN_DEVICE_CODE
     if constexpr (x86::vector_weights<TA> && std::is_same_v<Acc, float> && std::is_same_v<Hook, no_hook>) {
       if (x86::avx2_available()) {
-        const index_t i0 = band * tile_rows, rows = min_index(tile_rows, a.rows - i0);
-        Acc band_acc[tile_rows * n_block];
-        x86::csr_band(a, i0, rows, k.b, k.ldb, j0, nb, k.n, band_acc, n_block);
-        for (index_t r = 0; r < rows; ++r) k.out.store(i0 + r, j0, nb, band_acc + r * n_block);
+        Acc item_acc[csr_group_bands * tile_rows * n_block];
+        x86::csr_band(a, i0, i1 - i0, k.b, k.ldb, j0, nb, k.n, item_acc, n_block, csr_block(a.cols, nb));
+        for (index_t r = 0; r < i1 - i0; ++r) k.out.store(i0 + r, j0, nb, item_acc + r * n_block);
         return;
       }
     }
 #endif
-    for (index_t i = band * tile_rows; i < min_index((band + 1) * tile_rows, a.rows); ++i) {
+    for (index_t i = i0; i < i1; ++i) {
       for (index_t j = 0; j < nb; ++j) acc[j] = Acc(0);
       dispatch_width(nb, [&](auto width) {
         for (index_t e = a.row_ptr[i]; e < a.row_ptr[i + 1]; ++e) {
