@@ -135,6 +135,8 @@ struct bitmap_kernel {
           float dots[tile_rows];
           x86::band_dot(a, band, k.b, dots);
           for (index_t r = 0; r < tile_rows; ++r) acc[r * n_block] = dots[r];
+        } else if (x86::sparse_band(a, band) && x86::avx2_available()) {  // row lists: no FMA per zero
+          x86::bitmap_band(a, band, k.b, k.ldb, j0, nb, k.n, acc, n_block);
         } else {
           x86::band_panel(a, band, k.b, k.ldb, j0, nb, acc, n_block);
         }
