@@ -6,10 +6,12 @@
 //!  - a tile row is turned into dense 16-lane quarters by expanding its packed values by the mask
 //!    (16-bit weights are expanded as 16-bit lanes, then widened to float; the offsets of the
 //!    tile's 32 quarters come from one vector popcount and prefix sum);
-//!  - N >= 2: the tile is expanded into an 8 x 64 buffer in L1, then for each column k of the tile
-//!    that holds a nonzero in any of its 8 rows (the OR of the row masks), the B row k (up to 32
-//!    columns, two registers) is multiplied by the broadcast A(r, k) of each row into register
-//!    accumulators: 8 or 16 FMAs per B row, no per-nonzero branch;
+//!  - N >= 2, bands with more than 25 % nonzeros (sparser ones take the row lists of
+//!    kernels_avx2.hpp, one FMA per stored entry): the tile is expanded into an 8 x 64 buffer in
+//!    L1, then for each column k of the tile that holds a nonzero in any of its 8 rows (the OR of
+//!    the row masks), the B row k (up to 32 columns, two registers) is multiplied by the broadcast
+//!    A(r, k) of each row into register accumulators: 8 or 16 FMAs per B row, no per-nonzero
+//!    branch;
 //!  - N == 1: dense bands multiply the expanded quarters by x (x over the tile in four registers,
 //!    shared by its 8 rows); sparse bands (<= 25 % nonzeros) pick x at each row's nonzero columns
 //!    instead (a byte compress of the column numbers, two permutes) and take one FMA per 16
