@@ -275,6 +275,15 @@ TEST_CASE("spmm fp32: a wide K with the portable kernels (vector kernels switche
   const portable_only guard;
   wide_k_cases();
 }
+
+TEST_CASE("spmm fp32: a wide K with the AVX2 kernels (AVX-512 forms switched off)" LOOM_BACKEND_TAG, "[sparse][spmm]") {
+  struct avx2_only {  // the 8-lane list products where the CPU has the 16-lane ones too
+    avx2_only() { loom::detail::x86::avx512_kernels_allowed() = false; }
+    ~avx2_only() { loom::detail::x86::avx512_kernels_allowed() = true; }
+  } const guard;
+  REQUIRE_FALSE(ls::detail::x86::avx512_available());
+  wide_k_cases();
+}
 #endif
 
 TEST_CASE("spmm bf16 and fp16 storage, fp32 accumulation" LOOM_BACKEND_TAG, "[sparse][spmm]") {

@@ -107,6 +107,38 @@ LOOM_SPARSE_AVX2_TARGET inline void list_product(float* out, const std::int32_t*
   }
 }
 
+//! acc[0, V) += x * B row bk (16 V columns, the last vector masked to `tail`).
+template <int V>
+LOOM_X86_AVX512 inline void row_update16(__m512 (&acc)[V], __m512 x, const float* bk, __mmask16 tail) {
+  for (int v = 0; v + 1 < V; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(bk + 16 * v), acc[v]);
+  acc[V - 1] = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(tail, bk + 16 * (V - 1)), acc[V - 1]);
+}
+
+//! The 16-lane form of list_product (CPUs with AVX-512): ceil(nb / 16) vectors per B row, the last
+//! masked to the columns left, in interleaved sets so that 8 or more FMA chains are in flight.
+template <int V, class T>
+LOOM_X86_AVX512 void list_product16(float* out, const std::int32_t* col, const T* val, index_t count, const float* b,
+                                    index_t ldb, index_t nb) {
+  constexpr int S = V == 1 ? 8 : V == 2 ? 4 : V == 3 ? 3 : 2;
+  const __mmask16 tail = loom::detail::x86::first_lanes(static_cast<unsigned>(nb - 16 * (V - 1)));
+  __m512 s[S][V];
+  for (int i = 0; i < S; ++i)
+    for (int v = 0; v < V; ++v) s[i][v] = _mm512_setzero_ps();
+  index_t e = 0;
+  for (; e + S <= count; e += S)
+    for (int i = 0; i < S; ++i)
+      row_update16<V>(s[i], _mm512_set1_ps(static_cast<float>(val[e + i])), b + static_cast<index_t>(col[e + i]) * ldb,
+                      tail);
+  for (int i = 0; e < count; ++e, ++i)
+    row_update16<V>(s[i], _mm512_set1_ps(static_cast<float>(val[e])), b + static_cast<index_t>(col[e]) * ldb, tail);
+  for (int v = 0; v < V; ++v) {
+    __m512 t = s[0][v];
+    for (int i = 1; i < S; ++i) t = _mm512_add_ps(t, s[i][v]);
+    const __mmask16 m = v + 1 < V ? __mmask16(0xffff) : tail;
+    _mm512_mask_storeu_ps(out + 16 * v, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + 16 * v), t));
+  }
+}
+
 //! sum over e < count of val[e] * x[col[e]] (N == 1): 8 lanes at a time through a gather, the
 //! remainder one by one, added in a fixed order.
 template <class T>
@@ -151,7 +183,7 @@ inline void dispatch_vectors(index_t nb, F&& f) {
 template <class T, class Space>
 LOOM_SPARSE_AVX2_TARGET void csr_band(const csr_view<T, Space>& a, index_t i0, index_t rows, const float* b,
                                       index_t ldb, index_t j0, index_t nb, index_t n, float* acc, index_t acc_ld,
-                                      index_t block) {
+                                      index_t block, bool wide = false) {
   if (n == 1) {
     for (index_t r = 0; r < rows; ++r) {
       const index_t e0 = a.row_ptr[i0 + r];
@@ -174,10 +206,16 @@ LOOM_SPARSE_AVX2_TARGET void csr_band(const csr_view<T, Space>& a, index_t i0, i
       } else {
         lo = hi;
       }
-      dispatch_vectors(nb, [&](auto v, auto tl) {
-        list_product<decltype(v)::value, decltype(tl)::value>(acc + r * acc_ld, a.col_idx + cur[r], a.values + cur[r],
-                                                              lo - cur[r], b + j0, ldb, nb);
-      });
+      if (wide)
+        with_constant<4, 3>((nb + 15) / 16, [&](auto v) {
+          list_product16<decltype(v)::value>(acc + r * acc_ld, a.col_idx + cur[r], a.values + cur[r], lo - cur[r],
+                                             b + j0, ldb, nb);
+        });
+      else
+        dispatch_vectors(nb, [&](auto v, auto tl) {
+          list_product<decltype(v)::value, decltype(tl)::value>(acc + r * acc_ld, a.col_idx + cur[r], a.values + cur[r],
+                                                                lo - cur[r], b + j0, ldb, nb);
+        });
       cur[r] = lo;
     }
   }
