@@ -221,23 +221,38 @@ struct gemm_gather_v {
   }
 };
 
-//! Per (document, head, state element): the pass over the document's chunks, S0 of each chunk
-//! (rounded to S for the products) and the final state, S <- a S + L (decay_add, the combine every
-//! state pass uses).
-template <class S, class A, class Space>
-struct gemm_state_pass {
+//! Per (document, head, state element): a pass over the document's chunks, forward (the states)
+//! or in reverse (their adjoints). Each chunk's entry gets the running value (rounded to S for the
+//! products), then run <- a run + add (decay_add, the combine every state pass uses; a the chunk's
+//! decay). It starts from `start` (or 0) and leaves the last value in `last` (when given).
+//! Forward: S0 of each chunk from the initial state and the chunks' own states L, the final state.
+//! Reverse: E of each chunk (the adjoint of the state at its end) from d final state and the
+//! adjoint sums Qe^T dO, the document's d initial state.
+template <bool Reverse, class S, class A, class Space>
+struct gemm_chunk_scan {
   gemm_pass<S, A, Space> g;
+  const A* start = nullptr;
+  const A* add = nullptr;
+  S* entry = nullptr;
+  A* last = nullptr;
   LOOM_HD void operator()(index_t item) const {
     const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
-    A s = g.init ? g.init[dh * sz + e] : A(0);
-    for (index_t ci = g.p.doc_chunk[doc]; ci < g.p.doc_chunk[doc + 1]; ++ci) {
+    const index_t c0 = g.p.doc_chunk[doc], c1 = g.p.doc_chunk[doc + 1];
+    A run = start ? start[dh * sz + e] : A(0);
+    for (index_t step = 0; step < c1 - c0; ++step) {
+      const index_t ci = Reverse ? c1 - 1 - step : c0 + step;
       const index_t at = (h * g.p.n_chunks + ci) * sz + e;
-      g.s0[at] = S(s);
-      s = decay_add(g.chunk_decay(h, ci), s, g.l[at]);
+      entry[at] = S(run);
+      run = decay_add(g.chunk_decay(h, ci), run, add[at]);
     }
-    if (g.fin) g.fin[dh * sz + e] = s;
+    if (last) last[dh * sz + e] = run;
   }
 };
+//! The forward's pass: S0 per chunk, the final state.
+template <class S, class A, class Space>
+gemm_chunk_scan<false, S, A, Space> gemm_state_pass(const gemm_pass<S, A, Space>& g) {
+  return {g, g.init, g.l, g.s0, g.fin};
+}
 
 //! Per (head, chunk, row i, column j): Pm(i, j) = M(i, j) Pf(i, j), M(i, j) = scale exp(b_i - b_j) for
 //! j <= i inside the chunk (0 elsewhere). A factor of 0 selects 0 (no 0 x inf). The backward runs it
@@ -316,25 +331,6 @@ struct gemm_scale_q {
     const A f = g.query_factor(at.h, at.ci, at.i);
     const index_t at_x = at.r * g.p.dk + at.x;
     a.qe[at_x] = f == A(0) ? S(0.0f) : S(f * static_cast<A>(g.qg[at_x]));
-  }
-};
-
-//! Per (document, head, state element): the reverse pass over the document's chunks. E of each
-//! chunk (the adjoint of the state at its end, rounded to S for the products), run <- a run + adj
-//! (decay_add; a as gemm_state_pass's), from d final state (or 0); the document's d initial state.
-template <class S, class A, class Space>
-struct gemm_adjoint_pass {
-  gemm_adjoint<S, A, Space> a;
-  LOOM_HD void operator()(index_t item) const {
-    const auto& g = a.g;
-    const index_t sz = g.p.dk * g.p.dv, e = item % sz, dh = item / sz, h = dh % g.p.heads, doc = dh / g.p.heads;
-    A run = a.dfin ? a.dfin[dh * sz + e] : A(0);
-    for (index_t ci = g.p.doc_chunk[doc + 1]; ci-- > g.p.doc_chunk[doc];) {
-      const index_t at = (h * g.p.n_chunks + ci) * sz + e;
-      a.e[at] = S(run);
-      run = decay_add(g.chunk_decay(h, ci), run, a.adj[at]);
-    }
-    if (a.dinit) a.dinit[dh * sz + e] = run;
   }
 };
 
@@ -424,7 +420,7 @@ void gemm_states(const B& b, const G& gemm, const plan<P>& pl, const gemm_layout
     gemm(gemm_op::t, gemm_op::n, dk, dv, c, A(1), static_cast<const S*>(g.ks), dk, c * dk, static_cast<const S*>(g.vg),
          dv, c * dv, A(0), g.l, dv, dk * dv, batch);
   }
-  for_each_index(b, pl.docs() * heads * dk * dv, gemm_state_pass<S, A, Space>{g});
+  for_each_index(b, pl.docs() * heads * dk * dv, gemm_state_pass(g));
 }
 
 //! The second phase's products: the scores Pf, the inter-chunk term Q S0, the mask (Pm) and row
@@ -515,7 +511,8 @@ void gemm_backward(const B& b, const G& gemm, const plan<P>& pl, const gemm_back
     gemm(gemm_op::t, gemm_op::n, dk, dv, c, one, cs(a.qe), dk, c * dk, cs(a.dog), dv, c * dv, zero, a.adj, dv, dk * dv,
          batch);
   }
-  for_each_index(b, pl.docs() * pl.heads() * dk * dv, gemm_adjoint_pass<S, A, Space>{a});
+  for_each_index(b, pl.docs() * pl.heads() * dk * dv,
+                 gemm_chunk_scan<true, S, A, Space>{a.g, a.dfin, a.adj, a.e, a.dinit});
   if (batch > 0) {
     // dV = row-scale_w(K E) + Pm^T dO
     gemm(gemm_op::n, gemm_op::n, c, dv, dk, one, cs(g.kg), dk, c * dk, cs(a.e), dv, dk * dv, zero, a.dv, dv, c * dv,
@@ -567,7 +564,6 @@ bool gemm_forward_incoming(const B& b, const G& gemm, const plan<P>& pl, const g
                            tensor_view<typename P::accum_type, 4, Space> fin, std::span<std::byte> ws,
                            typename P::accum_type* end_state, incoming_roles roles, Post&& post, Finish&& finish,
                            std::string_view call) {
-  using S = typename P::storage_type;
   using A = typename P::accum_type;
   LOOM_EXPECTS(present(fin), errc::invalid_argument, call, ": final_state: the LASP-2 schedule needs it");
   const auto g = gemm_setup(b, pl, gl, gating, x, o, fin, ws, call);
@@ -581,7 +577,7 @@ bool gemm_forward_incoming(const B& b, const G& gemm, const plan<P>& pl, const g
   if (with_x) {
     auto g0 = g;  // document 0 only (items [0, H dk dv)), from X ([H, dk, dv]: document 0's initial state)
     g0.init = xin;
-    for_each_index(b, one, gemm_state_pass<S, A, Space>{g0});
+    for_each_index(b, one, gemm_state_pass(g0));
   }
   gemm_outputs(b, gemm, pl, gl, g, o);
   return with_x;
