@@ -3,16 +3,16 @@
 //! @file
 //! AVX2 host kernels of loom::sparse::spmm (float accumulation; float, bfloat16 or half weights):
 //! CSR on every CPU with AVX2; the bitmap on CPUs without the AVX-512 kernels of kernels_x86.hpp,
-//! and on those for its sparse bands (N >= 2). One micro-kernel serves both
-//! formats: a row's nonzeros as a (column, value) list, multiplied into up to 64 output columns
-//! held in registers (ceil(nb / 8) vectors, in 1, 2 or 4 interleaved sets so that consecutive FMAs
-//! do not wait on each other), one broadcast and ceil(nb / 8) FMAs per nonzero, no branch per
-//! nonzero. CSR rows already are such lists. A band of the tiled bitmap is decoded into them 8
-//! tiles (512 columns) at a time, without a branch per nonzero either: the column numbers of each
-//! mask byte come from a 256-entry table (8 stored per byte, the count advances the list), and a
-//! tile row's values are copied 8 at a time. N == 1 takes the same lists with an 8-lane gather of
-//! x. CSR items of 64 rows with a B block in L1 (csr_grouped) take a 16-lane form of the list
-//! product on AVX-512 CPUs. Every output sums its nonzeros in one fixed order (list order, the sets added in order), so
+//! and on those for its sparse bands (N >= 2). One micro-kernel serves both formats: a row's
+//! nonzeros as a (column, value) list, multiplied into up to 64 output columns held in registers
+//! (ceil(nb / 8) vectors, in 1, 2 or 4 interleaved sets so that consecutive FMAs do not wait on
+//! each other), one broadcast and ceil(nb / 8) FMAs per nonzero, no branch per nonzero. CSR rows
+//! already are such lists. A band of the tiled bitmap is decoded into them 8 tiles (512 columns)
+//! at a time, without a branch per nonzero either: the column numbers of each mask byte come from a
+//! 256-entry table (8 stored per byte, the count advances the list), and a tile row's values are
+//! copied 8 at a time. N == 1 takes the same lists with an 8-lane gather of x. CSR items of 64 rows
+//! with a B block in L1 (csr_grouped) take a 16-lane form of the list product on AVX-512 CPUs.
+//! Every output sums its nonzeros in one fixed order (list order, the sets added in order), so
 //! results are the same bits on every host backend and thread count; they differ from the portable
 //! kernels' within the fp32 tolerance.
 
