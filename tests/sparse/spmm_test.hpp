@@ -364,17 +364,27 @@ TEST_CASE("spmm coverage: every stored nonzero is read exactly once per 64-colum
   }
 }
 
+namespace {
+// C = A B on this backend and on loom::serial (A: a csr or bitmap, B: K x n uniform in [-1, 1) from
+// `seed`), required to be the same bits; returns this backend's C.
+template <class A>
+std::vector<float> same_bits_as_serial(const A& a, index_t n, std::uint64_t seed) {
+  const index_t m = a.rows(), k = a.cols();
+  const auto bvals = lt::uniform<float>(k * n, -1, 1, seed);
+  std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
+  const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
+  ls::spmm(make_backend(), a, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
+  ls::spmm(loom::serial{}, a, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
+  REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
+  return c1;
+}
+}  // namespace
+
 TEST_CASE("spmm: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][spmm]") {
   // above two grains of work (loom::parallel_grain_bytes): a host backend runs it on its threads
   const index_t m = 1001, k = 1009, n = 19;
   const auto a = make_matrix<float>(m, k, 0.6, false, 8);
-  const auto bm = ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k}));
-  const auto bvals = lt::uniform<float>(k * n, -1, 1, 9);
-  std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
-  const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
-  ls::spmm(make_backend(), bm, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
-  ls::spmm(loom::serial{}, bm, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
-  REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
+  (void)same_bits_as_serial(ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k})), n, 9);
 }
 
 TEST_CASE("spmm csr with 8 bands per work item: same bits as the serial backend" LOOM_BACKEND_TAG, "[sparse][spmm]") {
@@ -382,12 +392,9 @@ TEST_CASE("spmm csr with 8 bands per work item: same bits as the serial backend"
   const auto a = make_matrix<float>(m, k, 0.8, false, 10);
   const auto cs = ls::to_csr(loom::tensor_view<const float, 2>(a.data(), {m, k}));
   REQUIRE(ls::detail::bands_per_item<decltype(cs.view())>(k, n) == ls::detail::csr_group_bands);
+  const auto c1 = same_bits_as_serial(cs, n, 11);
   const auto bvals = lt::uniform<float>(k * n, -1, 1, 11);
-  std::vector<float> c1(static_cast<std::size_t>(m * n)), c2(c1.size());
   const loom::tensor_view<const float, 2> bv(bvals.data(), {k, n});
-  ls::spmm(make_backend(), cs, bv, loom::tensor_view<float, 2>(c1.data(), {m, n}));
-  ls::spmm(loom::serial{}, cs, bv, loom::tensor_view<float, 2>(c2.data(), {m, n}));
-  REQUIRE(std::memcmp(c1.data(), c2.data(), sizeof(float) * c1.size()) == 0);
   // a plan holds extents only: one made from the same matrix as a bitmap runs CSR the same way
   const auto be = make_backend();
   const auto pl = ls::make_plan(be, ls::to_bitmap(loom::tensor_view<const float, 2>(a.data(), {m, k})), n);
