@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <memory>
 #include <span>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -34,34 +35,21 @@ erased_span erase(std::span<T> s) {
   return {const_cast<U*>(s.data()), s.size(), dtype_of<U>(), sizeof(U)};
 }
 
+//! The element type of each dtype, in dtype's order (bytes: std::byte).
+using dtype_types = std::tuple<std::byte, std::int8_t, std::uint8_t, std::int32_t, std::uint32_t, std::int64_t,
+                               std::uint64_t, half, bfloat16, float, double>;
+
 //! Calls f(std::span<T>) with T recovered from the dtype (bytes: std::byte, count scaled).
-template <class F>
+template <std::size_t I = 1, class F>
 decltype(auto) with_type(const erased_span& s, F&& f) {
-  switch (s.type) {
-    case dtype::i8:
-      return f(std::span<std::int8_t>(static_cast<std::int8_t*>(s.data), s.count));
-    case dtype::u8:
-      return f(std::span<std::uint8_t>(static_cast<std::uint8_t*>(s.data), s.count));
-    case dtype::i32:
-      return f(std::span<std::int32_t>(static_cast<std::int32_t*>(s.data), s.count));
-    case dtype::u32:
-      return f(std::span<std::uint32_t>(static_cast<std::uint32_t*>(s.data), s.count));
-    case dtype::i64:
-      return f(std::span<std::int64_t>(static_cast<std::int64_t*>(s.data), s.count));
-    case dtype::u64:
-      return f(std::span<std::uint64_t>(static_cast<std::uint64_t*>(s.data), s.count));
-    case dtype::f16:
-      return f(std::span<half>(static_cast<half*>(s.data), s.count));
-    case dtype::bf16:
-      return f(std::span<bfloat16>(static_cast<bfloat16*>(s.data), s.count));
-    case dtype::f32:
-      return f(std::span<float>(static_cast<float*>(s.data), s.count));
-    case dtype::f64:
-      return f(std::span<double>(static_cast<double*>(s.data), s.count));
-    case dtype::bytes:
-      break;
+  if constexpr (I < std::tuple_size_v<dtype_types>) {
+    using T = std::tuple_element_t<I, dtype_types>;
+    static_assert(dtype_of<T>() == static_cast<dtype>(I));
+    if (s.type == static_cast<dtype>(I)) return f(std::span<T>(static_cast<T*>(s.data), s.count));
+    return with_type<I + 1>(s, std::forward<F>(f));
+  } else {
+    return f(std::span<std::byte>(static_cast<std::byte*>(s.data), s.count * s.elem_size));
   }
-  return f(std::span<std::byte>(static_cast<std::byte*>(s.data), s.count * s.elem_size));
 }
 
 template <class T>
@@ -184,15 +172,7 @@ struct any_model final : any_base {
 class any {
  public:
   //! A pending isend / irecv of the wrapped communicator.
-  class request {
-   public:
-    request() = default;
-    [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
-
-   private:
-    friend class any;
-    std::shared_ptr<detail::any_request_base> impl_;
-  };
+  using request = basic_request<any, std::shared_ptr<detail::any_request_base>>;
 
   //! Wraps a copy of `comm`.
   template <communicator C>
@@ -204,19 +184,15 @@ class any {
 
   template <class T>
   requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
-    request r;
-    r.impl_ = impl_->isend(detail::erase(data), dest, tag);
-    return r;
+    return request(impl_->isend(detail::erase(data), dest, tag));
   }
   template <transferable T>
   request irecv(std::span<T> data, int src, int tag) {
-    request r;
-    r.impl_ = impl_->irecv(detail::erase(data), src, tag);
-    return r;
+    return request(impl_->irecv(detail::erase(data), src, tag));
   }
   void wait(request& r) {
-    if (!r.impl_) return;
-    auto impl = std::move(r.impl_);
+    if (!r.handle_) return;
+    auto impl = std::move(r.handle_);
     impl->wait();
   }
   template <class S, class R>

@@ -29,6 +29,7 @@
 #include <span>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 
 namespace loom::comm {
 
@@ -124,6 +125,27 @@ concept communicator = std::copy_constructible<C> &&
   c.broadcast(r, 0);
   c.barrier();
   { c.split(0, 0) } -> std::same_as<C>;
+};
+
+//! A communicator's request type: a handle H on a pending isend / irecv (a pointer or an optional;
+//! empty when default-constructed or waited) that only the communicator Owner reads and writes.
+template <class Owner, class H>
+class basic_request {
+ public:
+  basic_request() = default;
+  [[nodiscard]] bool valid() const noexcept { return static_cast<bool>(handle_); }
+
+ private:
+  friend Owner;
+  explicit basic_request(H h) : handle_(std::move(h)) {}
+  //! f(handle) when the request is pending, then empty (left pending when f throws).
+  template <class F>
+  void complete(F&& f) {
+    if (!handle_) return;
+    f(handle_);
+    handle_ = H{};
+  }
+  H handle_{};
 };
 
 //! Waits for every request in `reqs` (in order; the first failure is thrown after all are waited).

@@ -53,16 +53,7 @@ auto run_local(int ranks, F&& fn, local_options options = {});
 class local {
  public:
   //! A pending isend / irecv. Default-constructed: an empty request (wait returns at once).
-  class request {
-   public:
-    request() = default;
-    [[nodiscard]] bool valid() const noexcept { return op_ != nullptr; }
-
-   private:
-    friend class local;
-    explicit request(std::shared_ptr<detail::p2p_op> op) : op_(std::move(op)) {}
-    std::shared_ptr<detail::p2p_op> op_;
-  };
+  using request = basic_request<local, std::shared_ptr<detail::p2p_op>>;
 
   [[nodiscard]] int rank() const noexcept { return rank_; }
   [[nodiscard]] int size() const noexcept { return g_->size; }
@@ -92,12 +83,12 @@ class local {
   //! send and receive buffers overlap), timeout (no matching peer within the timeout: the run is
   //! aborted). An empty request, or one that was already waited (through any copy), returns at once.
   void wait(request& req) {
-    if (!req.op_) return;
+    if (!req.handle_) return;
     auto& w = *g_->w;
     std::unique_lock lk(w.m);
-    const auto op = req.op_;
+    const auto op = req.handle_;
     if (op->waited) {  // a copy of this request was waited already: it counts once
-      req.op_.reset();
+      req.handle_.reset();
       return;
     }
     const auto deadline = detail::deadline_after(w.timeout);
@@ -119,7 +110,7 @@ class local {
     }
     op->waited = true;
     --w.outstanding[global_rank()];
-    req.op_.reset();
+    req.handle_.reset();
     if (!op->error.empty()) throw error(op->code, op->error);
   }
 

@@ -59,29 +59,11 @@ inline void nccl_cuda_check(cudaError_t rc, const char* call) {
 
 template <class T>
 ncclDataType_t nccl_datatype() {
-  constexpr dtype t = dtype_of<T>();
-  if constexpr (t == dtype::i8)
-    return ncclInt8;
-  else if constexpr (t == dtype::u8)
-    return ncclUint8;
-  else if constexpr (t == dtype::i32)
-    return ncclInt32;
-  else if constexpr (t == dtype::u32)
-    return ncclUint32;
-  else if constexpr (t == dtype::i64)
-    return ncclInt64;
-  else if constexpr (t == dtype::u64)
-    return ncclUint64;
-  else if constexpr (t == dtype::f16)
-    return ncclFloat16;
-  else if constexpr (t == dtype::bf16)
-    return ncclBfloat16;
-  else if constexpr (t == dtype::f32)
-    return ncclFloat32;
-  else if constexpr (t == dtype::f64)
-    return ncclFloat64;
-  else
-    return ncclUint8;  // other trivially copyable types travel as bytes
+  // Indexed by dtype; other trivially copyable types (dtype::bytes) travel as bytes.
+  constexpr ncclDataType_t types[] = {ncclUint8,  ncclInt8,    ncclUint8,    ncclInt32,   ncclUint32, ncclInt64,
+                                      ncclUint64, ncclFloat16, ncclBfloat16, ncclFloat32, ncclFloat64};
+  static_assert(std::size(types) == static_cast<std::size_t>(dtype::f64) + 1);
+  return types[static_cast<int>(dtype_of<T>())];
 }
 
 template <class T>
@@ -90,17 +72,8 @@ std::size_t nccl_count(std::size_t n) {
 }
 
 inline ncclRedOp_t nccl_op(reduce_op op) {
-  switch (op) {
-    case reduce_op::sum:
-      return ncclSum;
-    case reduce_op::prod:
-      return ncclProd;
-    case reduce_op::min:
-      return ncclMin;
-    case reduce_op::max:
-      return ncclMax;
-  }
-  return ncclSum;
+  constexpr ncclRedOp_t ops[4] = {ncclSum, ncclProd, ncclMin, ncclMax};  // reduce_op's order
+  return ops[static_cast<int>(op)];
 }
 
 }  // namespace detail
@@ -122,15 +95,7 @@ class nccl {
   using memory_space = cuda_memory;
 
   //! The completion point of an isend / irecv on the communication stream.
-  class request {
-   public:
-    request() = default;
-    [[nodiscard]] bool valid() const noexcept { return event_ != nullptr; }
-
-   private:
-    friend class nccl;
-    event_ptr event_;
-  };
+  using request = basic_request<nccl, event_ptr>;
 
   //! Wraps `comm` (not owned) with the communication stream `stream`.
   nccl(ncclComm_t comm, cudaStream_t stream, nccl_options opt = {})
@@ -213,19 +178,17 @@ class nccl {
 
   //! Blocks the host until the request's operation ran (polled against the timeout).
   void wait(request& r) {
-    if (!r.event_) return;
-    LOOM_EXPECTS(st_->group_depth == 0, errc::invalid_argument,
-                 "comm::nccl wait: a request cannot be waited inside group_start / group_end");
-    sync_event(r.event_.get(), "comm::nccl wait");
-    r.event_.reset();
+    r.complete([&](auto& e) {
+      check_not_grouped();
+      sync_event(e.get(), "comm::nccl wait");
+    });
   }
   //! Makes b.stream wait for the request's operation (no host block).
   void wait(request& r, const loom::cuda& b) {
-    if (!r.event_) return;
-    LOOM_EXPECTS(st_->group_depth == 0, errc::invalid_argument,
-                 "comm::nccl wait: a request cannot be waited inside group_start / group_end");
-    detail::nccl_cuda_check(cudaStreamWaitEvent(b.stream, r.event_.get(), 0), "cudaStreamWaitEvent");
-    r.event_.reset();
+    r.complete([&](auto& e) {
+      check_not_grouped();
+      detail::nccl_cuda_check(cudaStreamWaitEvent(b.stream, e.get(), 0), "cudaStreamWaitEvent");
+    });
   }
 
   template <class S, class R>
@@ -472,6 +435,10 @@ class nccl {
                      ")");
   }
 
+  void check_not_grouped() const {
+    LOOM_EXPECTS(st_->group_depth == 0, errc::invalid_argument,
+                 "comm::nccl wait: a request cannot be waited inside group_start / group_end");
+  }
   void check_peer(const char* call, int peer, int tag) const {
     LOOM_EXPECTS(peer >= 0 && peer < size_, errc::invalid_argument, "comm::nccl ", call, ": peer must be in [0, ",
                  size_, "), got ", peer);
@@ -481,11 +448,11 @@ class nccl {
   //! A request whose event marks the operation just issued (at the outermost group_end when inside a group).
   request record() {
     request r;
-    r.event_ = make_event();
+    r.handle_ = make_event();
     if (st_->group_depth > 0)
-      st_->pending.push_back(r.event_);
+      st_->pending.push_back(r.handle_);
     else
-      detail::nccl_cuda_check(cudaEventRecord(r.event_.get(), stream_), "cudaEventRecord");
+      detail::nccl_cuda_check(cudaEventRecord(r.handle_.get(), stream_), "cudaEventRecord");
     return r;
   }
 };

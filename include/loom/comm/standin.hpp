@@ -72,16 +72,7 @@ class standin {
   using memory_space = loom::standin_memory;
 
   //! A pending isend / irecv: the point of the communication stream after it.
-  class request {
-   public:
-    request() = default;
-    [[nodiscard]] bool valid() const noexcept { return valid_; }
-
-   private:
-    friend class standin;
-    loom::standin_event done_;
-    bool valid_ = false;
-  };
+  using request = basic_request<standin, std::optional<loom::standin_event>>;
 
   //! Wraps this rank's comm::local handle; the communication stream gets `delays`, transfers the
   //! modelled `link`.
@@ -95,35 +86,19 @@ class standin {
 
   template <class T>
   requires transferable<std::remove_const_t<T>> request isend(std::span<T> data, int dest, int tag) {
-    check_peer("isend", "dest", dest, tag);
-    s_->stream.enqueue([st = s_.get(), data, dest, tag] {
-      auto r = st->inner.isend(data, dest, tag);
-      st->inner.wait(r);
-      st->busy(data.size_bytes());
-    });
-    return record();
+    return post<true>(data, dest, tag);
   }
   template <transferable T>
   request irecv(std::span<T> data, int src, int tag) {
-    check_peer("irecv", "src", src, tag);
-    s_->stream.enqueue([st = s_.get(), data, src, tag] {
-      auto r = st->inner.irecv(data, src, tag);
-      st->inner.wait(r);
-      st->busy(data.size_bytes());
-    });
-    return record();
+    return post<false>(data, src, tag);
   }
   //! Blocks the host until the request's operation ran; throws its failure. Empty: returns at once.
   void wait(request& req) {
-    if (!req.valid_) return;
-    req.done_.synchronize();
-    req.valid_ = false;
+    req.complete([](auto& e) { e->synchronize(); });
   }
   //! Makes b's stream wait for the request's operation (no host block).
   void wait(request& req, const loom::standin& b) {
-    if (!req.valid_) return;
-    b.queue().wait_event(req.done_);
-    req.valid_ = false;
+    req.complete([&](auto& e) { b.queue().wait_event(*e); });
   }
 
   template <class S, class R>
@@ -216,11 +191,25 @@ class standin {
       st->busy(bytes);
     });
   }
+  //! isend (Send) or irecv on the communication stream: the inner handle's call, waited there.
+  template <bool Send, class T>
+  request post(std::span<T> data, int peer, int tag) {
+    check_peer(Send ? "isend" : "irecv", Send ? "dest" : "src", peer, tag);
+    s_->stream.enqueue([st = s_.get(), data, peer, tag] {
+      local::request r;
+      if constexpr (Send)
+        r = st->inner.isend(data, peer, tag);
+      else
+        r = st->inner.irecv(data, peer, tag);
+      st->inner.wait(r);
+      st->busy(data.size_bytes());
+    });
+    return record();
+  }
   //! A request whose event marks the operation just enqueued.
   request record() {
     request r;
-    r.done_.record(s_->stream);
-    r.valid_ = true;
+    r.handle_.emplace().record(s_->stream);
     return r;
   }
   void check_peer(const char* call, const char* name, int peer, int tag) const {

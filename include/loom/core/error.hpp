@@ -26,23 +26,10 @@ enum class errc {
 
 //! The name of an error code, e.g. "shape_mismatch".
 constexpr std::string_view to_string(errc code) noexcept {
-  switch (code) {
-    case errc::invalid_argument:
-      return "invalid_argument";
-    case errc::shape_mismatch:
-      return "shape_mismatch";
-    case errc::unsupported:
-      return "unsupported";
-    case errc::comm_failure:
-      return "comm_failure";
-    case errc::timeout:
-      return "timeout";
-    case errc::not_converged:
-      return "not_converged";
-    case errc::internal:
-      return "internal";
-  }
-  return "unknown";
+  constexpr std::string_view names[] = {"invalid_argument", "shape_mismatch", "unsupported", "comm_failure",
+                                        "timeout",          "not_converged",  "internal"};
+  const int i = static_cast<int>(code) - static_cast<int>(errc::invalid_argument);
+  return i >= 0 && i < static_cast<int>(std::size(names)) ? names[i] : "unknown";
 }
 
 //! The one exception type loom throws for host-side misuse and failures.

@@ -37,17 +37,8 @@ enum class termination { converged, max_iterations, non_finite };
 enum class fallback_taken { none, damped, sequential };
 
 constexpr std::string_view to_string(method m) noexcept {
-  switch (m) {
-    case method::newton:
-      return "newton";
-    case method::quasi_newton:
-      return "quasi_newton";
-    case method::damped:
-      return "damped";
-    case method::picard:
-      return "picard";
-  }
-  return "?";
+  constexpr std::string_view names[] = {"newton", "quasi_newton", "damped", "picard"};
+  return static_cast<unsigned>(m) < std::size(names) ? names[static_cast<unsigned>(m)] : "?";
 }
 constexpr std::string_view to_string(termination t) noexcept {
   return t == termination::converged ? "converged" : t == termination::max_iterations ? "max_iterations" : "non_finite";

@@ -70,12 +70,40 @@ requires(N >= 1 && M >= N && M <= 256) struct n_m_view {
   LOOM_HD constexpr index_t groups() const noexcept { return loom::detail::ceil_div(cols, index_t{M}); }
 };
 
-//! Owning CSR on the host. 32-bit column indices, 64-bit row offsets.
-template <class T>
-class csr {
+namespace detail {
+//! What csr and bitmap share: the extents and three arrays (two index arrays I0, I1 and the values),
+//! taken by the derived constructor, which validates them.
+template <class T, class I0, class I1>
+class owned_arrays {
  public:
   using value_type = T;
-  csr() = default;
+  index_t rows() const noexcept { return rows_; }
+  index_t cols() const noexcept { return cols_; }
+  index_t nnz() const noexcept { return static_cast<index_t>(values_.size()); }
+  const std::vector<T>& values() const noexcept { return values_; }
+  //! Bytes of the three arrays.
+  std::size_t bytes() const noexcept {
+    return first_.size() * sizeof(I0) + second_.size() * sizeof(I1) + values_.size() * sizeof(T);
+  }
+
+ protected:
+  owned_arrays(std::vector<I0> first, std::vector<I1> second) : first_(std::move(first)), second_(std::move(second)) {}
+  owned_arrays(index_t rows, index_t cols, std::vector<I0> first, std::vector<I1> second, std::vector<T> values)
+      : rows_(rows), cols_(cols), first_(std::move(first)), second_(std::move(second)), values_(std::move(values)) {}
+  index_t rows_ = 0, cols_ = 0;
+  std::vector<I0> first_;
+  std::vector<I1> second_;
+  std::vector<T> values_;
+};
+}  // namespace detail
+
+//! Owning CSR on the host. 32-bit column indices, 64-bit row offsets. Default: 0 x 0.
+template <class T>
+class csr : public detail::owned_arrays<T, index_t, std::int32_t> {
+  using base = detail::owned_arrays<T, index_t, std::int32_t>;
+
+ public:
+  csr() : base({0}, {}) {}
   //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
   //! negative or too large extents (cols must fit int32, rows + 1 index_t), row_ptr not of size
   //! rows + 1, not starting at 0 or decreasing, row_ptr[rows] != col_idx.size(), values.size() !=
@@ -83,39 +111,27 @@ class csr {
   //! within a row.
   csr(index_t rows, index_t cols, std::vector<index_t> row_ptr, std::vector<std::int32_t> col_idx,
       std::vector<T> values)
-      : rows_(rows),
-        cols_(cols),
-        row_ptr_(std::move(row_ptr)),
-        col_idx_(std::move(col_idx)),
-        values_(std::move(values)) {
+      : base(rows, cols, std::move(row_ptr), std::move(col_idx), std::move(values)) {
     validate();
   }
-  index_t rows() const noexcept { return rows_; }
-  index_t cols() const noexcept { return cols_; }
-  index_t nnz() const noexcept { return static_cast<index_t>(values_.size()); }
-  //! Bytes of the three arrays.
-  std::size_t bytes() const noexcept {
-    return row_ptr_.size() * sizeof(index_t) + col_idx_.size() * sizeof(std::int32_t) + values_.size() * sizeof(T);
+  const std::vector<index_t>& row_ptr() const noexcept { return this->first_; }
+  const std::vector<std::int32_t>& col_idx() const noexcept { return this->second_; }
+  csr_view<T> view() const noexcept {
+    return {this->rows_, this->cols_, row_ptr().data(), col_idx().data(), this->values_.data()};
   }
-  const std::vector<index_t>& row_ptr() const noexcept { return row_ptr_; }
-  const std::vector<std::int32_t>& col_idx() const noexcept { return col_idx_; }
-  const std::vector<T>& values() const noexcept { return values_; }
-  csr_view<T> view() const noexcept { return {rows_, cols_, row_ptr_.data(), col_idx_.data(), values_.data()}; }
 
  private:
   void validate() const;
-  index_t rows_ = 0, cols_ = 0;
-  std::vector<index_t> row_ptr_{0};
-  std::vector<std::int32_t> col_idx_;
-  std::vector<T> values_;
 };
 
-//! Owning tiled bitmap on the host (see bitmap_view for the layout).
+//! Owning tiled bitmap on the host (see bitmap_view for the layout). Default: 0 x 0. Its bytes():
+//! about e(1 - s) + 1/8 + 1/64 bytes per dense element.
 template <class T>
-class bitmap {
+class bitmap : public detail::owned_arrays<T, std::uint64_t, index_t> {
+  using base = detail::owned_arrays<T, std::uint64_t, index_t>;
+
  public:
-  using value_type = T;
-  bitmap() = default;
+  bitmap() : base({}, {0}) {}
   //! Validates and takes the arrays. Throws loom::error(invalid_argument) naming the array for:
   //! negative extents, a tile or word count that overflows index_t, masks not of size
   //! tiles * tile_rows, a set bit outside the matrix (rows or columns of edge tiles past the
@@ -123,31 +139,17 @@ class bitmap {
   //! tile_offsets[t] != set bits of tile t, and values.size() != tile_offsets[tiles].
   bitmap(index_t rows, index_t cols, std::vector<std::uint64_t> masks, std::vector<index_t> tile_offsets,
          std::vector<T> values)
-      : rows_(rows),
-        cols_(cols),
-        masks_(std::move(masks)),
-        offsets_(std::move(tile_offsets)),
-        values_(std::move(values)) {
+      : base(rows, cols, std::move(masks), std::move(tile_offsets), std::move(values)) {
     validate();
   }
-  index_t rows() const noexcept { return rows_; }
-  index_t cols() const noexcept { return cols_; }
-  index_t nnz() const noexcept { return static_cast<index_t>(values_.size()); }
-  //! Bytes of the three arrays: about e(1 - s) + 1/8 + 1/64 bytes per dense element.
-  std::size_t bytes() const noexcept {
-    return masks_.size() * sizeof(std::uint64_t) + offsets_.size() * sizeof(index_t) + values_.size() * sizeof(T);
+  const std::vector<std::uint64_t>& masks() const noexcept { return this->first_; }
+  const std::vector<index_t>& tile_offsets() const noexcept { return this->second_; }
+  bitmap_view<T> view() const noexcept {
+    return {this->rows_, this->cols_, masks().data(), tile_offsets().data(), this->values_.data()};
   }
-  const std::vector<std::uint64_t>& masks() const noexcept { return masks_; }
-  const std::vector<index_t>& tile_offsets() const noexcept { return offsets_; }
-  const std::vector<T>& values() const noexcept { return values_; }
-  bitmap_view<T> view() const noexcept { return {rows_, cols_, masks_.data(), offsets_.data(), values_.data()}; }
 
  private:
   void validate() const;
-  index_t rows_ = 0, cols_ = 0;
-  std::vector<std::uint64_t> masks_;
-  std::vector<index_t> offsets_{0};
-  std::vector<T> values_;
 };
 
 //! Owning N:M structured sparse matrix on the host (see n_m_view). 2:4 is n_m<2, 4, T>.
@@ -222,28 +224,28 @@ inline void check_row_offsets(std::span<const index_t> offsets, std::string_view
 
 template <class T>
 void csr<T>::validate() const {
-  detail::check_extents(rows_, cols_, "csr");
-  LOOM_EXPECTS(cols_ <= std::numeric_limits<std::int32_t>::max(), errc::invalid_argument,
-               "csr: cols must fit a 32-bit column index, got ", cols_);
-  const index_t offsets = loom::detail::checked_add(rows_, index_t{1}, "csr: rows + 1");
-  LOOM_EXPECTS(static_cast<index_t>(row_ptr_.size()) == offsets, errc::invalid_argument,
-               "csr: row_ptr must hold rows + 1 = ", offsets, " offsets, got ", row_ptr_.size());
-  const auto nnz = static_cast<index_t>(col_idx_.size());
-  LOOM_EXPECTS(values_.size() == col_idx_.size(), errc::invalid_argument,
-               "csr: values must hold as many entries as col_idx (", nnz, "), got ", values_.size());
-  detail::check_row_offsets(row_ptr_, "csr", "row_ptr");
-  LOOM_EXPECTS(row_ptr_[rows_] == nnz, errc::invalid_argument, "csr: row_ptr[rows] must equal col_idx.size() = ", nnz,
-               ", got ", row_ptr_[rows_]);
-  for (index_t r = 0; r < rows_; ++r) {
-    for (index_t e = row_ptr_[r]; e < row_ptr_[r + 1]; ++e) {
-      const index_t c = col_idx_[e];
-      LOOM_EXPECTS(c >= 0 && c < cols_, errc::invalid_argument, "csr: col_idx[", e, "] (row ", r,
-                   ") must be in [0, cols = ", cols_, "), got ", c);
-      if (e > row_ptr_[r]) {
-        LOOM_EXPECTS(c != col_idx_[e - 1], errc::invalid_argument, "csr: duplicate column ", c, " in row ", r,
+  detail::check_extents(this->rows(), this->cols(), "csr");
+  LOOM_EXPECTS(this->cols() <= std::numeric_limits<std::int32_t>::max(), errc::invalid_argument,
+               "csr: cols must fit a 32-bit column index, got ", this->cols());
+  const index_t offsets = loom::detail::checked_add(this->rows(), index_t{1}, "csr: rows + 1");
+  LOOM_EXPECTS(static_cast<index_t>(row_ptr().size()) == offsets, errc::invalid_argument,
+               "csr: row_ptr must hold rows + 1 = ", offsets, " offsets, got ", row_ptr().size());
+  const auto nnz = static_cast<index_t>(col_idx().size());
+  LOOM_EXPECTS(this->values().size() == col_idx().size(), errc::invalid_argument,
+               "csr: values must hold as many entries as col_idx (", nnz, "), got ", this->values().size());
+  detail::check_row_offsets(row_ptr(), "csr", "row_ptr");
+  LOOM_EXPECTS(row_ptr()[this->rows()] == nnz, errc::invalid_argument,
+               "csr: row_ptr[rows] must equal col_idx.size() = ", nnz, ", got ", row_ptr()[this->rows()]);
+  for (index_t r = 0; r < this->rows(); ++r) {
+    for (index_t e = row_ptr()[r]; e < row_ptr()[r + 1]; ++e) {
+      const index_t c = col_idx()[e];
+      LOOM_EXPECTS(c >= 0 && c < this->cols(), errc::invalid_argument, "csr: col_idx[", e, "] (row ", r,
+                   ") must be in [0, cols = ", this->cols(), "), got ", c);
+      if (e > row_ptr()[r]) {
+        LOOM_EXPECTS(c != col_idx()[e - 1], errc::invalid_argument, "csr: duplicate column ", c, " in row ", r,
                      " (col_idx[", e - 1, "] and col_idx[", e, "])");
-        LOOM_EXPECTS(c > col_idx_[e - 1], errc::invalid_argument, "csr: column indices of row ", r,
-                     " must be increasing, but col_idx[", e, "] = ", c, " < col_idx[", e - 1, "] = ", col_idx_[e - 1]);
+        LOOM_EXPECTS(c > col_idx()[e - 1], errc::invalid_argument, "csr: column indices of row ", r,
+                     " must be increasing, but col_idx[", e, "] = ", c, " < col_idx[", e - 1, "] = ", col_idx()[e - 1]);
       }
     }
   }
@@ -251,35 +253,37 @@ void csr<T>::validate() const {
 
 template <class T>
 void bitmap<T>::validate() const {
-  detail::check_extents(rows_, cols_, "bitmap");
+  detail::check_extents(this->rows(), this->cols(), "bitmap");
   const auto v = view();
   const index_t tr = detail::tile_rows;
   const index_t tiles =
       loom::detail::checked_mul(v.grid_rows(), v.grid_cols(), "bitmap: tiles = ceil(rows / 8) * ceil(cols / 64)");
   const index_t words = loom::detail::checked_mul(tiles, tr, "bitmap: masks words = tiles * 8");
   const index_t offsets = loom::detail::checked_add(tiles, index_t{1}, "bitmap: tiles + 1");
-  LOOM_EXPECTS(static_cast<index_t>(masks_.size()) == words, errc::invalid_argument, "bitmap: masks must hold ", words,
-               " words (", tiles, " tiles x ", tr, " rows), got ", masks_.size());
-  LOOM_EXPECTS(static_cast<index_t>(offsets_.size()) == offsets, errc::invalid_argument,
-               "bitmap: tile_offsets must hold tiles + 1 = ", offsets, " offsets, got ", offsets_.size());
-  LOOM_EXPECTS(offsets_[0] == 0, errc::invalid_argument, "bitmap: tile_offsets[0] must be 0, got ", offsets_[0]);
+  LOOM_EXPECTS(static_cast<index_t>(masks().size()) == words, errc::invalid_argument, "bitmap: masks must hold ", words,
+               " words (", tiles, " tiles x ", tr, " rows), got ", masks().size());
+  LOOM_EXPECTS(static_cast<index_t>(tile_offsets().size()) == offsets, errc::invalid_argument,
+               "bitmap: tile_offsets must hold tiles + 1 = ", offsets, " offsets, got ", tile_offsets().size());
+  LOOM_EXPECTS(tile_offsets()[0] == 0, errc::invalid_argument, "bitmap: tile_offsets[0] must be 0, got ",
+               tile_offsets()[0]);
   for (index_t t = 0; t < tiles; ++t) {
     const index_t r0 = (t / v.grid_cols()) * tr, c0 = (t % v.grid_cols()) * detail::tile_cols;
-    const std::uint64_t valid = detail::valid_bits(c0, cols_);
+    const std::uint64_t valid = detail::valid_bits(c0, this->cols());
     index_t count = 0;
     for (index_t r = 0; r < tr; ++r) {
-      const std::uint64_t m = masks_[t * tr + r];
-      LOOM_EXPECTS((r0 + r < rows_ || m == 0) && (m & ~valid) == 0, errc::invalid_argument, "bitmap: masks[",
-                   t * tr + r, "] (tile ", t, ", row ", r0 + r, ") sets a bit outside the ", rows_, " x ", cols_,
-                   " matrix");
+      const std::uint64_t m = masks()[t * tr + r];
+      LOOM_EXPECTS((r0 + r < this->rows() || m == 0) && (m & ~valid) == 0, errc::invalid_argument, "bitmap: masks[",
+                   t * tr + r, "] (tile ", t, ", row ", r0 + r, ") sets a bit outside the ", this->rows(), " x ",
+                   this->cols(), " matrix");
       count += detail::popcount64(m);
     }
-    LOOM_EXPECTS(offsets_[t + 1] - offsets_[t] == count, errc::invalid_argument, "bitmap: tile ", t, " sets ", count,
-                 " bits, so tile_offsets[", t + 1, "] - tile_offsets[", t, "] must be ", count, ", got ",
-                 offsets_[t + 1] - offsets_[t]);
+    LOOM_EXPECTS(tile_offsets()[t + 1] - tile_offsets()[t] == count, errc::invalid_argument, "bitmap: tile ", t,
+                 " sets ", count, " bits, so tile_offsets[", t + 1, "] - tile_offsets[", t, "] must be ", count,
+                 ", got ", tile_offsets()[t + 1] - tile_offsets()[t]);
   }
-  LOOM_EXPECTS(static_cast<index_t>(values_.size()) == offsets_[tiles], errc::invalid_argument,
-               "bitmap: values must hold tile_offsets[tiles] = ", offsets_[tiles], " entries, got ", values_.size());
+  LOOM_EXPECTS(static_cast<index_t>(this->values().size()) == tile_offsets()[tiles], errc::invalid_argument,
+               "bitmap: values must hold tile_offsets[tiles] = ", tile_offsets()[tiles], " entries, got ",
+               this->values().size());
 }
 
 template <int N, int M, class T>

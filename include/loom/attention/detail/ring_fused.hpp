@@ -349,6 +349,16 @@ void backward_visit(const B& b, const fused_state<E>& f, const std::int64_t* tab
   }
 }
 
+//! The K/V a fused pass starts from: this rank's block (pass_kv) or every rank's, gathered
+//! (all_gather_kv).
+template <bool Gathered, class B, class C, class K, class V, class KV>
+void first_kv(const B& b, C& comm, const ring_state& st, K k, V v, KV& kv) {
+  if constexpr (Gathered)
+    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
+  else
+    kv.cw.load(b, st.mine, k, v);
+}
+
 //! pass_kv's and all_gather_kv's forward on a fused engine (see the file comment).
 template <class T, class Acc, class Var, class B, class C, class E, class Q, class K, class V, class O, class L>
 void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<E>& f, Q q, K k, V v, O out, L lse,
@@ -360,10 +370,7 @@ void fused_forward(const B& b, C& comm, const ring_state& st, const fused_state<
   const int p = st.ranks, me = st.me;
   auto& kv = w.kv;
   start_running(b, w.acc, w.lacc);
-  if constexpr (gathered)
-    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
-  else
-    kv.cw.load(b, st.mine, k, v);
+  first_kv<gathered>(b, comm, st, k, v, kv);
   requests<C, B> reqs;
   for (int s = 0; s < p; ++s) {
     if (!gathered && s + 1 < p) reqs.shift(comm, b, kv.cw, kv.cw_n, st.rows(ring_next(me, p, -(s + 1))), 0);
@@ -391,10 +398,7 @@ void fused_backward(const B& b, C& comm, const ring_state& st, const fused_state
   const std::int64_t* tables = w.tables.bound;
   const int p = st.ranks, me = st.me;
   auto& kv = w.kv;
-  if constexpr (gathered)
-    runner<ring::all_gather_kv>::gather_padded(b, comm, st, k, v, kv.cw, kv.cw_n);
-  else
-    kv.cw.load(b, st.mine, k, v);
+  first_kv<gathered>(b, comm, st, k, v, kv);
   w.gq.n = st.mine;
   w.gq.zero(b);
   if (!gathered) w.g.cw.set_rows(st.mine);

@@ -412,20 +412,14 @@ class head_pipeline {
     const token_at at = bind<S>(b, w.at<index_t>(f_.table));
     T *fq = w.at<T>(f_.q), *fk = w.at<T>(f_.k), *fv = w.at<T>(f_.v), *fo = w.at<T>(f_.out);
     Acc* fl = w.at<Acc>(f_.lse);
-    const index_t tt = tokens_.total_tokens(), hq = hs_.q_count(me_), hkv = hs_.kv_count(me_);
+    const index_t tt = tokens_.total_tokens(), hq = hs_.q_count(me_);
     const std::array<rows_desc<const T>, 3> src{rows_desc_of(q, false), rows_desc_of(k, true), rows_desc_of(v, true)};
     const std::array<full_desc<T>, 3> dst{{{fq, dk_, false}, {fk, dk_, true}, {fv, dv_, true}}};
     to_heads<B, C, T>(b, comm, tokens_, hs_, in3_, at, src, dst, w.at<T>(f_.send), w.at<T>(f_.recv));
     const auto iws = ws.subspan(f_.inner, inner_forward_);
-    if (tt > 0)
-      for (std::size_t s = 0; s < segments_.size(); ++s) {
-        const auto& sg = segments_[s];
-        const index_t q0 = sg.q0 - hs_.q_begin(me_), k0 = sg.kv0 - hs_.kv_begin(me_);
-        inner(s, at.template coords<S>(tt), tensor_view<const T, 3, S>(heads_view<S>(fq, tt, hq, dk_, q0, sg.nq)),
-              tensor_view<const T, 3, S>(heads_view<S>(fk, tt, hkv, dk_, k0, sg.nkv)),
-              tensor_view<const T, 3, S>(heads_view<S>(fv, tt, hkv, dv_, k0, sg.nkv)),
-              heads_view<S>(fo, tt, hq, dv_, q0, sg.nq), heads_view2<S>(fl, tt, hq, q0, sg.nq), iws);
-      }
+    each_segment<S>(tt, fq, fk, fv, fo, [&](std::size_t s, const auto& g) {
+      inner(s, at.template coords<S>(tt), g.q, g.k, g.v, g.out, heads_view2<S>(fl, tt, hq, g.q0, g.nq), iws);
+    });
     const std::array<full_desc<const T>, 1> os{{{fo, dv_, false}}};
     const std::array<rows_desc<T>, 1> od{rows_desc_of(out, false)};
     from_heads<Acc, B, C, T, T>(b, comm, tokens_, hs_, out_back_, at, false, os, od, w.at<T>(f_.osend),
@@ -459,19 +453,13 @@ class head_pipeline {
     const std::array<full_desc<Acc>, 1> ldst{{{fl, 1, false}}};
     to_heads<B, C, Acc>(b, comm, tokens_, hs_, lse_in_, at, lsrc, ldst, w.at<Acc>(b_.lsend), w.at<Acc>(b_.lrecv));
     const auto iws = ws.subspan(b_.inner, inner_backward_);
-    if (tt > 0)
-      for (std::size_t s = 0; s < segments_.size(); ++s) {
-        const auto& sg = segments_[s];
-        const index_t q0 = sg.q0 - hs_.q_begin(me_), k0 = sg.kv0 - hs_.kv_begin(me_);
-        inner(s, at.template coords<S>(tt), tensor_view<const T, 3, S>(heads_view<S>(fq, tt, hq, dk_, q0, sg.nq)),
-              tensor_view<const T, 3, S>(heads_view<S>(fk, tt, hkv, dk_, k0, sg.nkv)),
-              tensor_view<const T, 3, S>(heads_view<S>(fv, tt, hkv, dv_, k0, sg.nkv)),
-              tensor_view<const T, 3, S>(heads_view<S>(fo, tt, hq, dv_, q0, sg.nq)),
-              tensor_view<const Acc, 2, S>(heads_view2<S>(fl, tt, hq, q0, sg.nq)),
-              tensor_view<const T, 3, S>(heads_view<S>(fd, tt, hq, dv_, q0, sg.nq)),
-              heads_view<S>(gq, tt, hq, dk_, q0, sg.nq), heads_view<S>(gk, tt, hkv, dk_, k0, sg.nkv),
-              heads_view<S>(gv, tt, hkv, dv_, k0, sg.nkv), iws);
-      }
+    each_segment<S>(tt, fq, fk, fv, static_cast<const T*>(fo), [&](std::size_t s, const auto& g) {
+      inner(s, at.template coords<S>(tt), g.q, g.k, g.v, g.out,
+            heads_view2<S>(static_cast<const Acc*>(fl), tt, hq, g.q0, g.nq),
+            heads_view<S>(static_cast<const T*>(fd), tt, hq, dv_, g.q0, g.nq),
+            heads_view<S>(gq, tt, hq, dk_, g.q0, g.nq), heads_view<S>(gk, tt, hkv, dk_, g.k0, g.nkv),
+            heads_view<S>(gv, tt, hkv, dv_, g.k0, g.nkv), iws);
+    });
     using G = typename DQ::value_type;
     const std::array<full_desc<const T>, 3> gs{{{gq, dk_, false}, {gk, dk_, true}, {gv, dv_, true}}};
     const std::array<rows_desc<G>, 3> gd{rows_desc_of(dq, false), rows_desc_of(dk, true), rows_desc_of(dv, true)};
@@ -481,6 +469,27 @@ class head_pipeline {
 
  private:
   static index_t elems(std::size_t n) { return static_cast<index_t>(n); }
+  //! One head segment's views of the shards q, k, v (read) and out (O: T or const T), and where its
+  //! heads start and how many there are within this rank's shards.
+  template <class S, class O>
+  struct segment_views {
+    tensor_view<const T, 3, S> q, k, v;
+    tensor_view<O, 3, S> out;
+    index_t q0, k0, nq, nkv;
+  };
+  //! f(s, segment_views) for every head segment s; nothing when this rank's shards hold no tokens.
+  template <class S, class O, class F>
+  void each_segment(index_t tt, const T* fq, const T* fk, const T* fv, O* fo, F&& f) const {
+    const index_t hq = hs_.q_count(me_), hkv = hs_.kv_count(me_);
+    if (tt == 0) return;
+    for (std::size_t s = 0; s < segments_.size(); ++s) {
+      const auto& sg = segments_[s];
+      const index_t q0 = sg.q0 - hs_.q_begin(me_), k0 = sg.kv0 - hs_.kv_begin(me_);
+      f(s, segment_views<S, O>{heads_view<S>(fq, tt, hq, dk_, q0, sg.nq), heads_view<S>(fk, tt, hkv, dk_, k0, sg.nkv),
+                               heads_view<S>(fv, tt, hkv, dv_, k0, sg.nkv), heads_view<S>(fo, tt, hq, dv_, q0, sg.nq),
+                               q0, k0, sg.nq, sg.nkv});
+    }
+  }
   //! The token table where the call's kernels read it: the plan's on host memory; on a device,
   //! its copy in the workspace (token_table::columns x T index_t, reserved on every space so one
   //! size serves all), uploaded stream-ordered when the call starts.

@@ -29,6 +29,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -79,16 +80,7 @@ class basic_device_local {
   using backend_type = typename Device::backend;
 
   //! The completion point of an isend / irecv on the communication stream.
-  class request {
-   public:
-    request() = default;
-    [[nodiscard]] bool valid() const noexcept { return valid_; }
-
-   private:
-    friend class basic_device_local;
-    event event_{};
-    bool valid_ = false;
-  };
+  using request = basic_request<basic_device_local, std::optional<event>>;
 
   //! Wraps this rank's comm::local handle; `stream` is the communication stream (not owned).
   basic_device_local(local inner, typename Device::stream stream, device_local_options opt = {})
@@ -123,15 +115,11 @@ class basic_device_local {
   }
   //! Blocks the host until the request's operation ran (polled against the timeout).
   void wait(request& r) {
-    if (!r.valid_) return;
-    sync_event(r.event_, "comm::device_local wait");
-    r.valid_ = false;
+    r.complete([&](auto& e) { sync_event(*e, "comm::device_local wait"); });
   }
   //! Makes b wait for the request's operation (no host block).
   void wait(request& r, const backend_type& b) {
-    if (!r.valid_) return;
-    s_->dev.wait_on(b, r.event_);
-    r.valid_ = false;
+    r.complete([&](auto& e) { s_->dev.wait_on(b, *e); });
   }
 
   //! One grouped send to dest and receive from src (the ring step): never blocks on the order in
@@ -280,12 +268,7 @@ class basic_device_local {
     LOOM_EXPECTS(tag >= 0 && tag < (1 << 29), errc::invalid_argument, "comm::device_local ", call,
                  ": tag must be in [0, 2^29), got ", tag);
   }
-  request mark() {
-    request r;
-    r.event_ = s_->dev.record();
-    r.valid_ = true;
-    return r;
-  }
+  request mark() { return request(s_->dev.record()); }
   //! Copies `bytes` of a peer's buffer into dst once the peer's ready event has fired.
   void pull(void* dst, const slot& from, std::size_t bytes, const char* call) {
     LOOM_EXPECTS(from.bytes == bytes, errc::shape_mismatch, "comm::device_local ", call, ": rank ", rank(), " expects ",

@@ -65,27 +65,11 @@ inline void mpi_check(int rc, const char* op, const char* call) {
 
 template <class T>
 MPI_Datatype mpi_datatype() {
-  constexpr dtype t = dtype_of<T>();
-  if constexpr (t == dtype::i8)
-    return MPI_INT8_T;
-  else if constexpr (t == dtype::u8)
-    return MPI_UINT8_T;
-  else if constexpr (t == dtype::i32)
-    return MPI_INT32_T;
-  else if constexpr (t == dtype::u32)
-    return MPI_UINT32_T;
-  else if constexpr (t == dtype::i64)
-    return MPI_INT64_T;
-  else if constexpr (t == dtype::u64)
-    return MPI_UINT64_T;
-  else if constexpr (t == dtype::f16 || t == dtype::bf16)
-    return MPI_UINT16_T;
-  else if constexpr (t == dtype::f32)
-    return MPI_FLOAT;
-  else if constexpr (t == dtype::f64)
-    return MPI_DOUBLE;
-  else
-    return MPI_BYTE;
+  // Indexed by dtype; 16-bit floats travel as their 2-byte carrier, other types as bytes.
+  const MPI_Datatype types[] = {MPI_BYTE,     MPI_INT8_T,   MPI_UINT8_T,  MPI_INT32_T, MPI_UINT32_T, MPI_INT64_T,
+                                MPI_UINT64_T, MPI_UINT16_T, MPI_UINT16_T, MPI_FLOAT,   MPI_DOUBLE};
+  static_assert(std::size(types) == static_cast<std::size_t>(dtype::f64) + 1);
+  return types[static_cast<int>(dtype_of<T>())];
 }
 
 //! Whether n elements fit MPI's int count (T's own datatype, or sizeof(T) bytes each).
@@ -132,17 +116,8 @@ MPI_Op mpi_op(reduce_op op) {
                                   mpi_user_op<T, reduce_op::min>(), mpi_user_op<T, reduce_op::max>()};
     return ops[static_cast<int>(op)];
   } else {
-    switch (op) {
-      case reduce_op::sum:
-        return MPI_SUM;
-      case reduce_op::prod:
-        return MPI_PROD;
-      case reduce_op::min:
-        return MPI_MIN;
-      case reduce_op::max:
-        return MPI_MAX;
-    }
-    return MPI_SUM;
+    const MPI_Op ops[4] = {MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX};  // reduce_op's order
+    return ops[static_cast<int>(op)];
   }
 }
 
