@@ -247,10 +247,19 @@ void wide_k_cases() {
                 !ls::detail::csr_grouped(8209, 32) && !ls::detail::csr_grouped(4111, 3));
   static_assert(ls::detail::csr_block(4111, 64) == 128 && ls::detail::csr_block(8209, 32) == 2048 &&
                 ls::detail::csr_block(4111, 3) == 4111);
+  using ls::detail::list_form;
+  static_assert(ls::detail::csr_list_form(4111, 64, true) == list_form::lanes16 &&
+                ls::detail::csr_list_form(1009, 64, true) == list_form::lanes16_prefetch &&
+                ls::detail::csr_list_form(97, 45, true) == list_form::lanes16_prefetch &&
+                ls::detail::csr_list_form(1009, 32, true) == list_form::lanes8 &&
+                ls::detail::csr_list_form(4111, 64, false) == list_form::lanes8);
   struct shape {
     index_t m, k, n;
   };
-  for (const auto [m, k, n] : {shape{139, 4111, 67}, shape{139, 8209, 37}, shape{11, 8209, 32}})
+  // 37 x 1009 x 67 and 23 x 97 x 45: 16 lanes with the B panel prefetched (rows longer and
+  // shorter than the prefetch distance, a 3- and a 13-column masked vector)
+  for (const auto [m, k, n] :
+       {shape{139, 4111, 67}, shape{139, 8209, 37}, shape{11, 8209, 32}, shape{37, 1009, 67}, shape{23, 97, 45}})
     for (double sp : {0.9, 0.3}) {
       const auto a = make_matrix<float>(m, k, sp, false, 301);
       const dense_operand<float> b(k, n, false, lt::uniform<float>(k * n, -1, 1, 302));

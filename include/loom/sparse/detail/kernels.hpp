@@ -236,7 +236,7 @@ struct csr_kernel {
       if (x86::avx2_available()) {
         Acc item_acc[csr_group_bands * tile_rows * n_block];
         x86::csr_band(a, i0, i1 - i0, k.b, k.ldb, j0, nb, k.n, item_acc, n_block, csr_block(a.cols, nb),
-                      csr_grouped(a.cols, nb) && loom::detail::x86::avx512_available());
+                      csr_list_form(a.cols, nb, loom::detail::x86::avx512_available()));
         for (index_t r = 0; r < i1 - i0; ++r) k.out.store(i0 + r, j0, nb, item_acc + r * n_block);
         return;
       }
