@@ -323,10 +323,10 @@ void overlap_rows(index_t per_rank) {
       const auto n = static_cast<std::size_t>(2 * block);
       timed([&] {
         for (int s = 0; s + 1 < p; ++s) {
-          loom::comm::handoff(comm, b);
+          loom::comm::handoff(b, comm);
           comm.sendrecv(std::span<const float>(s % 2 ? c.data() : a.data(), n), (r + 1) % p,
                         std::span<float>(s % 2 ? a.data() : c.data(), n), (r + p - 1) % p, 11);
-          loom::comm::handback(comm, b);
+          loom::comm::handback(b, comm);
         }
       });
     });

@@ -752,7 +752,9 @@ TEST_CASE("ulysses: one plan reused across calls and threads is bitwise a fresh 
   for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
 }
 
-TEST_CASE("hybrid: one plan reused across calls is bitwise a fresh plan", "[attention][hybrid][reuse]") {
+// A hybrid plan holds its group communicators: it may be read from any thread, but calls on one
+// plan do not overlap (hybrid.hpp). The last call of each rank runs on a thread of its own.
+TEST_CASE("hybrid: one plan reused across calls and threads is bitwise a fresh plan", "[attention][hybrid][reuse]") {
   const auto g = make_global({0, 0, 4, 2, 8, 8, true}, docs, 920);
   const auto fresh = run_hybrid<float, shard::per_document>(g, {2, 2}, true);
   const auto ring = plan_of<shard::per_document>(docs, 2);
@@ -764,10 +766,18 @@ TEST_CASE("hybrid: one plan reused across calls is bitwise a fresh plan", "[atte
     loom::workspace_buffer ws(hp.workspace_bytes());
     for (std::size_t c = 0; c < res.size(); ++c) {
       auto io = take_rows<float>(hp, comm.rank(), g);
-      hybrid_fwd(be, comm, hp, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
-      hybrid_bwd(be, comm, hp, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
-                 ws.span());
-      loom::fence(be);
+      const auto call = [&] {
+        hybrid_fwd(be, comm, hp, io.qv(), io.kv(), io.vv(), io.ov(), io.lv(), ws.span());
+        hybrid_bwd(be, comm, hp, io.qv(), io.kv(), io.vv(), io.cov(), io.clv(), io.dov(), io.dqv(), io.dkv(), io.dvv(),
+                   ws.span());
+        loom::fence(be);
+      };
+      if (c + 1 < res.size()) {
+        call();
+      } else {
+        std::thread other(call);
+        other.join();
+      }
       std::lock_guard<std::mutex> lock(mu);
       put_rows(hp, comm.rank(), g, io, true, res[c]);
     }
@@ -1018,6 +1028,56 @@ TEST_CASE("sequence_parallel: make_plan picks ring, Ulysses or hybrid and runs t
     (void)lsp::make_plan<loom::fp64>(be, comm, loom::segments<>::whole(100), {2, 2, 8, 8}, o);
   });
   CHECK(lt::all_contain(what, "sequence_parallel::make_plan: options.only = ulysses is not feasible"));
+}
+
+TEST_CASE(
+    "sequence_parallel: a plan-taking call allocates nothing, and one plan reused across calls and threads is "
+    "bitwise a fresh plan",
+    "[attention][planner][sequence_parallel][allocations][reuse]") {
+  const auto g = make_global({0, 0, 8, 2, 8, 8, true}, docs, 990);
+  const int p = 3;
+  const auto make = [&](auto& comm, const auto& be) {
+    lsp::options o;
+    o.attention = opts_of(g.s);
+    o.machine = {1e15, 1e9};  // slow links: the pick is ring pass-KV (2 kv heads: the fewest bytes)
+    o.layout = lsp::sharding::zigzag;
+    return lsp::make_plan<loom::fp32>(be, comm, loom::segments<>(std::span<const index_t>(g.cu)), shape_of(g.s), o);
+  };
+  const auto fwd = [](const auto& be, auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto ws) {
+    lsp::forward(be, comm, plan, q, k, v, o, l, ws);
+  };
+  const auto bwd = [](const auto& be, auto& comm, const auto& plan, auto q, auto k, auto v, auto o, auto l, auto d,
+                      auto dq, auto dk, auto dv,
+                      auto ws) { lsp::backward(be, comm, plan, q, k, v, o, l, d, dq, dk, dv, ws); };
+  require_no_allocation(g, p, make, fwd, bwd);
+  const auto fresh = run<float>(g, p, true, make, fwd, bwd);
+  // Plans made once, on a world of their own, then read by three calls in a row and by two worlds
+  // at once on two threads (own workspaces and outputs).
+#if defined(LOOM_TEST_BACKEND_STANDIN)
+  using rank_comm = loom::comm::standin;
+#else
+  using rank_comm = loom::comm::local;
+#endif
+  using counted_comm = decltype(lt::counted(std::declval<rank_comm&>()));
+  using plan_t = decltype(make(std::declval<counted_comm&>(), std::declval<const lt::backend_under_test&>()));
+  std::vector<std::unique_ptr<plan_t>> made(p);
+  lt::run_ranks(p, [&](auto& lc, const auto& be) {
+    auto comm = lt::counted(lc);
+    made[static_cast<std::size_t>(comm.rank())] = std::make_unique<plan_t>(make(comm, be));
+  });
+  std::vector<const plan_t*> plans;
+  for (const auto& m : made) {
+    CHECK(m->kind() == lp::strategy::ring_pass_kv);  // no group communicators: usable on other worlds
+    plans.push_back(m.get());
+  }
+  for (const auto& r : repeat<float>(g, p, 3, plans, fwd, bwd)) CHECK(bitwise_equal(r, fresh));
+  std::vector<sp_result> a, b;
+  std::thread t1([&] { a = repeat<float>(g, p, 2, plans, fwd, bwd); });
+  std::thread t2([&] { b = repeat<float>(g, p, 2, plans, fwd, bwd); });
+  t1.join();
+  t2.join();
+  for (const auto& r : a) CHECK(bitwise_equal(r, fresh));
+  for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
 }
 
 namespace {

@@ -12,7 +12,9 @@
 #include <loom/linear_attention/detail/gemm_engine.hpp>
 
 #include <support/allocations.hpp>
+#include <support/errors.hpp>
 #include <support/random.hpp>
+#include <support/ranks.hpp>
 #include <support/tolerance.hpp>
 
 #include <catch2/catch.hpp>
@@ -280,6 +282,40 @@ TEST_CASE("lasp2 over ranks: one agreement per plan, the exchange's bytes per pa
   check_traffic<void>(ex, "loom's kernels");
   if constexpr (std::is_same_v<lt::space, loom::host_memory>)
     check_traffic<lin::detail::host_products>(ex, "batched products");
+}
+
+TEST_CASE(
+    "lasp2 over ranks: a plan from a contiguous shard plan gives the bits of explicit slices, other shard "
+    "plans are refused on every rank",
+    "[linear_attention][lasp2][comm][shard]") {
+  const index_t T = 157, H = 2, dk = 4, dv = 3;
+  const auto p = lt::la::make_problem(T, H, dk, dv, gating::scalar, mixed_docs, true, 60);
+  const auto d_o = lt::uniform<double>(T * H * dv, -1, 1, 61);
+  const auto dfin = lt::uniform<double>(p.docs() * H * dk * dv, -1, 1, 62);
+  const loom::segments<> docs{std::span<const index_t>(mixed_docs)};
+  for (int P : {2, 3, 5}) {
+    const auto sharding = loom::shard::make_plan(docs, P, loom::shard::contiguous{});
+    std::vector<index_t> splits;
+    for (int r = 0; r < P; ++r) splits.push_back(loom::shard::run_of(sharding, r).begin);
+    splits.push_back(T);
+    for (const auto& sc : lt::la::schedules()) {
+      INFO("P = " << P << ", exchange " << static_cast<int>(sc.ex));
+      const auto from_shards =
+          lt::la::run_lasp2<loom::fp64, lt::space, lt::la::ranks_under_test, lt::la::from_shard_plan>(p, splits, d_o,
+                                                                                                      dfin, sc);
+      CHECK(lt::la::same_bits(from_shards, lt::la::run_lasp2<loom::fp64>(p, splits, d_o, dfin, sc)));
+    }
+  }
+  const auto zigzag = loom::shard::make_plan(docs, 3, loom::shard::zigzag{});
+  const auto interleaved = lt::errors_on_ranks_of(3, [&](auto& comm, const auto& b) {
+    (void)lasp2::make_plan(b, comm, zigzag, {zigzag.rank(comm.rank()).tokens, H, dk, dv});
+  });
+  CHECK(lt::all_contain(interleaved, "lasp2::make_plan: the shard plan must give each rank one run of the sequence"));
+  const auto contiguous = loom::shard::make_plan(docs, 3, loom::shard::contiguous{});
+  const auto wrong_tokens = lt::errors_on_ranks_of(3, [&](auto& comm, const auto& b) {
+    (void)lasp2::make_plan(b, comm, contiguous, {contiguous.rank(comm.rank()).tokens + 1, H, dk, dv});
+  });
+  CHECK(lt::all_contain(wrong_tokens, "slice.tokens must be this rank's tokens in the shard plan"));
 }
 
 TEST_CASE("lasp2 over ranks: a forward schedule the memory cannot run is rejected on every rank",

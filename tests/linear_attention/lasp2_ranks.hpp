@@ -92,6 +92,10 @@ inline bool same_bits(const outputs& a, const outputs& b) {
          eq(a.dinit, b.dinit);
 }
 
+//! run_lasp2's Engine for loom's kernels on a plan made from a shard::contiguous plan of the
+//! documents (lasp2::make_plan(b, comm, shard_plan, slice, opt)); the splits must be its runs.
+struct from_shard_plan {};
+
 //! LASP-2 forward then backward in precision P on the slices (on the backend under test, or with
 //! Space = host_memory and host_ranks on the host path) `splits` (tokens [splits[r],
 //! splits[r + 1]) on rank r), chunk `chunk`, one plan and one workspace per rank for both passes.
@@ -132,7 +136,13 @@ outputs run_lasp2(const problem& p, const std::vector<index_t>& splits, const st
     const loom::segments<Space> docs_view(
         view_in<Space>(static_cast<const index_t*>(p.cu.data()), {static_cast<index_t>(p.cu.size())}));
     const auto pl = [&] {
-      if constexpr (std::is_void_v<Engine>)
+      if constexpr (std::is_same_v<Engine, from_shard_plan>)
+        return lasp2::make_plan<P>(
+            b, comm,
+            loom::shard::make_plan(loom::segments<>(std::span<const index_t>(p.cu)),
+                                   static_cast<int>(splits.size()) - 1, loom::shard::contiguous{}),
+            {n, H, dk, dv}, opt);
+      else if constexpr (std::is_void_v<Engine>)
         return lasp2::make_plan<P>(b, comm, docs_view, from, {n, H, dk, dv}, opt);
       else
         return lasp2::make_plan<P>(b, comm, Engine{}, docs_view, from, {n, H, dk, dv}, opt);

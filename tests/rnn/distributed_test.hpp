@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 using loom::index_t;
@@ -350,7 +351,9 @@ TEST_CASE("rnn over ranks: a rejection on one rank reaches every rank", "[rnn][c
   }
 }
 
-TEST_CASE("rnn over ranks: one agreement per plan, no allocation per call, reuse bitwise equal", "[rnn][comm][plan]") {
+TEST_CASE(
+    "rnn over ranks: one agreement per plan, no allocation per call, reuse across calls and threads bitwise equal",
+    "[rnn][comm][plan]") {
   const auto pb = gru_problem_of(600, 4, 9);
   const auto c = pb.cell();
   const auto& [n, d, m, th, x, offs, segs, h0, g] = pb;
@@ -380,6 +383,7 @@ TEST_CASE("rnn over ranks: one agreement per plan, no allocation per call, reuse
   std::vector<double> got(want.size());
   std::vector<long long> heap(p, -1), temps(p, -1), plan_coll(p), first_coll(p), all_coll(p);
   std::vector<std::vector<double>> dths(p);
+  std::vector<char> other_thread_same(p, 0);
   lt::run_ranks(p, [&](auto& inner, const auto& be) {
     auto comm = lt::counted(inner);
     const int r = comm.rank();
@@ -407,6 +411,20 @@ TEST_CASE("rnn over ranks: one agreement per plan, no allocation per call, reuse
     first_coll[r] = after_first - plan_coll[r];
     all_coll[r] = comm.counts().collectives.load() - plan_coll[r];
     dths[r] = dth;
+    // The same plan read from a thread of its own (the rank thread waits for it).
+    std::vector<double> h2(static_cast<std::size_t>(len * d)), dx2(dx.size()), dth2(th.size());
+    std::thread other([&] {
+      lr::report rep2(plan);
+      lr::forward(be, comm, plan, c, xv, h0v, dview<double, 2>(h2.data(), {len, d}), rep2, ws.span());
+      lr::backward(be, comm, plan, c, xv, h0v, dview<const double, 2>(h2.data(), {len, d}),
+                   dview<const double, 2>(g.data() + b * d, {len, d}), dview<double, 2>(dx2.data(), {len, m}),
+                   dview<double, 2>{}, dview<double, 1>(dth2.data(), {c.param_size()}), ws.span());
+      loom::fence(be);
+    });
+    other.join();
+    other_thread_same[r] = std::memcmp(h2.data(), got.data() + b * d, sizeof(double) * h2.size()) == 0 &&
+                           std::memcmp(dx2.data(), dx.data(), sizeof(double) * dx.size()) == 0 &&
+                           std::memcmp(dth2.data(), dth.data(), sizeof(double) * dth.size()) == 0;
   });
   for (int r = 0; r < p; ++r) {
     INFO("rank " << r);
@@ -415,6 +433,7 @@ TEST_CASE("rnn over ranks: one agreement per plan, no allocation per call, reuse
     CHECK(plan_coll[r] == 1);                     // the agreement, once
     CHECK(all_coll[r] == calls * first_coll[r]);  // every call the same collectives, no agreement
     CHECK(std::memcmp(dths[r].data(), want_dth.data(), sizeof(double) * want_dth.size()) == 0);
+    CHECK(other_thread_same[r] == 1);
   }
   CHECK(std::memcmp(got.data(), want.data(), sizeof(double) * want.size()) == 0);
 }

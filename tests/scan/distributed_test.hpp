@@ -17,6 +17,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -224,6 +225,54 @@ TEST_CASE("scan over ranks: rejections" LOOM_BACKEND_TAG, "[scan][comm][errors]"
     (void)ls::make_plan(be, comm, ls::diagonal{}, 5, 2, lt::docs_in_space(off));
   });
   CHECK(lt::all_contain(differ, "ranks disagree on the document offsets"));
+}
+
+TEST_CASE(
+    "scan over ranks: plans from a contiguous shard plan, other shard plans refused on every rank" LOOM_BACKEND_TAG,
+    "[scan][comm][shard]") {
+  if constexpr (lt::space::host_accessible) {  // a shard plan's offsets are host memory
+    const index_t n = 1013, d = 3;
+    const int p = 3;
+    const auto offsets = crossing_offsets(n, 31);
+    const auto sharding =
+        loom::shard::make_plan(loom::segments<>(std::span<const index_t>(offsets)), p, loom::shard::contiguous{});
+    const auto x = lt::uniform<double>(n, -1, 1, 32);
+    const auto a = lt::uniform<double>(n * d, -0.9, 0.9, 33);
+    const auto bv = lt::uniform<double>(n * d, -1, 1, 34);
+    std::vector<double> y(static_cast<std::size_t>(n)), y_ref(y.size()), h(static_cast<std::size_t>(n * d)),
+        h_ref(h.size());
+    lt::run_ranks(p, [&](auto& comm, const auto& be) {
+      const auto run = loom::shard::run_of(sharding, comm.rank());
+      const index_t b = run.begin, len = run.tokens;
+      const auto mp = ls::make_plan(be, comm, ls::plus<double>{}, sharding);
+      const auto mp_ref = ls::make_plan(be, comm, ls::plus<double>{}, len, sharding.segments());
+      const auto rp = ls::make_plan(be, comm, ls::diagonal{}, sharding, d);
+      const auto rp_ref = ls::make_plan(be, comm, ls::diagonal{}, len, d, sharding.segments());
+      loom::workspace_buffer ws(
+          std::max({mp.workspace_bytes(), mp_ref.workspace_bytes(), rp.workspace_bytes(), rp_ref.workspace_bytes()}));
+      const auto xv = lt::dview<const double, 1>(x.data() + b, {len});
+      ls::inclusive_scan(be, comm, mp, xv, lt::dview<double, 1>(y.data() + b, {len}), ws.span());
+      ls::inclusive_scan(be, comm, mp_ref, xv, lt::dview<double, 1>(y_ref.data() + b, {len}), ws.span());
+      const auto av = lt::dview<const double, 2>(a.data() + b * d, {len, d});
+      const auto bvv = lt::dview<const double, 2>(bv.data() + b * d, {len, d});
+      ls::linear_recurrence(be, comm, rp, av, bvv, lt::dview<double, 2>(h.data() + b * d, {len, d}), ws.span());
+      ls::linear_recurrence(be, comm, rp_ref, av, bvv, lt::dview<double, 2>(h_ref.data() + b * d, {len, d}), ws.span());
+      loom::fence(be);
+    });
+    CHECK(std::memcmp(y.data(), y_ref.data(), sizeof(double) * y.size()) == 0);
+    CHECK(std::memcmp(h.data(), h_ref.data(), sizeof(double) * h.size()) == 0);
+    lt::require_close(h, lt::forward_oracle(lt::shape::diagonal, n, d, a, bv, offsets, {}).h,
+                      lt::tolerance_for<loom::fp64>(), "h");
+    // zigzag interleaves the ranks; a plan for 3 ranks does not fit 2
+    const auto zz =
+        loom::shard::make_plan(loom::segments<>(std::span<const index_t>(offsets)), p, loom::shard::zigzag{});
+    const auto interleaved = lt::errors_on_ranks_of(
+        p, [&](auto& comm, const auto& be) { (void)ls::make_plan(be, comm, ls::plus<double>{}, zz); });
+    CHECK(lt::all_contain(interleaved, "scan::make_plan: the shard plan must give each rank one run of the sequence"));
+    const auto other_size = lt::errors_on_ranks_of(
+        2, [&](auto& comm, const auto& be) { (void)ls::make_plan(be, comm, ls::diagonal{}, sharding, d); });
+    CHECK(lt::all_contain(other_size, "scan::make_plan: the shard plan is for 3 ranks, the communicator has 2"));
+  }
 }
 
 TEST_CASE("scan over ranks: one agreement per plan, no allocation per call, plan reuse across threads" LOOM_BACKEND_TAG,

@@ -621,12 +621,12 @@ TEST_CASE("recurrence: rejections" LOOM_BACKEND_TAG, "[scan][recurrence][errors]
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n - 1, d}), bv, hv),
                     Catch::Contains("shape_mismatch") && Catch::Contains("A must have 10 time steps"));
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d + 1}), bv, hv),
-                    Catch::Contains("diagonal A must be [T, 6]"));
+                    Catch::Contains("diagonal A must be [10, 6]"));
   CHECK_THROWS_WITH(
       ls::linear_recurrence(b, ls::block_diagonal<4>{}, view_of<const float, 4>(ab, {n, 1, 4, 4}), bv, hv),
       Catch::Contains("invalid_argument") && Catch::Contains("divisible by 4, got d = 6"));
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::dense{}, view_of<const float, 3>(ab, {n, d, 4}), bv, hv),
-                    Catch::Contains("dense A must be [T, 6, 6]"));
+                    Catch::Contains("dense A must be [10, 6, 6]"));
   CHECK_THROWS_WITH(ls::linear_recurrence(b, ls::diagonal{}, view_of<const float, 2>(ab, {n, d}), bv,
                                           view_of<float, 2>(hb, {n, d - 1})),
                     Catch::Contains("h must be [10, 6]"));

@@ -8,9 +8,9 @@
 //! benchmarks. Link loom::cuda. Buffers are device pointers (loom::cuda_memory) of the shared GPU.
 //!
 //!   loom::comm::run_device_local(4, [](loom::comm::device_local& comm, loom::cuda b) {
-//!     loom::comm::handoff(comm, b);        // transfers start after b's work so far
+//!     loom::comm::handoff(b, comm);        // transfers start after b's work so far
 //!     comm.all_gather(mine, theirs);       // device spans; enqueued, returns without a device sync
-//!     loom::comm::handback(comm, b);       // b's later work sees the result
+//!     loom::comm::handback(b, comm);       // b's later work sees the result
 //!   });
 //!
 //! How a transfer runs (one device, so every rank can read every rank's memory): the ranks meet

@@ -7,9 +7,9 @@
 //!
 //!   loom::comm::run_standin(4, [](loom::comm::standin& comm, loom::standin b) {
 //!     // b: this rank's compute stream; comm: its communication stream
-//!     loom::comm::handoff(comm, b);                 // transfers start after b's work so far
+//!     loom::comm::handoff(b, comm);                 // transfers start after b's work so far
 //!     comm.all_gather(mine, theirs);                // enqueued; returns at once
-//!     loom::comm::handback(comm, b);                // b's later work sees the result
+//!     loom::comm::handback(b, comm);                // b's later work sees the result
 //!   });
 //!
 //! - Buffers are in loom::standin_memory (or host memory kept valid until the operation ran).

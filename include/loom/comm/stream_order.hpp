@@ -4,9 +4,9 @@
 //! How a distributed primitive orders its compute and its communication, for every pair of
 //! backend and communicator (the execution model of docs/api.md):
 //!
-//!   loom::comm::handoff(comm, b);     // compute -> communication
+//!   loom::comm::handoff(b, comm);     // compute -> communication
 //!   comm.all_gather(mine, theirs);    // buffers in the backend's memory space
-//!   loom::comm::handback(comm, b);    // communication -> compute
+//!   loom::comm::handback(b, comm);    // communication -> compute
 //!
 //! A host communicator (local, mpi, counting over them) completes every call on return, so
 //! handoff fences the backend (its results must be in memory before the communicator reads them)
@@ -46,8 +46,8 @@ inline constexpr bool moves = std::is_same_v<typename memory_of<C>::type, Space>
                               (memory_of<C>::type::host_accessible && Space::host_accessible);
 
 //! Compute -> communication: c's next operations see every result b has enqueued so far.
-template <class C, backend B>
-void handoff(C& c, const B& b) {
+template <backend B, class C>
+void handoff(const B& b, C& c) {
   if constexpr (requires { c.after(b); })
     c.after(b);
   else
@@ -55,15 +55,15 @@ void handoff(C& c, const B& b) {
 }
 
 //! Communication -> compute: b's next work sees every operation c has enqueued so far.
-template <class C, backend B>
-void handback(C& c, const B& b) {
+template <backend B, class C>
+void handback(const B& b, C& c) {
   if constexpr (requires { c.before(b); }) c.before(b);
 }
 
 //! Waits for requests from b's point of view: over a stream-ordered communicator b's stream waits
 //! for them (no host block); over a host communicator the host waits (comm::wait_all).
-template <class C, backend B>
-void wait_all_on(C& c, std::span<typename C::request> reqs, const B& b) {
+template <backend B, class C>
+void wait_all_on(const B& b, C& c, std::span<typename C::request> reqs) {
   if constexpr (requires(typename C::request & r) { c.wait(r, b); }) {
     for (auto& r : reqs) c.wait(r, b);
   } else {

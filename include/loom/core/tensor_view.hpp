@@ -153,16 +153,19 @@ void expect_extents(const V& v, const std::array<index_t, V::rank>& expected, st
   }
 }
 
-//! Throws loom::error(shape_mismatch) "call: name must be [expected], got [extents]" unless `v`
-//! has exactly `expected` extents. The one shape check every family uses.
+//! Throws loom::error(shape_mismatch) "call: name must be [expected] (note), got [extents]" unless
+//! `v` has exactly `expected` extents (the note, when given, says what the extents are). The one
+//! shape check every family uses.
 template <class V>
 void expect_extents(const V& v, const std::array<index_t, V::rank>& expected, std::string_view call,
-                    std::string_view name) {
+                    std::string_view name, std::string_view note = {}) {
   for (std::size_t d = 0; d < V::rank; ++d) {
     if (v.extent(d) != expected[d]) {
       std::string e = "[";
       for (std::size_t k = 0; k < V::rank; ++k) e += (k ? ", " : "") + std::to_string(expected[k]);
-      LOOM_FAIL(errc::shape_mismatch, call, ": ", name, " must be ", e, "], got ", detail::extents_string(v));
+      e += "]";
+      if (!note.empty()) e += " (" + std::string(note) + ")";
+      LOOM_FAIL(errc::shape_mismatch, call, ": ", name, " must be ", e, ", got ", detail::extents_string(v));
     }
   }
 }

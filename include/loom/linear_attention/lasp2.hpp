@@ -60,6 +60,7 @@
 #include <loom/core/workspace.hpp>
 #include <loom/linear_attention/chunked.hpp>
 #include <loom/linear_attention/detail/lasp2_impl.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <cstddef>
 #include <memory>
@@ -233,6 +234,25 @@ plan<P> make_plan(const B& b, C& comm, const segments<DocSpace>& docs, index_t t
                   const options& opt = {}) {
   return loom::detail::with_host_segments(b, docs, [&](const segments<host_memory>& h) {
     return detail::access::make<P>(b, comm, h, token_begin, slice, opt, "lasp2::make_plan", [](const auto&) {});
+  });
+}
+
+//! Plans LASP-2 (as above) from a shard plan whose ranks each hold one run of the sequence, in rank
+//! order (shard::contiguous, shard/plan.hpp): this rank's tokens and the documents are the plan's;
+//! slice.tokens must be this rank's token count there. Collective.
+//! @throws as above, and loom::error(invalid_argument) on every rank for a shard plan of another
+//!         number of ranks or one that interleaves them (zigzag, per_document), (shape_mismatch) for
+//!         a slice.tokens that is not the plan's.
+template <precision_policy P = fp32, backend B, comm::communicator C>
+plan<P> make_plan(const B& b, C& comm, const shard::plan& sharding, const shape& slice, const options& opt = {}) {
+  constexpr std::string_view call = "lasp2::make_plan";
+  const shard::run mine = shard::run_of(sharding, comm.rank());
+  shape s = slice;
+  s.tokens = mine.tokens;
+  return detail::access::make<P>(b, comm, sharding.segments(), mine.begin, s, opt, call, [&](const auto&) {
+    shard::expect_runs(sharding, comm.size(), call);
+    LOOM_EXPECTS(slice.tokens == mine.tokens, errc::shape_mismatch, call,
+                 ": slice.tokens must be this rank's tokens in the shard plan, ", mine.tokens, ", got ", slice.tokens);
   });
 }
 

@@ -77,11 +77,11 @@ struct comm_context {
     if (rows == 0) return nullptr;
     typename C::request reqs[2];
     int k = 0;
-    comm::handoff(comm, b);
+    comm::handoff(b, comm);
     if (next >= 0)
       reqs[k++] = comm.isend(std::span<const T>(h + (rows - 1) * hs, static_cast<std::size_t>(d)), next, 71);
     if (prev >= 0) reqs[k++] = comm.irecv(std::span<T>(buf, static_cast<std::size_t>(d)), prev, 71);
-    comm::wait_all_on(comm, std::span<typename C::request>(reqs, static_cast<std::size_t>(k)), b);
+    comm::wait_all_on(b, comm, std::span<typename C::request>(reqs, static_cast<std::size_t>(k)));
     return prev >= 0 ? buf : nullptr;
   }
   // Host values every rank decides on (the residual norms): the control plane.
@@ -103,7 +103,7 @@ struct comm_context {
   }
   template <class DTV, class DH0V>
   void sum_gradients(DTV dtheta, DH0V dh0) {
-    comm::handoff(comm, b);
+    comm::handoff(b, comm);
     using V = typename DTV::value_type;
     const std::span<V> t(dtheta.data(), static_cast<std::size_t>(dtheta.extent(0)));
     comm.all_reduce(std::span<const V>(t), t, comm::reduce_op::sum);
@@ -112,23 +112,23 @@ struct comm_context {
                                                      static_cast<std::size_t>(dh0.extent(1)));
       comm.all_reduce(std::span<const typename DH0V::value_type>(row), row, comm::reduce_op::sum);
     }
-    comm::handback(comm, b);
+    comm::handback(b, comm);
   }
   template <class F>
   void sequential(T* h, index_t hs, index_t rows, index_t, T* buf, F&& run) {
     const T* halo_row = nullptr;
     if (rows > 0 && prev >= 0) {
-      comm::handoff(comm, b);  // buf is no longer read by earlier work
+      comm::handoff(b, comm);  // buf is no longer read by earlier work
       typename C::request r = comm.irecv(std::span<T>(buf, static_cast<std::size_t>(d)), prev, 72);
-      comm::wait_all_on(comm, std::span<typename C::request>(&r, 1), b);
+      comm::wait_all_on(b, comm, std::span<typename C::request>(&r, 1));
       halo_row = buf;
     }
     run(halo_row);
     if (rows > 0 && next >= 0) {
-      comm::handoff(comm, b);
+      comm::handoff(b, comm);
       typename C::request r =
           comm.isend(std::span<const T>(h + (rows - 1) * hs, static_cast<std::size_t>(d)), next, 72);
-      comm::wait_all_on(comm, std::span<typename C::request>(&r, 1), b);
+      comm::wait_all_on(b, comm, std::span<typename C::request>(&r, 1));
     }
   }
 };

@@ -109,8 +109,7 @@ namespace detail {
 template <class V>
 void check_rows(const V& v, index_t rows, index_t cols, std::string_view call, std::string_view name,
                 std::string_view what) {
-  LOOM_EXPECTS(v.extent(0) == rows && v.extent(1) == cols, errc::shape_mismatch, call, ": ", name, " must be [", rows,
-               ", ", cols, "] (", what, "), got ", loom::detail::extents_string(v));
+  expect_extents(v, {rows, cols}, call, name, what);
   LOOM_EXPECTS(v.extent(1) <= 1 || v.stride(1) == 1, errc::invalid_argument, call, ": the rows of ", name,
                " must be contiguous (stride 1 along dimension 1), got stride ", v.stride(1));
 }

@@ -41,6 +41,7 @@
 #include <loom/comm/stream_order.hpp>
 #include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
+#include <loom/shard/plan.hpp>
 
 #include <span>
 #include <typeinfo>
@@ -116,9 +117,15 @@ inline comm::signature scan_signature(std::string_view op, const options& opt, s
 //! The agreement of a cross-rank make_plan: this rank's checks, then every rank's signature;
 //! returns where the slices lie. Every rank gives the same docs (agreed), so checking them
 //! against the global length afterwards gives the same outcome on every rank.
-template <comm::communicator C>
-slices agree_plan(C& comm, std::string_view call, index_t n, const comm::signature& sig, const options& opt) {
+//! `extra`: more of this rank's checks (a shard plan's runs), run inside the agreement.
+struct no_check {
+  void operator()() const {}
+};
+template <comm::communicator C, class Extra = no_check>
+slices agree_plan(C& comm, std::string_view call, index_t n, const comm::signature& sig, const options& opt,
+                  const Extra& extra = {}) {
   const auto locals = comm::agree(comm, call, [&] {
+    extra();
     LOOM_EXPECTS(n >= 0, errc::invalid_argument, call, ": the local length must be >= 0, got ", n);
     check_options(opt, call);
     return sig;
@@ -150,10 +157,10 @@ void run_distributed(const B& b, C& comm, const K& k, const blocking& blk, const
   } else {
     for_each_index(b, 1, identity_step<K>{k, own});
   }
-  comm::handoff(comm, b);
+  comm::handoff(b, comm);
   comm.all_gather(std::span<const A>(own, static_cast<std::size_t>(agg)),
                   std::span<A>(gathered, static_cast<std::size_t>(cr.ranks * agg)));
-  comm::handback(comm, b);
+  comm::handback(b, comm);
   for_each_index(b, 1, prefix_step<K>{k, gathered, agg, cr.ranks, cr.rank, reverse, prefix});
   for_each_index(b, 1, copy_step<A>{prefix, eng + lay.running(), k.carry_size});
   run_scan(b, k, blk, eng, true);
@@ -179,6 +186,32 @@ void run_recurrence_distributed(const B& b, C& comm, const Plan& p, AV a, XV x, 
   fill_empty_segments(b, p.docs(), in_states, out_states, p.state_size(), recurrence_access::rank_part(p).w.total);
 }
 
+//! The cross-rank plans' makers: the signature, the agreement (with `extra` checks), the plan.
+template <backend B, comm::communicator C, monoid M, memory_space Space, class Extra>
+monoid_plan<B, M, Space, true> cross_monoid_plan(const B& b, C& comm, const M& m, index_t n,
+                                                 const loom::segments<Space>& docs, const options& opt,
+                                                 const Extra& extra) {
+  constexpr std::string_view call = "scan::make_plan";
+  const auto sig = scan_signature(typeid(M).name(), opt, docs_digest(b, docs),
+                                  comm::hasher{}.add(sizeof(typename M::value_type)).value(), n);
+  const slices s = agree_plan(comm, call, n, sig, opt, extra);
+  return plan_access::monoid<true>(b, m, s.w, docs, opt, call, rank_extra{s.ranks, s.rank});
+}
+template <class P, backend B, comm::communicator C, structure St, memory_space Space, class Extra>
+auto cross_recurrence_plan_agreed(const B& b, C& comm, St, index_t n, index_t d, const loom::segments<Space>& docs,
+                                  const options& opt, const Extra& extra) {
+  constexpr std::string_view call = "scan::make_plan";
+  using Acc = typename accum_of<P>::type;
+  const auto sig = scan_signature(
+      St::name(), opt, docs_digest(b, docs),
+      comm::hasher{}
+          .add(d, St::a_size(d), static_cast<std::uint64_t>(sizeof(std::conditional_t<std::is_void_v<Acc>, char, Acc>)))
+          .value(),
+      n);
+  const slices s = agree_plan(comm, call, n, sig, opt, extra);
+  return cross_recurrence_plan<Acc, B, St>(b, s, d, docs, opt, call);
+}
+
 }  // namespace detail
 
 //! The plan of cross-rank scans with monoid m: this rank holds n elements of the global sequence;
@@ -188,29 +221,41 @@ void run_recurrence_distributed(const B& b, C& comm, const Plan& p, AV a, XV x, 
 template <backend B, comm::communicator C, monoid M, memory_space Space = typename backend_traits<B>::memory_space>
 monoid_plan<B, M, Space, true> make_plan(const B& b, C& comm, const M& m, index_t n,
                                          const loom::segments<Space>& docs = {}, const options& opt = {}) {
-  constexpr std::string_view call = "scan::make_plan";
-  const auto sig = detail::scan_signature(typeid(M).name(), opt, detail::docs_digest(b, docs),
-                                          comm::hasher{}.add(sizeof(typename M::value_type)).value(), n);
-  const detail::slices s = detail::agree_plan(comm, call, n, sig, opt);
-  return detail::plan_access::monoid<true>(b, m, s.w, docs, opt, call, detail::rank_extra{s.ranks, s.rank});
+  return detail::cross_monoid_plan(b, comm, m, n, docs, opt, detail::no_check{});
+}
+
+//! The same from a shard plan (shard/plan.hpp) whose ranks each hold one run of the sequence, in
+//! rank order (shard::contiguous): this rank's length is its run, the documents are the plan's
+//! (host memory: host backends). Collective. @throws as above, and (invalid_argument) on every
+//! rank when the plan is for another number of ranks or interleaves them (zigzag, per_document).
+template <backend B, comm::communicator C, monoid M>
+requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B& b, C& comm, const M& m,
+                                                                         const shard::plan& sharding,
+                                                                         const options& opt = {}) {
+  return detail::cross_monoid_plan(b, comm, m, shard::run_of(sharding, comm.rank()).tokens, sharding.segments(), opt,
+                                   [&] { shard::expect_runs(sharding, comm.size(), "scan::make_plan"); });
 }
 
 //! The plan of cross-rank recurrences: n time steps of the global sequence on this rank, state
 //! size d, documents of the global sequence. P as for the single-rank make_plan. Collective.
 template <class P = void, backend B, comm::communicator C, structure St,
           memory_space Space = typename backend_traits<B>::memory_space>
-auto make_plan(const B& b, C& comm, St, index_t n, index_t d, const loom::segments<Space>& docs = {},
+auto make_plan(const B& b, C& comm, St st, index_t n, index_t d, const loom::segments<Space>& docs = {},
                const options& opt = {}) {
-  constexpr std::string_view call = "scan::make_plan";
-  using Acc = typename detail::accum_of<P>::type;
-  const auto sig = detail::scan_signature(
-      St::name(), opt, detail::docs_digest(b, docs),
-      comm::hasher{}
-          .add(d, St::a_size(d), static_cast<std::uint64_t>(sizeof(std::conditional_t<std::is_void_v<Acc>, char, Acc>)))
-          .value(),
-      n);
-  const detail::slices s = detail::agree_plan(comm, call, n, sig, opt);
-  return detail::cross_recurrence_plan<Acc, B, St>(b, s, d, docs, opt, call);
+  return detail::cross_recurrence_plan_agreed<P>(b, comm, st, n, d, docs, opt, detail::no_check{});
+}
+
+//! The same from a shard plan whose ranks each hold one run of the sequence, in rank order
+//! (shard::contiguous): this rank's time steps are its run, the documents are the plan's (host
+//! memory: host backends). Collective. @throws as above, and (invalid_argument) on every rank when
+//! the plan is for another number of ranks or interleaves them (zigzag, per_document).
+template <class P = void, backend B, comm::communicator C, structure St>
+requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B& b, C& comm, St st,
+                                                                         const shard::plan& sharding, index_t d,
+                                                                         const options& opt = {}) {
+  return detail::cross_recurrence_plan_agreed<P>(b, comm, st, shard::run_of(sharding, comm.rank()).tokens, d,
+                                                 sharding.segments(), opt,
+                                                 [&] { shard::expect_runs(sharding, comm.size(), "scan::make_plan"); });
 }
 
 //! Cross-rank inclusive scan: `in` and `out` are this rank's slice (plan.size() elements).

@@ -109,26 +109,21 @@ void check_transitions(const AV& a, index_t n, index_t d, std::string_view call)
   LOOM_EXPECTS(a.extent(0) == n, errc::shape_mismatch, call, ": A must have ", n, " time steps (as b), got ",
                a.extent(0));
   if constexpr (St::a_rank == 2) {
-    LOOM_EXPECTS(a.extent(1) == d, errc::shape_mismatch, call, ": diagonal A must be [T, ", d, "], got ",
-                 loom::detail::extents_string(a));
+    expect_extents(a, {n, d}, call, "diagonal A");
   } else if constexpr (St::a_rank == 3) {
-    LOOM_EXPECTS(a.extent(1) == d && a.extent(2) == d, errc::shape_mismatch, call, ": dense A must be [T, ", d, ", ", d,
-                 "], got ", loom::detail::extents_string(a));
+    expect_extents(a, {n, d, d}, call, "dense A");
   } else if constexpr (St::a_rank == 4) {
     constexpr index_t k = St::block;
     LOOM_EXPECTS(d % k == 0, errc::invalid_argument, call, ": block_diagonal<", k, "> needs a state size divisible by ",
                  k, ", got d = ", d);
-    LOOM_EXPECTS(a.extent(1) == d / k && a.extent(2) == k && a.extent(3) == k, errc::shape_mismatch, call,
-                 ": block_diagonal A must be [T, ", d / k, ", ", k, ", ", k, "], got ",
-                 loom::detail::extents_string(a));
+    expect_extents(a, {n, d / k, k, k}, call, "block_diagonal A");
   }
   check_contiguous_rows(a, call, "A");
 }
 
 template <class V>
 void check_rows(const V& v, index_t n, index_t d, std::string_view call, std::string_view name) {
-  LOOM_EXPECTS(v.extent(0) == n && v.extent(1) == d, errc::shape_mismatch, call, ": ", name, " must be [", n, ", ", d,
-               "], got ", loom::detail::extents_string(v));
+  expect_extents(v, {n, d}, call, name);
   check_contiguous_rows(v, call, name);
 }
 
@@ -136,8 +131,7 @@ void check_rows(const V& v, index_t n, index_t d, std::string_view call, std::st
 template <class V>
 void check_per_segment(const V& v, index_t segs, index_t d, std::string_view call, std::string_view name) {
   if (v.data() == nullptr && v.size() == 0) return;
-  LOOM_EXPECTS(v.extent(0) == segs && v.extent(1) == d, errc::shape_mismatch, call, ": ", name, " must be [", segs,
-               ", ", d, "] (one row per segment), got ", loom::detail::extents_string(v));
+  expect_extents(v, {segs, d}, call, name, "one row per segment");
   check_contiguous_rows(v, call, name);
 }
 

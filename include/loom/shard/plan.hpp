@@ -301,4 +301,37 @@ plan make_plan(const loom::segments<host_memory>& documents, int ranks, S) {
   return out;
 }
 
+//! One rank's tokens as a single run of the packed sequence: what the families that keep the
+//! sequence order across ranks (cross-rank scans and recurrences, LASP-2) take from a shard plan.
+struct run {
+  index_t begin = 0;   //!< the rank's first token in the packed sequence
+  index_t tokens = 0;  //!< tokens held
+};
+
+//! Rank r's run in `p` (no checks: an r outside the plan gives an empty run). See expect_runs.
+inline run run_of(const plan& p, int r) noexcept {
+  if (r < 0 || r >= p.ranks()) return {};
+  const rank_plan& rp = p.rank(r);
+  index_t begin = 0;
+  for (int q = 0; q < r; ++q) begin += p.rank(q).tokens;
+  return {begin, rp.tokens};
+}
+
+//! Checks that `p` is a plan for `ranks` ranks whose ranks each hold one run of the packed
+//! sequence, in rank order (shard::contiguous does; zigzag and per_document interleave the ranks).
+//! @throws loom::error(invalid_argument) naming `call`, the rank and the token where it breaks.
+inline void expect_runs(const plan& p, int ranks, std::string_view call) {
+  LOOM_EXPECTS(p.ranks() == ranks, errc::invalid_argument, call, ": the shard plan is for ", p.ranks(),
+               " ranks, the communicator has ", ranks);
+  index_t next = 0;
+  for (int r = 0; r < ranks; ++r)
+    for (const piece& pc : p.rank(r).pieces) {
+      LOOM_EXPECTS(pc.global_begin == next, errc::invalid_argument, call,
+                   ": the shard plan must give each rank one run of the sequence, in rank order (shard::contiguous): "
+                   "rank ",
+                   r, " holds a piece from token ", pc.global_begin, " where token ", next, " comes next");
+      next += pc.length;
+    }
+}
+
 }  // namespace loom::shard

@@ -387,7 +387,7 @@ struct requests {
   }
   void wait(C& comm, const B& b) {
     if constexpr (stream_ordered<C, B>)
-      comm::handback(comm, b);
+      comm::handback(b, comm);
     else
       comm::wait_all(comm, std::span<typename C::request>(r.data(), n));
     n = 0;
@@ -395,7 +395,7 @@ struct requests {
 
  private:
   static void hand_off(C& comm, const B& b) {
-    if constexpr (stream_ordered<C, B>) comm::handoff(comm, b);
+    if constexpr (stream_ordered<C, B>) comm::handoff(b, comm);
   }
   template <class T, class S>
   void post(C& comm, const block<T, S>& cur, block<T, S>& next, index_t rows, int tag, int dir) {

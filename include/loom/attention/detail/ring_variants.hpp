@@ -292,12 +292,12 @@ struct runner<ring::pass_q> {
     using S = typename backend_traits<B>::memory_space;
     const int p = st.ranks;
     const index_t n = st.mine, hq = st.dims.heads_q, dv = st.dims.dim_v, row = hq * (dv + 1);
-    comm::handoff(comm, b);
+    comm::handoff(b, comm);
     comm.all_to_allv(std::span<const Acc>(send, static_cast<std::size_t>(st.total * row)),
                      std::span<const std::size_t>(st.send_counts), std::span<const std::size_t>(st.send_displs),
                      std::span<Acc>(recv, static_cast<std::size_t>(p * n * row)),
                      std::span<const std::size_t>(st.recv_counts), std::span<const std::size_t>(st.recv_displs));
-    comm::handback(comm, b);
+    comm::handback(b, comm);
     const block<Acc, S> acc{recv, n, hq, dv}, lacc{recv + n * hq * dv, n, hq, 1};
     for (int r = 1; r < p; ++r) {
       const Acc* base = recv + st.recv_displs[static_cast<std::size_t>(r)];
@@ -406,10 +406,10 @@ struct runner<ring::all_gather_kv> {
     mine.zero(b);
     mine.load(b, st.mine, k, v);
     mine.set_rows(st.max_rows);
-    comm::handoff(comm, b);
+    comm::handoff(b, comm);
     comm.all_gather(mine.k.csend(), all.k.span());
     comm.all_gather(mine.v.csend(), all.v.span());
-    comm::handback(comm, b);
+    comm::handback(b, comm);
   }
 
   //! K and V of every rank in rank order: one padded all_gather each, then the padding dropped.
@@ -426,10 +426,10 @@ struct runner<ring::all_gather_kv> {
   template <class B, class Acc, class S, class C>
   static void reduce_home(const B& b, C& comm, const ring_state& st, const kv_block<Acc, S>& padded,
                           kv_block<Acc, S>& reduced) {
-    comm::handoff(comm, b);
+    comm::handoff(b, comm);
     comm.reduce_scatter(padded.k.csend(), reduced.k.span(), comm::reduce_op::sum);
     comm.reduce_scatter(padded.v.csend(), reduced.v.span(), comm::reduce_op::sum);
-    comm::handback(comm, b);
+    comm::handback(b, comm);
     reduced.set_rows(st.mine);
   }
 

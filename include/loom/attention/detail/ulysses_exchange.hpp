@@ -239,11 +239,11 @@ void to_heads(const B& b, C& comm, const shard::plan& tokens, const head_split& 
       to += n * nh * s.dim;
     }
   }
-  comm::handoff(comm, b);
+  comm::handoff(b, comm);
   comm.all_to_allv(std::span<const T>(sendbuf, ex.send_elems()), std::span<const std::size_t>(ex.sc),
                    std::span<const std::size_t>(ex.sd), std::span<T>(recvbuf, ex.recv_elems()),
                    std::span<const std::size_t>(ex.rc), std::span<const std::size_t>(ex.rd));
-  comm::handback(comm, b);
+  comm::handback(b, comm);
   index_t prefix = 0;
   for (const auto& d : dst) {  // every token of each tensor to its place in the sequence
     const index_t row = hs.count(me, d.kv) * d.dim;
@@ -268,11 +268,11 @@ void from_heads(const B& b, C& comm, const shard::plan& tokens, const head_split
     if (tt * row > 0) for_each_index(b, tt, tokens_kernel<const T, T, true>{s.data, sendbuf, at, ex.row, prefix, row});
     prefix += row;
   }
-  comm::handoff(comm, b);
+  comm::handoff(b, comm);
   comm.all_to_allv(std::span<const T>(sendbuf, ex.send_elems()), std::span<const std::size_t>(ex.sc),
                    std::span<const std::size_t>(ex.sd), std::span<T>(recvbuf, ex.recv_elems()),
                    std::span<const std::size_t>(ex.rc), std::span<const std::size_t>(ex.rd));
-  comm::handback(comm, b);
+  comm::handback(b, comm);
   Acc* a = acc;
   for (const auto& d : dst)
     if (d.kv && sum_kv && n > 0) {

@@ -210,7 +210,7 @@ class state_exchange {
   }
   //! The message is complete on b's stream: hand it to the communicator.
   void post(C& comm) {
-    comm::handoff(comm, b_);
+    comm::handoff(b_, comm);
     if constexpr (ordered) {
       comm.all_gather(std::span<const A>(send_, msg()), std::span<A>(recv_, msg() * static_cast<std::size_t>(ranks_)));
     } else {
@@ -229,7 +229,7 @@ class state_exchange {
   //! Completes the exchange from b's point of view; fold() then reads every rank's message.
   void finish(C& comm) {
     if constexpr (ordered) {
-      comm::handback(comm, b_);
+      comm::handback(b_, comm);
     } else if (posted_) {
       comm::wait_all(comm, std::span<request>(reqs_, n_));
       destroy();
