@@ -645,7 +645,7 @@ TEST_CASE("ring attention: make_plan agrees once, per-call checks against the pl
   CHECK(lt::all_contain(what, "the plan is for 3 ranks but the communicator has 2"));
   // Per call, on this rank (here every rank makes the same mistake, so none waits on another).
   what = lt::errors_on_ranks_of(2, [&](auto& comm, const auto& be) {
-    const auto rp = lr::make_plan(be, comm, plan, {4, 2, 8, 8});
+    const auto rp = lr::make_plan(be, comm, plan, {4, 2, 8, 8}, la::options{});  // made; the call fails
     const index_t n = rp.tokens();
     std::vector<float> q(static_cast<std::size_t>(n * 4 * 8)), kv(static_cast<std::size_t>(n * 2 * 8)), o(q.size()),
         l(static_cast<std::size_t>(n * 4));

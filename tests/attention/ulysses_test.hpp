@@ -724,6 +724,21 @@ std::vector<sp_result> repeat(const global_inputs& g, int p, int calls, const st
   return res;
 }
 
+// Three calls in a row on the plans, then two worlds at once on two threads sharing the const
+// plans (own workspaces and outputs): every result bitwise `fresh`.
+template <class Plan, class Fwd, class Bwd>
+void require_reuse(const global_inputs& g, int p, const std::vector<const Plan*>& plans, Fwd fwd, Bwd bwd,
+                   const sp_result& fresh) {
+  for (const auto& r : repeat<float>(g, p, 3, plans, fwd, bwd)) CHECK(bitwise_equal(r, fresh));
+  std::vector<sp_result> a, b;
+  std::thread t1([&] { a = repeat<float>(g, p, 2, plans, fwd, bwd); });
+  std::thread t2([&] { b = repeat<float>(g, p, 2, plans, fwd, bwd); });
+  t1.join();
+  t2.join();
+  for (const auto& r : a) CHECK(bitwise_equal(r, fresh));
+  for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
+}
+
 }  // namespace
 
 TEST_CASE("ulysses: one plan reused across calls and threads is bitwise a fresh plan", "[attention][ulysses][reuse]") {
@@ -740,16 +755,7 @@ TEST_CASE("ulysses: one plan reused across calls and threads is bitwise a fresh 
   });
   std::vector<const plan_t*> plans;
   for (const auto& m : made) plans.push_back(m.get());
-  // Three calls in a row on one plan.
-  for (const auto& r : repeat<float>(g, p, 3, plans, ulysses_fwd, ulysses_bwd)) CHECK(bitwise_equal(r, fresh));
-  // Two worlds at once on two threads, sharing the const plans (own workspaces and outputs).
-  std::vector<sp_result> a, b;
-  std::thread t1([&] { a = repeat<float>(g, p, 2, plans, ulysses_fwd, ulysses_bwd); });
-  std::thread t2([&] { b = repeat<float>(g, p, 2, plans, ulysses_fwd, ulysses_bwd); });
-  t1.join();
-  t2.join();
-  for (const auto& r : a) CHECK(bitwise_equal(r, fresh));
-  for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
+  require_reuse(g, p, plans, ulysses_fwd, ulysses_bwd, fresh);
 }
 
 // A hybrid plan holds its group communicators: it may be read from any thread, but calls on one
@@ -1070,14 +1076,7 @@ TEST_CASE(
     CHECK(m->kind() == lp::strategy::ring_pass_kv);  // no group communicators: usable on other worlds
     plans.push_back(m.get());
   }
-  for (const auto& r : repeat<float>(g, p, 3, plans, fwd, bwd)) CHECK(bitwise_equal(r, fresh));
-  std::vector<sp_result> a, b;
-  std::thread t1([&] { a = repeat<float>(g, p, 2, plans, fwd, bwd); });
-  std::thread t2([&] { b = repeat<float>(g, p, 2, plans, fwd, bwd); });
-  t1.join();
-  t2.join();
-  for (const auto& r : a) CHECK(bitwise_equal(r, fresh));
-  for (const auto& r : b) CHECK(bitwise_equal(r, fresh));
+  require_reuse(g, p, plans, fwd, bwd, fresh);
 }
 
 namespace {

@@ -369,7 +369,7 @@ TEST_CASE("scan over ranks: one agreement per plan, no allocation per call, plan
           ls::inclusive_scan(be, comm, plan, lt::dview<const double, 1>(x.data(), {n - 1}),
                              lt::dview<double, 1>(got.data(), {n - 1}), ws.span());
         },
-        loom::errc::shape_mismatch, {"inclusive_scan: in must have 4099 elements (the plan's)"});
+        loom::errc::shape_mismatch, {"inclusive_scan: in must be [4099] (the plan's elements)"});
   });
 }
 

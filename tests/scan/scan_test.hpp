@@ -249,7 +249,7 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
   buffer<float> in(std::vector<float>(10, 1.0f)), out(std::vector<float>(9));
   const auto vi = view_of<const float, 1>(in, {10});
   CHECK_THROWS_WITH(ls::inclusive_scan(b, ls::plus<float>{}, vi, view_of<float, 1>(out, {9})),
-                    Catch::Contains("shape_mismatch") && Catch::Contains("out must have 10 elements"));
+                    Catch::Contains("shape_mismatch") && Catch::Contains("out must be [10] (the plan's elements)"));
   buffer<float> out10(std::vector<float>(10));
   const auto vo = view_of<float, 1>(out10, {10});
   if constexpr (space::host_accessible) {
@@ -289,7 +289,7 @@ TEST_CASE("scan: rejections" LOOM_BACKEND_TAG, "[scan][errors]") {
                            {"exclusive_scan: workspace must start on a 64-byte boundary"});
     // A view that does not match the plan's length.
     lt::require_loom_error([&] { ls::inclusive_scan(b, plan, vi.slice(0, 9), vo, ws.span()); },
-                           loom::errc::shape_mismatch, {"inclusive_scan: in must have 10 elements"});
+                           loom::errc::shape_mismatch, {"inclusive_scan: in must be [10] (the plan's elements)"});
   }
 }
 

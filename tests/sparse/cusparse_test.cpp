@@ -281,12 +281,12 @@ TEST_CASE("sparse::cusparse: calls reject operands that do not fit the plan", "[
       [&] {
         cs::spmm(b, p, da.view(), dense_view<const float, 2>(bd.data(), k, n + 1, cs::order::row_major), cv, ws.span());
       },
-      errc::shape_mismatch, {call, "B must be 23 x 6", "23 x 7"});
+      errc::shape_mismatch, {call, "B must be [23, 6] (K x N)", "got [23, 7]"});
   require_loom_error(
       [&] {
         cs::spmm(b, p, da.view(), bv, dense_view<float, 2>(cd.data(), m - 1, n, cs::order::row_major), ws.span());
       },
-      errc::shape_mismatch, {call, "C must be 19 x 6", "18 x 6"});
+      errc::shape_mismatch, {call, "C must be [19, 6] (M x N)", "got [18, 6]"});
   require_loom_error(
       [&] {
         cs::spmm(b, p, da.view(), dense_view<const float, 2>(bd.data(), k, n, cs::order::col_major), cv, ws.span());

@@ -157,12 +157,12 @@ TEST_CASE("sparse::cusparselt: calls reject operands that do not fit the plan", 
       [&] {
         lt::spmm(b, p, cv(bd.data(), {k, n + 1}), v(cd.data(), {m, n}), ws.span());
       },
-      errc::shape_mismatch, {call, "B must be 64 x 16"});
+      errc::shape_mismatch, {call, "B must be [64, 16] (K x N)"});
   require_loom_error(
       [&] {
         lt::spmm(b, p, cv(bd.data(), {k, n}), v(cd.data(), {m - 1, n}), ws.span());
       },
-      errc::shape_mismatch, {call, "C must be 64 x 16"});
+      errc::shape_mismatch, {call, "C must be [64, 16] (M x N)"});
   require_loom_error(
       [&] {
         lt::spmm(b, p, cv(bd.data(), {k, n}, {1, k}), v(cd.data(), {m, n}), ws.span());

@@ -419,7 +419,8 @@ TEST_CASE("spmm rejects a B whose rows are not A's columns" LOOM_BACKEND_TAG, "[
   buffer<float> b(30), c(24);
   const loom::tensor_view<const float, 2, space> bv(b.data(), {6, 5});
   const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
-  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("B must have A.cols = 5 rows"));
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv),
+                      Catch::Contains("spmm: B must be [5, 5] (A.cols x the plan's N), got [6, 5]"));
 }
 
 TEST_CASE("spmm rejects a C that is not M x N" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
@@ -427,7 +428,8 @@ TEST_CASE("spmm rejects a C that is not M x N" LOOM_BACKEND_TAG, "[sparse][spmm]
   buffer<float> b(30), c(30);
   const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
   const loom::tensor_view<float, 2, space> cv(c.data(), {5, 6});
-  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv), Catch::Contains("C must be 4 x 6"));
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv),
+                      Catch::Contains("spmm: C must be [4, 6] (A.rows x the plan's N), got [5, 6]"));
 }
 
 TEST_CASE("spmm rejects a bias that does not hold M values" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
@@ -436,7 +438,8 @@ TEST_CASE("spmm rejects a bias that does not hold M values" LOOM_BACKEND_TAG, "[
   const loom::tensor_view<const float, 2, space> bv(b.data(), {5, 6});
   const loom::tensor_view<float, 2, space> cv(c.data(), {4, 6});
   const loom::tensor_view<const float, 1, space> biasv(bias.data(), {3});
-  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv, biasv), Catch::Contains("bias must hold A.rows = 4 values"));
+  REQUIRE_THROWS_WITH(ls::spmm(make_backend(), a, bv, cv, biasv),
+                      Catch::Contains("spmm: bias must be [4] (A.rows values), got [3]"));
 }
 
 TEST_CASE("spmm rejects a B with no unit stride" LOOM_BACKEND_TAG, "[sparse][spmm][reject]") {
@@ -672,7 +675,7 @@ TEST_CASE("spmm plan form rejects a too-small or misaligned workspace and operan
   const loom::tensor_view<const float, 2, space> narrow(b.data(), {k, n - 1}, {1, k});
   const loom::tensor_view<float, 2, space> cnarrow(c.data(), {m, n - 1});
   lt::require_loom_error([&] { ls::spmm(b_, pl, a, narrow, cnarrow, ws.span()); }, shape,
-                         {"spmm: B must have the plan's 6 columns, got 5"});
+                         {"spmm: B must be [5, 6] (A.cols x the plan's N), got [5, 5]"});
   lt::require_loom_error([&] { (void)ls::make_plan(b_, a, -1); }, inv, {"spmm: B's column count must be >= 0"});
 }
 

@@ -299,10 +299,10 @@ void forward(const B& b, C& comm, const plan<P, E>& pl, const Gating& gating, co
              tensor_view<typename P::accum_type, 3, Space> incoming_state, std::span<std::byte> workspace) {
   detail::check_spaces<B, C, Space>();
   if constexpr (std::is_same_v<E, linear_attention::detail::kernel_step>)
-    linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
+    linear_attention::detail::lasp2_forward_impl<P>(b, comm, detail::access::core(pl), gating, x, o, final_state,
                                                     incoming_state, workspace);
   else
-    linear_attention::detail::lasp2_forward_impl<P>(comm, b, detail::access::core(pl), gating, x, o, final_state,
+    linear_attention::detail::lasp2_forward_impl<P>(b, comm, detail::access::core(pl), gating, x, o, final_state,
                                                     incoming_state, workspace, pl.engine());
 }
 
@@ -321,10 +321,10 @@ void backward(const B& b, C& comm, const plan<P, E>& pl, const Gating& gating, c
               std::span<std::byte> workspace) {
   detail::check_spaces<B, C, Space>();
   if constexpr (std::is_same_v<E, linear_attention::detail::kernel_step>)
-    linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
+    linear_attention::detail::lasp2_backward_impl<P>(b, comm, detail::access::core(pl), gating, x, d_o, d_final_state,
                                                      incoming_state, g, workspace);
   else
-    linear_attention::detail::lasp2_backward_impl<P>(comm, b, detail::access::core(pl), gating, x, d_o, d_final_state,
+    linear_attention::detail::lasp2_backward_impl<P>(b, comm, detail::access::core(pl), gating, x, d_o, d_final_state,
                                                      incoming_state, g, workspace, pl.engine());
 }
 

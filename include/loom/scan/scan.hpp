@@ -27,6 +27,7 @@
 
 #include <loom/backend/temporary.hpp>
 #include <loom/core/segments.hpp>
+#include <loom/core/tensor_view.hpp>
 #include <loom/core/workspace.hpp>
 #include <loom/scan/detail/engine.hpp>
 #include <loom/scan/detail/monoid_kernel.hpp>
@@ -191,10 +192,8 @@ void check_monoid_call(const Plan& p, const In& in, const Out& out, bool exclusi
   check_space<B, In>();
   check_space<B, Out>();
   const index_t n = p.size();
-  LOOM_EXPECTS(in.extent(0) == n, errc::shape_mismatch, call, ": in must have ", n, " elements (the plan's), got ",
-               in.extent(0));
-  LOOM_EXPECTS(out.extent(0) == n, errc::shape_mismatch, call, ": out must have ", n, " elements (as in), got ",
-               out.extent(0));
+  expect_extents(in, {n}, call, "in", "the plan's elements");
+  expect_extents(out, {n}, call, "out", "the plan's elements");
   check_workspace(ws, p.workspace_bytes(), call);
   check_no_overlap(out, "out", in, "in", !exclusive, call);
   check_no_overlap(out, "out", offsets_bytes(p.docs()), "docs", false, call);

@@ -37,7 +37,7 @@ void check_backward_call(const C& comm, const B& b, const lasp2_core<P>& wk, con
 //! engine of batched products (gemm_engine.hpp: backward with the contract of gemm_backward, the
 //! segments' final states into fin_out), given by pointer.
 template <class P, class C, class B, class Gating, class Space, class Engine = kernel_step>
-void lasp2_backward_impl(C& comm, const B& b, const lasp2_core<P>& wk, const Gating& gating,
+void lasp2_backward_impl(const B& b, C& comm, const lasp2_core<P>& wk, const Gating& gating,
                          const operands<P, Space>& x, tensor_view<const typename P::storage_type, 3, Space> d_o,
                          tensor_view<const typename P::accum_type, 4, Space> dfin,
                          tensor_view<const typename P::accum_type, 3, Space> incoming, const gradients<P, Space>& g,

@@ -473,7 +473,7 @@ struct kernel_step {};
 //! run_forward_incoming), or an engine of batched products (gemm_engine.hpp: forward and
 //! forward_incoming with the contracts of gemm_forward and gemm_forward_incoming), given by pointer.
 template <class P, class C, class B, class Gating, class Space, class Engine = kernel_step>
-void lasp2_forward_impl(C& comm, const B& b, const lasp2_core<P>& w, const Gating& gating, const operands<P, Space>& x,
+void lasp2_forward_impl(const B& b, C& comm, const lasp2_core<P>& w, const Gating& gating, const operands<P, Space>& x,
                         tensor_view<typename P::storage_type, 3, Space> o,
                         tensor_view<typename P::accum_type, 4, Space> fin,
                         tensor_view<typename P::accum_type, 3, Space> incoming, std::span<std::byte> ws,

@@ -43,10 +43,8 @@ inline void check_options(double alpha, double beta, order o, std::string_view c
 //!   B is read).
 template <class BV, class CV>
 void check_dense_operands(const BV& bm, const CV& c, index_t m, index_t k, index_t n, order o, std::string_view call) {
-  LOOM_EXPECTS(bm.extent(0) == k && bm.extent(1) == n, errc::shape_mismatch, call, ": B must be ", k, " x ", n,
-               ", got ", bm.extent(0), " x ", bm.extent(1));
-  LOOM_EXPECTS(c.extent(0) == m && c.extent(1) == n, errc::shape_mismatch, call, ": C must be ", m, " x ", n, ", got ",
-               c.extent(0), " x ", c.extent(1));
+  expect_extents(bm, {k, n}, call, "B", "K x N");
+  expect_extents(c, {m, n}, call, "C", "M x N");
   const char* layout = o == order::row_major ? "row-major" : "column-major";
   LOOM_EXPECTS(dense_in(bm, o), errc::invalid_argument, call, ": B must be dense and ", layout,
                " (the plan's order), got strides (", bm.stride(0), ", ", bm.stride(1), ")");

@@ -9,6 +9,7 @@
 #include <loom/backend/temporary.hpp>
 #include <loom/core/checked.hpp>
 #include <loom/core/overlap.hpp>
+#include <loom/core/tensor_view.hpp>
 #include <loom/sparse/detail/kernels.hpp>
 
 #include <string_view>
@@ -134,17 +135,12 @@ template <class AV, class BV, class CV, class Bias>
 void check_call(const geometry& g, const AV& a, const BV& bm, const CV& c, const Bias* bias) {
   LOOM_EXPECTS(a.rows == g.m && a.cols == g.k, errc::shape_mismatch, "spmm: A must be ", g.m, " x ", g.k,
                " (the plan's), got ", a.rows, " x ", a.cols);
-  LOOM_EXPECTS(bm.extent(0) == g.k, errc::shape_mismatch, "spmm: B must have A.cols = ", g.k, " rows, got ",
-               bm.extent(0));
-  LOOM_EXPECTS(bm.extent(1) == g.n, errc::shape_mismatch, "spmm: B must have the plan's ", g.n, " columns, got ",
-               bm.extent(1));
-  LOOM_EXPECTS(c.extent(0) == g.m && c.extent(1) == g.n, errc::shape_mismatch, "spmm: C must be ", g.m, " x ", g.n,
-               " (A.rows x B.cols), got ", c.extent(0), " x ", c.extent(1));
+  expect_extents(bm, {g.k, g.n}, "spmm", "B", "A.cols x the plan's N");
+  expect_extents(c, {g.m, g.n}, "spmm", "C", "A.rows x the plan's N");
   check_layout(bm, "B");
   check_layout(c, "C");
   if (bias) {
-    LOOM_EXPECTS(bias->extent(0) == g.m, errc::shape_mismatch, "spmm: bias must hold A.rows = ", g.m, " values, got ",
-                 bias->extent(0));
+    expect_extents(*bias, {g.m}, "spmm", "bias", "A.rows values");
     LOOM_EXPECTS(bias->stride(0) == 1 || g.m <= 1, errc::invalid_argument, "spmm: bias must be contiguous");
     LOOM_EXPECTS(!overlaps(*bias, c), errc::invalid_argument,
                  "spmm: bias and C share memory; bias must not overlap C (it is read while C is written)");
