@@ -256,8 +256,9 @@ void wide_k_cases() {
   struct shape {
     index_t m, k, n;
   };
-  // 37 x 1009 x 67 and 23 x 97 x 45: 16 lanes with the B panel prefetched (rows longer and
-  // shorter than the prefetch distance, a 3- and a 13-column masked vector)
+  // 37 x 1009 x 67 and 23 x 97 x 45: on AVX-512 CPUs, 16 lanes with the B panel prefetched for
+  // their 64- and 45-column chunks (rows longer and shorter than the prefetch distance, a
+  // 13-column masked vector); the 3-column chunk of 67 takes the 8-lane product
   for (const auto [m, k, n] :
        {shape{139, 4111, 67}, shape{139, 8209, 37}, shape{11, 8209, 32}, shape{37, 1009, 67}, shape{23, 97, 45}})
     for (double sp : {0.9, 0.3}) {

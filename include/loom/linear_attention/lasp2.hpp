@@ -144,6 +144,10 @@ constexpr void check_spaces() {
                 "needs host-accessible memory; device memory needs a stream-ordered communicator)");
 }
 
+struct no_first_check {
+  void operator()() const {}
+};
+
 struct access {
   template <class P, class E>
   static const linear_attention::detail::lasp2_core<P>& core(const plan<P, E>& p) noexcept {
@@ -152,18 +156,20 @@ struct access {
 
   //! make_plan with `check(core)` run on this rank inside the agreement (the convenience forms
   //! check their views there); `make_engine(b, slice_plan, call)` makes the passes' engine, also
-  //! inside the agreement (a rank whose engine cannot be made fails every rank).
+  //! inside the agreement (a rank whose engine cannot be made fails every rank); `first()` runs
+  //! first inside the agreement (a shard plan's runs, before anything derived from them).
   template <class P, class E = linear_attention::detail::kernel_step, class B, class C, class Check,
-            class MakeEngine = std::nullptr_t>
+            class MakeEngine = std::nullptr_t, class First = no_first_check>
   static plan<P, E> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
                          const shape& slice, const options& opt, std::string_view call, Check&& check,
-                         MakeEngine make_engine = nullptr) {
+                         MakeEngine make_engine = nullptr, const First& first = {}) {
     using Space = typename backend_traits<B>::memory_space;
     check_spaces<B, C, Space>();
     static_assert(alignof(typename C::request) <= workspace_alignment, "lasp2: over-aligned communicator requests");
     plan<P, E> p;
     auto& c = p.c_;
     const auto slices = comm::agree(comm, call, [&] {
+      first();
       LOOM_EXPECTS(!docs_in.implicit() || comm.size() == 1, errc::invalid_argument, call,
                    ": docs must hold the global document offsets (at least {0, T}) when there are several ranks");
       const index_t total = docs_in.implicit() ? token_begin + slice.tokens : docs_in[docs_in.count()];
@@ -249,11 +255,14 @@ plan<P> make_plan(const B& b, C& comm, const shard::plan& sharding, const shape&
   const shard::run mine = shard::run_of(sharding, comm.rank());
   shape s = slice;
   s.tokens = mine.tokens;
-  return detail::access::make<P>(b, comm, sharding.segments(), mine.begin, s, opt, call, [&](const auto&) {
-    shard::expect_runs(sharding, comm.size(), call);
-    LOOM_EXPECTS(slice.tokens == mine.tokens, errc::shape_mismatch, call,
-                 ": slice.tokens must be this rank's tokens in the shard plan, ", mine.tokens, ", got ", slice.tokens);
-  });
+  return detail::access::make<P>(
+      b, comm, sharding.segments(), mine.begin, s, opt, call, [](const auto&) {}, nullptr,
+      [&] {
+        shard::expect_runs(sharding, comm.size(), call);
+        LOOM_EXPECTS(slice.tokens == mine.tokens, errc::shape_mismatch, call,
+                     ": slice.tokens must be this rank's tokens in the shard plan, ", mine.tokens, ", got ",
+                     slice.tokens);
+      });
 }
 
 //! Plans LASP-2 (as above) whose forward and backward run their local steps as batched dense

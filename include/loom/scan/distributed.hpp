@@ -114,13 +114,13 @@ inline comm::signature scan_signature(std::string_view op, const options& opt, s
       .local(static_cast<std::uint64_t>(local_length));
 }
 
-//! The agreement of a cross-rank make_plan: this rank's checks, then every rank's signature;
-//! returns where the slices lie. Every rank gives the same docs (agreed), so checking them
-//! against the global length afterwards gives the same outcome on every rank.
-//! `extra`: more of this rank's checks (a shard plan's runs), run inside the agreement.
 struct no_check {
   void operator()() const {}
 };
+//! The agreement of a cross-rank make_plan: this rank's checks, then every rank's signature;
+//! returns where the slices lie. Every rank gives the same docs (agreed), so checking them
+//! against the global length afterwards gives the same outcome on every rank.
+//! `extra`: more of this rank's checks (a shard plan's runs), run first inside the agreement.
 template <comm::communicator C, class Extra = no_check>
 slices agree_plan(C& comm, std::string_view call, index_t n, const comm::signature& sig, const options& opt,
                   const Extra& extra = {}) {
@@ -226,8 +226,10 @@ monoid_plan<B, M, Space, true> make_plan(const B& b, C& comm, const M& m, index_
 
 //! The same from a shard plan (shard/plan.hpp) whose ranks each hold one run of the sequence, in
 //! rank order (shard::contiguous): this rank's length is its run, the documents are the plan's
-//! (host memory: host backends). Collective. @throws as above, and (invalid_argument) on every
-//! rank when the plan is for another number of ranks or interleaves them (zigzag, per_document).
+//! (host memory: host backends). The scan plan views the shard plan's offsets: keep the shard plan
+//! alive while the scan plan is used (a temporary shard plan does not compile). Collective.
+//! @throws as above, and (invalid_argument) on every rank when the plan is for another number of
+//! ranks or interleaves them (zigzag, per_document).
 template <backend B, comm::communicator C, monoid M>
 requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B& b, C& comm, const M& m,
                                                                          const shard::plan& sharding,
@@ -235,6 +237,8 @@ requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B
   return detail::cross_monoid_plan(b, comm, m, shard::run_of(sharding, comm.rank()).tokens, sharding.segments(), opt,
                                    [&] { shard::expect_runs(sharding, comm.size(), "scan::make_plan"); });
 }
+template <backend B, comm::communicator C, monoid M>
+void make_plan(const B&, C&, const M&, const shard::plan&&, const options& = {}) = delete;
 
 //! The plan of cross-rank recurrences: n time steps of the global sequence on this rank, state
 //! size d, documents of the global sequence. P as for the single-rank make_plan. Collective.
@@ -247,8 +251,9 @@ auto make_plan(const B& b, C& comm, St st, index_t n, index_t d, const loom::seg
 
 //! The same from a shard plan whose ranks each hold one run of the sequence, in rank order
 //! (shard::contiguous): this rank's time steps are its run, the documents are the plan's (host
-//! memory: host backends). Collective. @throws as above, and (invalid_argument) on every rank when
-//! the plan is for another number of ranks or interleaves them (zigzag, per_document).
+//! memory: host backends; viewed: keep the shard plan alive, a temporary one does not compile).
+//! Collective. @throws as above, and (invalid_argument) on every rank when the plan is for another
+//! number of ranks or interleaves them (zigzag, per_document).
 template <class P = void, backend B, comm::communicator C, structure St>
 requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B& b, C& comm, St st,
                                                                          const shard::plan& sharding, index_t d,
@@ -257,6 +262,8 @@ requires backend_traits<B>::memory_space::host_accessible auto make_plan(const B
                                                  sharding.segments(), opt,
                                                  [&] { shard::expect_runs(sharding, comm.size(), "scan::make_plan"); });
 }
+template <class P = void, backend B, comm::communicator C, structure St>
+void make_plan(const B&, C&, St, const shard::plan&&, index_t, const options& = {}) = delete;
 
 //! Cross-rank inclusive scan: `in` and `out` are this rank's slice (plan.size() elements).
 //! Collective: every rank calls it with its plan, in the same order. Allocates nothing; one
