@@ -422,8 +422,8 @@ TEST_CASE(
       loom::fence(be);
     });
     other.join();
-    const auto same = [](const double* x, const double* y, std::size_t n) {  // an empty slice: nothing to compare
-      return n == 0 || std::memcmp(x, y, sizeof(double) * n) == 0;
+    const auto same = [](const double* first, const double* second, std::size_t elems) {  // empty: equal
+      return elems == 0 || std::memcmp(first, second, sizeof(double) * elems) == 0;
     };
     other_thread_same[r] = same(h2.data(), got.data() + b * d, h2.size()) && same(dx2.data(), dx.data(), dx.size()) &&
                            same(dth2.data(), dth.data(), dth.size());
