@@ -33,6 +33,12 @@
 
 namespace loom::comm {
 
+//! A check of this rank's that checks nothing: the default of a plan maker's extra checks run
+//! inside its agreement (a shard plan's runs, for the makers that take one).
+struct no_check {
+  void operator()() const {}
+};
+
 //! 64-bit FNV-1a over the bytes of trivially copyable values and ranges: equal inputs give equal
 //! digests on every rank (same build, same byte order).
 class hasher {

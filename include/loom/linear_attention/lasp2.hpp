@@ -144,10 +144,6 @@ constexpr void check_spaces() {
                 "needs host-accessible memory; device memory needs a stream-ordered communicator)");
 }
 
-struct no_first_check {
-  void operator()() const {}
-};
-
 struct access {
   template <class P, class E>
   static const linear_attention::detail::lasp2_core<P>& core(const plan<P, E>& p) noexcept {
@@ -159,7 +155,7 @@ struct access {
   //! inside the agreement (a rank whose engine cannot be made fails every rank); `first()` runs
   //! first inside the agreement (a shard plan's runs, before anything derived from them).
   template <class P, class E = linear_attention::detail::kernel_step, class B, class C, class Check,
-            class MakeEngine = std::nullptr_t, class First = no_first_check>
+            class MakeEngine = std::nullptr_t, class First = comm::no_check>
   static plan<P, E> make(const B& b, C& comm, const segments<host_memory>& docs_in, index_t token_begin,
                          const shape& slice, const options& opt, std::string_view call, Check&& check,
                          MakeEngine make_engine = nullptr, const First& first = {}) {

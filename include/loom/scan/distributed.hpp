@@ -114,14 +114,11 @@ inline comm::signature scan_signature(std::string_view op, const options& opt, s
       .local(static_cast<std::uint64_t>(local_length));
 }
 
-struct no_check {
-  void operator()() const {}
-};
 //! The agreement of a cross-rank make_plan: this rank's checks, then every rank's signature;
 //! returns where the slices lie. Every rank gives the same docs (agreed), so checking them
 //! against the global length afterwards gives the same outcome on every rank.
 //! `extra`: more of this rank's checks (a shard plan's runs), run first inside the agreement.
-template <comm::communicator C, class Extra = no_check>
+template <comm::communicator C, class Extra = comm::no_check>
 slices agree_plan(C& comm, std::string_view call, index_t n, const comm::signature& sig, const options& opt,
                   const Extra& extra = {}) {
   const auto locals = comm::agree(comm, call, [&] {
@@ -221,7 +218,7 @@ auto cross_recurrence_plan_agreed(const B& b, C& comm, St, index_t n, index_t d,
 template <backend B, comm::communicator C, monoid M, memory_space Space = typename backend_traits<B>::memory_space>
 monoid_plan<B, M, Space, true> make_plan(const B& b, C& comm, const M& m, index_t n,
                                          const loom::segments<Space>& docs = {}, const options& opt = {}) {
-  return detail::cross_monoid_plan(b, comm, m, n, docs, opt, detail::no_check{});
+  return detail::cross_monoid_plan(b, comm, m, n, docs, opt, comm::no_check{});
 }
 
 //! The same from a shard plan (shard/plan.hpp) whose ranks each hold one run of the sequence, in
@@ -246,7 +243,7 @@ template <class P = void, backend B, comm::communicator C, structure St,
           memory_space Space = typename backend_traits<B>::memory_space>
 auto make_plan(const B& b, C& comm, St st, index_t n, index_t d, const loom::segments<Space>& docs = {},
                const options& opt = {}) {
-  return detail::cross_recurrence_plan_agreed<P>(b, comm, st, n, d, docs, opt, detail::no_check{});
+  return detail::cross_recurrence_plan_agreed<P>(b, comm, st, n, d, docs, opt, comm::no_check{});
 }
 
 //! The same from a shard plan whose ranks each hold one run of the sequence, in rank order
