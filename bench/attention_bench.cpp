@@ -42,6 +42,7 @@
 #include <optional>
 #include <random>
 #include <sgemm.hpp>
+#include <string>
 #include <vector>
 
 namespace {
@@ -371,8 +372,11 @@ void gqa_bf16(benchmark::State& state) {
   for (std::size_t i = 0; i + 1 < cu.size(); ++i) visible += pairs(cu[i + 1] - cu[i], true);
   set_flops(state, 4.0 * dim * D::hq * visible);
 #if defined(LOOM_X86_KERNELS)
-  state.SetLabel(loom::detail::x86::avx512_bf16_available() ? "bfloat16 pair products (AVX512_BF16)"
-                                                            : "float products over bfloat16 storage");
+  const double pair_speedup = loom::detail::x86::bf16_pair_speedup();
+  state.SetLabel(loom::detail::x86::avx512_bf16_pairs_available() ? "bfloat16 pair products (AVX512_BF16)"
+                 : pair_speedup > 0 ? "float products over bfloat16 storage (AVX512_BF16 pairs at " +
+                                          std::to_string(pair_speedup).substr(0, 4) + "x the FMA rate here)"
+                                    : "float products over bfloat16 storage");
 #endif
 }
 

@@ -665,6 +665,39 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
 #endif
 }
 
+TEST_CASE("attention: bfloat16 pair products run where the CPU has them and they beat its float FMAs" LOOM_BACKEND_TAG,
+          "[attention][local][bf16]") {
+#if defined(LOOM_X86_KERNELS)
+  namespace x86 = loom::detail::x86;
+  const double speedup = x86::bf16_pair_speedup();
+  INFO("vdpbf16ps FLOP rate / FMA FLOP rate on this CPU: " << speedup);
+  if (!x86::avx512_bf16_cpu()) {
+    CHECK(speedup == 0.0);
+    CHECK_FALSE(x86::avx512_bf16_pairs_available());
+    return;
+  }
+  // A timing, so no exact figure; the rates of real CPUs lie between a quarter and four times.
+  CHECK(speedup > 0.25);
+  CHECK(speedup < 4.0);
+  CHECK(x86::bf16_pair_speedup() == speedup);  // measured once
+  REQUIRE(x86::bf16_pair_policy() == x86::bf16_pairs::measured);
+  CHECK(x86::avx512_bf16_pairs_available() == (speedup > x86::bf16_pair_threshold));
+  {
+    const loom::test::vector_switch widest(loom::test::vector_mode::widest);
+    CHECK(x86::avx512_bf16_pairs_available());
+  }
+  for (const auto mode : {loom::test::vector_mode::avx2, loom::test::vector_mode::portable}) {
+    const loom::test::vector_switch narrower(mode);
+    CHECK_FALSE(x86::avx512_bf16_pairs_available());
+  }
+  x86::bf16_pair_policy() = x86::bf16_pairs::never;
+  CHECK_FALSE(x86::avx512_bf16_pairs_available());
+  x86::bf16_pair_policy() = x86::bf16_pairs::measured;
+#else
+  SUCCEED("no x86 vector kernels in this build");
+#endif
+}
+
 TEST_CASE("attention: windows (left, right): left-only, right-only, symmetric, causal or not" LOOM_BACKEND_TAG,
           "[attention][local][window]") {
   // Odd and prime lengths; documents shorter and longer than a tile and than the windows.

@@ -317,12 +317,13 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
   const workspace_carver w(ws);
   Acc* const kv_at = w.at<Acc>(l.kv);
   const index_t per = pb.hkv * pb.k_tiles() * tile_k;  // padded keys of all kv heads
-  // Host bfloat16 storage on CPUs with AVX512_BF16: the pair layouts (dk + dv bfloat16 a key) in
-  // kt's place (dk floats a key), V's float rows after them as always.
+  // Host bfloat16 storage on CPUs whose AVX512_BF16 pair products beat their float FMAs
+  // (avx512_bf16_pairs_available): the pair layouts (dk + dv bfloat16 a key) in kt's place (dk
+  // floats a key), V's float rows after them as always.
   pair_kv pairs{};
 #if defined(LOOM_ATTENTION_X86_TILES)
   if constexpr (Kn::pair_types)
-    if (pb.dk % 2 == 0 && pb.dv <= pb.dk && loom::detail::x86::avx512_bf16_available()) {
+    if (pb.dk % 2 == 0 && pb.dv <= pb.dk && loom::detail::x86::avx512_bf16_pairs_available()) {
       pairs.kt = reinterpret_cast<std::uint16_t*>(kv_at);
       pairs.vr = pairs.kt + per * pb.dk;
       pairs.tk_pad = per / pb.hkv;

@@ -291,7 +291,8 @@ struct forward_kernel {
   Acc* ws;
   index_t slots;
   index_t heads = 1;  //!< query heads per item (Grouped only; divides pb.group())
-  //! Host bfloat16 storage on CPUs with AVX512_BF16 (set by forward_on): the scores and P V by
+  //! Host bfloat16 storage where the pair products run (set by forward_on when
+  //! avx512_bf16_pairs_available()): the scores and P V by
   //! bfloat16 pairs (vdpbf16ps), the probabilities rounded to bfloat16 for P V; kv then holds vr
   //! only (the float P V of partial tiles whose V is not finite, which skips masked keys).
   pair_kv pairs{};
