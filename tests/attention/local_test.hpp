@@ -662,6 +662,52 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
     CHECK(vworst < 3e-7);
     CHECK(vbad == 0);
   }
+  // The 16-lane softmax rows (AVX-512) give the 8-lane ones' bits: max, probabilities and sum,
+  // with and without the full-row poisoning, every nk; the finite check and the rescale on odd
+  // lengths, a non-finite value at every position.
+  if (loom::detail::x86::avx512_cpu() && loom::detail::x86::avx2_cpu()) {
+    namespace ax = la::detail::x86;
+    constexpr index_t w = la::detail::tile_k;
+    auto g = loom::test::rng(77);
+    std::uniform_real_distribution<double> scores(-30.0, 30.0), values(-2.0, 2.0);
+    std::size_t mismatches = 0;
+    for (int trial = 0; trial < 40; ++trial) {
+      std::vector<float> row(w);
+      for (auto& x : row) x = static_cast<float>(scores(g));
+      if (trial % 4 == 1) row[static_cast<std::size_t>(trial) % w] = -inf;
+      if (trial % 4 == 2) row[static_cast<std::size_t>(trial * 7) % w] = std::numeric_limits<float>::quiet_NaN();
+      if (trial % 4 == 3) row[static_cast<std::size_t>(trial * 3) % w] = inf;
+      const float init = trial % 2 ? -inf : 12.5f;
+      const float m8 = ax::row_max(row.data(), w, init), m16 = ax::row_max16(row.data(), w, init);
+      mismatches += la::detail::float_to_bits(m8) != la::detail::float_to_bits(m16);
+      for (const bool full : {false, true}) {
+        const index_t nk = 1 + (trial * 13) % w;
+        std::vector<float> r8(row), r16(row);
+        const float s8 = ax::exp_row(r8.data(), w, nk, full, m8), s16 = ax::exp_row16(r16.data(), w, nk, full, m8);
+        mismatches += la::detail::float_to_bits(s8) != la::detail::float_to_bits(s16);
+        for (std::size_t j = 0; j < r8.size(); ++j)
+          mismatches += la::detail::float_to_bits(r8[j]) != la::detail::float_to_bits(r16[j]);
+      }
+    }
+    CHECK(mismatches == 0);
+    std::size_t wrong = 0;
+    for (index_t n = 1; n <= 41; ++n) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (auto& v : x) v = static_cast<float>(values(g));
+      wrong += !ax::finite_row16(x.data(), n);
+      for (index_t at = 0; at < n; ++at)
+        for (const float bad : {inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
+          std::vector<float> y(x);
+          y[static_cast<std::size_t>(at)] = bad;
+          wrong += ax::finite_row16(y.data(), n);
+        }
+      std::vector<float> a(x), want(x);
+      for (auto& v : want) v *= 0.75f;
+      ax::scale_row16(a.data(), n, 0.75f);
+      wrong += a != want;
+    }
+    CHECK(wrong == 0);
+  }
 #endif
 }
 

@@ -274,6 +274,99 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
   }
 }
 
+// GCC 12's AVX-512 intrinsics build their pass-through operands from _mm512_undefined_*(), which
+// -Wmaybe-uninitialized reports once inlined into a function with a target attribute.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+//! The 16-lane (AVX-512) forms of row_max, exp8 and exp_row, lane for lane the same operations,
+//! so the same bits: exp_row16 adds each 16-lane vector's halves into exp_row's 8-lane sum in
+//! exp_row's order. On an Intel Xeon (family 6, model 207) the 8-lane softmax rows took 21 % of
+//! the float forward's time (T = 4096, 16 / 4 heads, d = 128, causal, 1 thread).
+LOOM_X86_AVX512 inline float row_max16(const float* row, index_t width, float init) {
+  __m512 a = _mm512_set1_ps(init);
+  for (index_t j = 0; j < width; j += 16) a = _mm512_max_ps(_mm512_loadu_ps(row + j), a);
+  return _mm512_reduce_max_ps(a);
+}
+
+LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
+  const __m512 kf = _mm512_sub_ps(z, magic);
+  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(magic));
+  const __m512 r =
+      _mm512_fnmadd_ps(kf, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145752f), x));
+  __m512 p = _mm512_set1_ps(1.9841270e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3888889e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666667e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 e =
+      _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23)));
+  const __m512 hi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.37f), _CMP_GT_OQ), e,
+                                         _mm512_set1_ps(__builtin_inff()));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), hi, _mm512_setzero_ps());
+}
+
+LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bool full, float mx) {
+  const __m512 m = _mm512_set1_ps(mx);
+  const __m512 nan = _mm512_set1_ps(__builtin_nanf(""));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m256 sum = _mm256_setzero_ps();
+  for (index_t j = 0; j < width; j += 16) {
+    __m512 x = _mm512_loadu_ps(row + j);
+    if (full)  // finite_or_nan: NaN where x - x is not 0
+      x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ), nan, x);
+    __m512 e = exp16(_mm512_sub_ps(x, m));
+    if (full)  // entries j >= nk are 0
+      e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(nk - j)), lane), e);
+    _mm512_storeu_ps(row + j, e);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
+    sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+
+//! Whether row[0, n) holds only finite values (tile.hpp's all_finite of one row), 16 lanes a step.
+LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
+  const __m512i ones = _mm512_set1_epi32(0x7f800000);
+  __mmask16 bad = 0;
+  index_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512i u = _mm512_and_si512(_mm512_loadu_si512(row + j), ones);
+    bad |= _mm512_cmpeq_epi32_mask(u, ones);
+  }
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __m512i u = _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, row + j), ones);
+    bad |= _mm512_mask_cmpeq_epi32_mask(tail, u, ones);
+  }
+  return bad == 0;
+}
+
+//! row[0, n) *= alpha, 16 lanes a step.
+LOOM_X86_AVX512 inline void scale_row16(float* row, index_t n, float alpha) {
+  const __m512 a = _mm512_set1_ps(alpha);
+  index_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), a));
+  if (j < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    _mm512_mask_storeu_ps(row + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + j), a));
+  }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 //! Rows [0, nq) of a probability tile (W floats a row) as bfloat16 rows of W values (rounded to
 //! nearest even), written in place from the start of s: each row's floats are read before its
 //! bfloat16 values are stored, which overwrite rows already read only. Returns the bfloat16 rows.

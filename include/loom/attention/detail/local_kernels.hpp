@@ -155,8 +155,10 @@ inline constexpr index_t lanes = 16;
 template <class Acc>
 LOOM_HD Acc row_max(const Acc* row, Acc init) {
 #if defined(LOOM_ATTENTION_X86_TILES)
-  if constexpr (std::is_same_v<Acc, float>)
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (loom::detail::x86::avx512_available()) return x86::row_max16(row, tile_k, init);
     if (loom::detail::x86::avx2_available()) return x86::row_max(row, tile_k, init);
+  }
 #endif
   Acc part[lanes];
   for (index_t u = 0; u < lanes; ++u) part[u] = init;
@@ -183,14 +185,36 @@ LOOM_HD Acc row_sum(const Acc* row) {
 template <class Acc>
 LOOM_HD Acc exp_row(Acc* row, index_t nk, bool full, Acc mx) {
 #if defined(LOOM_ATTENTION_X86_TILES)
-  if constexpr (std::is_same_v<Acc, float>)
+  if constexpr (std::is_same_v<Acc, float>) {
+    if (loom::detail::x86::avx512_available()) return x86::exp_row16(row, tile_k, nk, full, mx);
     if (loom::detail::x86::avx2_available()) return x86::exp_row(row, tile_k, nk, full, mx);
+  }
 #endif
   if (full)  // every key visible: a score of +-inf or NaN makes its row NaN
     for (index_t j = 0; j < tile_k; ++j) row[j] = j < nk ? fast_exp(finite_or_nan(row[j]) - mx) : Acc(0);
   else
     for (index_t j = 0; j < tile_k; ++j) row[j] = fast_exp(row[j] - mx);
   return row_sum(row);
+}
+
+//! all_finite of one score row's first n entries (AVX-512: 16 lanes a step).
+template <class Acc>
+LOOM_HD bool finite_row(const Acc* row, index_t n) {
+#if defined(LOOM_ATTENTION_X86_TILES)
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx512_available()) return x86::finite_row16(row, n);
+#endif
+  return all_finite(row, 1, n, tile_k);
+}
+
+//! row[0, n) *= alpha (an accumulator row rescaled by the new max; AVX-512: 16 lanes a step).
+template <class Acc>
+LOOM_HD void scale_row(Acc* row, index_t n, Acc alpha) {
+#if defined(LOOM_ATTENTION_X86_TILES)
+  if constexpr (std::is_same_v<Acc, float>)
+    if (loom::detail::x86::avx512_available()) return x86::scale_row16(row, n, alpha);
+#endif
+  for (index_t c = 0; c < n; ++c) row[c] *= alpha;
 }
 
 //! The online-softmax step of rows [0, nq) of a (query rows, key tile) block: s holds the rows'
@@ -208,7 +232,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
 #if LOOM_IN_DEVICE_CODE
     const bool poison = full;
 #else
-    const bool poison = full && !all_finite(row, 1, nk, tile_k);
+    const bool poison = full && !finite_row(row, nk);
 #endif
     for (index_t j = nk; j < tile_k; ++j) row[j] = neg_inf<Acc>();
     const Acc mx = row_max(row, m[i]);
@@ -230,8 +254,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
 #if !LOOM_IN_DEVICE_CODE
     if (alpha == Acc(1)) continue;  // the max held: the accumulators stay (x * 1 is x)
 #endif
-    Acc* arow = acc + i * dv;
-    for (index_t c = 0; c < dv; ++c) arow[c] *= alpha;
+    scale_row(acc + i * dv, dv, alpha);
   }
 }
 
