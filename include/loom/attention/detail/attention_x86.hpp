@@ -345,7 +345,7 @@ LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
     bad |= _mm512_cmpeq_epi32_mask(u, ones);
   }
   if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __mmask16 tail = loom::detail::x86::first_lanes(static_cast<unsigned>(n - j));
     const __m512i u = _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, row + j), ones);
     bad |= _mm512_mask_cmpeq_epi32_mask(tail, u, ones);
   }
@@ -358,7 +358,7 @@ LOOM_X86_AVX512 inline void scale_row16(float* row, index_t n, float alpha) {
   index_t j = 0;
   for (; j + 16 <= n; j += 16) _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), a));
   if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1u);
+    const __mmask16 tail = loom::detail::x86::first_lanes(static_cast<unsigned>(n - j));
     _mm512_mask_storeu_ps(row + j, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, row + j), a));
   }
 }
