@@ -2,6 +2,11 @@
 // same run (CUDA events, median of the timed calls after warm-up):
 //   scan      loom::scan::inclusive_scan(plus<float>) of 64M fp32, against cub::DeviceScan::InclusiveSum
 //             (not bitwise deterministic for floats) and a device-to-device copy of the same bytes;
+//   recurrence  loom::scan::linear_recurrence, diagonal A, fp32, T = 262144 steps of d = 64 (one
+//             document), reproducible = false (CUB's scan by key of affine pairs behind loom's API)
+//             and the default blocked engine, against CUB's own call on the same formulation: one
+//             cub::DeviceScan::InclusiveScanByKey of the pairs (a, b) in channel-major order, the key
+//             of an element its channel, written by the caller's iterators into h;
 //   spmm      loom::sparse::spmm on the tiled bitmap format (magnitude-pruned random weights) and,
 //             where loom::cusparse is built, loom::sparse::cusparse::spmm on the same weight as CSR,
 //             against cublasSgemm on the dense matrix of the same shape, M = K = 4096 and 4096 x 11008;
@@ -21,10 +26,15 @@
 //             products), bf16 storage, fixed decay, H = 16, dk = dv = 128, C = 64, T = 8192 and 32768:
 //             TFLOP/s of the chunked algorithm's useful work (per chunk of c tokens and head,
 //             c(c+1)/2 (dk + dv) 2 + 2 c dk dv 2) and its share of the GPU's dense bf16 peak (SMs x
-//             clock x 2048 FLOP per cycle per SM on sm_80, 4096 on sm_90; target >= 0.40 at T = 32768).
+//             clock x 2048 FLOP per cycle per SM on sm_80, 4096 on sm_90; target >= 0.40 at T = 32768),
+//             then where the call's time goes: each of its four strided-batched products timed by
+//             CUDA events around it, and the engine's two phases (gates, gathers, L = Ks^T V and the
+//             pass over chunk states; the output products with their mask and row scale) and the
+//             scatter, each timed alone; the elementwise passes are a phase's time less its products.
 // Prints markdown tables. Needs a GPU; built with the cuda presets (compiled in CI, never run there).
 //
-//   loom.bench.cuda [--quick | --scan | --overlap | --linear]   (--quick: small sizes; the others: those rows only)
+//   loom.bench.cuda [--quick | --scan | --overlap | --linear]   (--quick: small sizes; the others: those rows only;
+//                                                                 --scan includes the recurrence rows)
 
 #include <loom/attention/ring.hpp>
 #if LOOM_BENCH_CUDNN
@@ -33,6 +43,7 @@
 #include <loom/backend/cuda.hpp>
 #include <loom/comm/device_local.hpp>
 #include <loom/linear_attention/cublas.cuh>
+#include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
 #include <loom/sparse/convert.hpp>
 #include <loom/sparse/spmm.hpp>
@@ -48,7 +59,12 @@
 #include <cub/device/device_scan.cuh>
 #include <cublas_v2.h>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/tabulate_output_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
 #include <vector>
 
 #include "support.hpp"
@@ -117,6 +133,90 @@ void scan_rows(std::size_t n) {
   std::printf("| cudaMemcpy device to device (same bytes) | %.3f ms | %.0f | %.2f |\n", copy_ms, gb / copy_ms * 1e3,
               copy_ms / cub_ms);
   std::printf("\nlast loom row vs CUB: largest |difference| over every 997th element %.3g\n", worst);
+}
+
+//! One step x -> a x + b of a diagonal recurrence's channel, and its composition (first, then
+//! second), as a CUB user writes them.
+struct step {
+  float a, b;
+};
+struct compose {
+  __host__ __device__ step operator()(const step& first, const step& second) const {
+    return {second.a * first.a, second.a * first.b + second.b};
+  }
+};
+//! Element j of the channel-major order: channel j / T, time j % T, read from row-major [T, d].
+struct step_at {
+  const float *a, *b;
+  index_t steps, d;
+  __host__ __device__ step operator()(index_t j) const {
+    const index_t c = j / steps, t = j % steps;
+    return {a[t * d + c], b[t * d + c]};
+  }
+};
+struct channel_of {
+  index_t steps;
+  __host__ __device__ index_t operator()(index_t j) const { return j / steps; }
+};
+struct store_h {
+  float* h;
+  index_t steps, d;
+  __host__ __device__ void operator()(index_t j, const step& x) const { h[(j % steps) * d + j / steps] = x.b; }
+};
+
+void recurrence_rows(index_t steps, index_t d) {
+  const auto n = static_cast<std::size_t>(steps * d);
+  std::vector<float> ah(n), bh(n);
+  std::mt19937 g(9);
+  std::uniform_real_distribution<float> ua(0.5f, 1.0f), ub(-1, 1);
+  for (auto& x : ah) x = ua(g);
+  for (auto& x : bh) x = ub(g);
+  device_array<float> a(ah), bv(bh), h(n), h_cub(n);
+  const loom::cuda b{};
+  using cview = loom::tensor_view<const float, 2, loom::cuda_memory>;
+  const cview av(a.data(), {steps, d}), bvv(bv.data(), {steps, d});
+  const loom::tensor_view<float, 2, loom::cuda_memory> hv(h.data(), {steps, d});
+  struct variant {
+    const char* name;
+    loom::scan::options opt;
+  };
+  variant vs[] = {{"loom::scan::linear_recurrence, reproducible (default)", {}},
+                  {"loom::scan::linear_recurrence, reproducible = false", {.reproducible = false}}};
+  std::vector<double> loom_ms;
+  for (auto& v : vs) {
+    const auto plan =
+        loom::scan::make_plan(b, loom::scan::diagonal{}, steps, d, loom::segments<loom::cuda_memory>{}, v.opt);
+    const device_array<std::byte> ws(plan.workspace_bytes());
+    loom_ms.push_back(median_ms([&] { loom::scan::linear_recurrence(b, plan, av, bvv, hv, ws.bytes()); }));
+  }
+  const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), channel_of{steps});
+  const auto in =
+      thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), step_at{a.data(), bv.data(), steps, d});
+  const auto out = thrust::make_tabulate_output_iterator(store_h{h_cub.data(), steps, d});
+  const auto count = static_cast<index_t>(n);
+  std::size_t cub_bytes = 0;
+  LOOM_CUDA_TRY(cub::DeviceScan::InclusiveScanByKey(nullptr, cub_bytes, keys, in, out, compose{}, count));
+  device_array<std::byte> cub_ws(cub_bytes);
+  const double cub_ms = median_ms([&] {
+    LOOM_CUDA_TRY(cub::DeviceScan::InclusiveScanByKey(cub_ws.data(), cub_bytes, keys, in, out, compose{}, count));
+  });
+  std::vector<float> x(n), y(n);
+  LOOM_CUDA_TRY(cudaMemcpy(x.data(), h.data(), sizeof(float) * n, cudaMemcpyDeviceToHost));
+  LOOM_CUDA_TRY(cudaMemcpy(y.data(), h_cub.data(), sizeof(float) * n, cudaMemcpyDeviceToHost));
+  double worst = 0;
+  for (std::size_t i = 0; i < n; i += 997) worst = std::max(worst, static_cast<double>(std::abs(x[i] - y[i])));
+  const double gb = 12.0 * static_cast<double>(n) * 1e-9;
+  std::printf("\n### Diagonal recurrence, fp32, T = %ld, d = %ld (one document)\n\n", static_cast<long>(steps),
+              static_cast<long>(d));
+  std::printf("| row | time | GB/s (a, b read, h written) | time / CUB's |\n| --- | --: | --: | --: |\n");
+  for (std::size_t i = 0; i < loom_ms.size(); ++i)
+    std::printf("| %s | %.3f ms | %.0f | %.2f |\n", vs[i].name, loom_ms[i], gb / loom_ms[i] * 1e3, loom_ms[i] / cub_ms);
+  std::printf("| cub::DeviceScan::InclusiveScanByKey, (a, b) pairs keyed by channel | %.3f ms | %.0f | 1 |\n", cub_ms,
+              gb / cub_ms * 1e3);
+  std::printf(
+      "\nlast loom row vs CUB: largest |difference| over every 997th element %.3g (target: CUB's time / "
+      "loom's >= 0.95, time / CUB's <= 1.05, for reproducible = false)\n",
+      worst);
 }
 
 void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::vector<index_t>& ns, cublasHandle_t h) {
@@ -191,6 +291,76 @@ void spmm_rows(index_t m, index_t k, const std::vector<int>& pcts, const std::ve
   }
 }
 
+//! linear_attention::cublas's product provider with CUDA events around each product (the default
+//! stream, as the rows' calls), and each product's FLOPs, in the order the engine enqueues them.
+struct timed_gemm {
+  loom::linear_attention::cublas::detail::cublas_gemm inner;
+  struct mark {
+    cudaEvent_t begin, end;
+    double flop;
+  };
+  std::vector<mark>* marks;
+  template <class TS, class TC>
+  void operator()(loom::linear_attention::detail::gemm_op ta, loom::linear_attention::detail::gemm_op tb, index_t m,
+                  index_t n, index_t k, TC alpha, const TS* a, index_t lda, index_t sa, const TS* b, index_t ldb,
+                  index_t sb, TC beta, TC* c, index_t ldc, index_t sc, index_t batch) const {
+    mark mk{
+        nullptr, nullptr,
+        2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * static_cast<double>(batch)};
+    LOOM_CUDA_TRY(cudaEventCreate(&mk.begin));
+    LOOM_CUDA_TRY(cudaEventCreate(&mk.end));
+    LOOM_CUDA_TRY(cudaEventRecord(mk.begin));
+    inner(ta, tb, m, n, k, alpha, a, lda, sa, b, ldb, sb, beta, c, ldc, sc, batch);
+    LOOM_CUDA_TRY(cudaEventRecord(mk.end));
+    marks->push_back(mk);
+  }
+};
+
+//! One forward's time split into the engine's parts (ms).
+struct linear_split {
+  double call = 0, states = 0, outputs = 0, scatter = 0;
+  double product[4] = {0, 0, 0, 0}, flop[4] = {0, 0, 0, 0};
+};
+
+//! The parts of linear_attention::cublas::forward(b, pl, gate, x, o, {}, ws) whose whole call took
+//! call_ms: the engine's phases called one by one (detail/gemm_engine.hpp), each timed alone, and
+//! its products timed inside whole calls.
+template <class Plan, class Gate, class X, class O>
+linear_split linear_parts(const Plan& pl, const Gate& gate, const X& x, O o, std::span<std::byte> ws, double call_ms) {
+  namespace la = loom::linear_attention;
+  const loom::cuda b{};
+  constexpr std::string_view call = "loom.bench.cuda";
+  cublasHandle_t handle;
+  check_cublas(cublasCreate(&handle), "cublasCreate");
+  check_cublas(cublasSetStream(handle, b.stream), "cublasSetStream");
+  const la::cublas::detail::cublas_gemm gemm{handle, call};
+  const auto g = la::detail::gemm_setup(b, pl.base(), pl.layout(), gate, x, o, {}, ws, call);
+  linear_split r;
+  r.call = call_ms;
+  r.states = median_ms([&] { la::detail::gemm_states(b, gemm, pl.base(), pl.layout(), g); }, 2, 7);
+  r.outputs = median_ms([&] { la::detail::gemm_output_products(b, gemm, pl.base(), pl.layout(), g); }, 2, 7);
+  r.scatter = median_ms([&] { la::detail::gemm_outputs(b, gemm, pl.base(), pl.layout(), g, o); }, 2, 7) - r.outputs;
+  std::vector<std::vector<double>> each(4);
+  for (int rep = -2; rep < 7; ++rep) {
+    std::vector<timed_gemm::mark> marks;
+    la::detail::gemm_forward(b, timed_gemm{gemm, &marks}, pl.base(), pl.layout(), gate, x, o, {}, ws, call);
+    LOOM_CUDA_TRY(cudaDeviceSynchronize());
+    for (std::size_t i = 0; i < marks.size(); ++i) {
+      float t = 0;
+      LOOM_CUDA_TRY(cudaEventElapsedTime(&t, marks[i].begin, marks[i].end));
+      if (rep >= 0 && i < 4) each[i].push_back(t), r.flop[i] = marks[i].flop;
+      cudaEventDestroy(marks[i].begin);
+      cudaEventDestroy(marks[i].end);
+    }
+  }
+  for (std::size_t i = 0; i < 4; ++i) {
+    std::sort(each[i].begin(), each[i].end());
+    r.product[i] = each[i].empty() ? 0.0 : each[i][each[i].size() / 2];
+  }
+  cublasDestroy(handle);
+  return r;
+}
+
 void linear_rows(const std::vector<index_t>& tokens) {
   namespace la = loom::linear_attention;
   constexpr index_t H = 16, D = 128, C = 64;
@@ -209,6 +379,7 @@ void linear_rows(const std::vector<index_t>& tokens) {
   std::printf("dense bf16 peak: %.0f TFLOP/s (%d SMs x %.2f GHz x %.0f FLOP/cycle/SM)\n\n", peak * 1e-12, sms,
               clock_khz * 1e-6, per_sm);
   std::printf("| T | time | TFLOP/s | share of peak |\n| --: | --: | --: | --: |\n");
+  std::vector<linear_split> parts;
   for (const index_t T : tokens) {
     std::mt19937 g(5);
     std::uniform_real_distribution<float> u(-1, 1);
@@ -236,7 +407,41 @@ void linear_rows(const std::vector<index_t>& tokens) {
     const double rate = flop / (ms * 1e-3);
     std::printf("| %ld | %.3f ms | %.1f | %s |\n", static_cast<long>(T), ms, rate * 1e-12,
                 peak > 0 ? (std::to_string(rate / peak).substr(0, 5)).c_str() : "(peak not known)");
+    parts.push_back(linear_parts(pl, gate, x, ov, ws.bytes(), ms));
   }
+  const char* names[] = {"L = Ks^T V (chunk states)", "Pf = Q K^T (scores)", "O = Q S0 (inter-chunk)",
+                         "O += Pm V (intra-chunk)"};
+  std::printf(
+      "\nWhere the time goes (products: events around each, median of 7 calls; phases: each timed alone, "
+      "median of 7; passes: a phase less its products)\n\n| part |");
+  for (const index_t T : tokens) std::printf(" T = %ld: ms | share | TFLOP/s |", static_cast<long>(T));
+  std::printf("\n| --- |");
+  for (std::size_t i = 0; i < tokens.size(); ++i) std::printf(" --: | --: | --: |");
+  std::printf("\n");
+  const auto row = [&](const char* name, auto ms_of, auto flop_of) {
+    std::printf("| %s |", name);
+    for (const auto& pt : parts) {
+      const double t = ms_of(pt), f = flop_of(pt);
+      if (f > 0)
+        std::printf(" %.3f | %.2f | %.1f |", t, t / pt.call, f / (t * 1e-3) * 1e-12);
+      else
+        std::printf(" %.3f | %.2f | |", t, t / pt.call);
+    }
+    std::printf("\n");
+  };
+  for (std::size_t i = 0; i < 4; ++i)
+    row(
+        names[i], [i](const linear_split& pt) { return pt.product[i]; },
+        [i](const linear_split& pt) { return pt.flop[i]; });
+  row(
+      "passes of the first phase (gates, gathers, the pass over chunk states)",
+      [](const linear_split& pt) { return pt.states - pt.product[0]; }, [](const linear_split&) { return 0.0; });
+  row(
+      "passes of the second phase (mask, row scale)",
+      [](const linear_split& pt) { return pt.outputs - pt.product[1] - pt.product[2] - pt.product[3]; },
+      [](const linear_split&) { return 0.0; });
+  row(
+      "scatter into o", [](const linear_split& pt) { return pt.scatter; }, [](const linear_split&) { return 0.0; });
 }
 
 }  // namespace
@@ -411,7 +616,10 @@ int main(int argc, char** argv) {
     linear_rows({8192, 32768});
     return 0;
   }
-  if (!overlap_only) scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+  if (!overlap_only) {
+    scan_rows(quick ? (std::size_t{1} << 20) : (std::size_t{64} << 20));
+    recurrence_rows(quick ? 4096 : 262144, 64);
+  }
   overlap_rows(quick ? 1024 : 8192);
 #if LOOM_BENCH_CUDNN
   ring_cudnn_rows(quick ? 2048 : 16384);

@@ -122,9 +122,11 @@ LOOM_X86_AVX512_BF16 inline double bf16_chain_seconds(bool pairs, int steps) {
 //! vdpbf16ps's FLOP rate over the 16-lane FMA's on this CPU (a vdpbf16ps is 64 FLOPs: two
 //! products and two adds in each of 16 lanes; an FMA 32): 8 independent chains of each, the
 //! fastest of 7 timings of 4096 steps (well under a millisecond in all). About 2 where vdpbf16ps
-//! issues as often as an FMA, 0.5 where it issues half as often: 85 against 171 GFLOP/s a core on
-//! an Intel Xeon with AVX512_BF16 (family 6, model 207, 2026-11-30), where the pair products made
-//! attention's bfloat16 forward 0.62-0.85x its float forward. Only on CPUs with AVX512_BF16.
+//! issues as often as an FMA: 2.00 on an AMD EPYC (family 25, model 17, 2026-11-30), where the
+//! pair products made attention's bfloat16 forward 1.77x its float forward. 0.5 where it issues
+//! half as often: 85 against 171 GFLOP/s a core on an Intel Xeon with AVX512_BF16 (family 6,
+//! model 207, 2026-11-30), where the pair products made that forward 0.62-0.85x the float one.
+//! Only on CPUs with AVX512_BF16.
 inline double bf16_pair_speedup_now() {
   double fma = 1e30, pair = 1e30;
   for (int trial = 0; trial < 7; ++trial) {  // the fastest: a timing the OS interrupted is longer

@@ -17,11 +17,15 @@
 #include <loom/backend/cuda.hpp>
 #include <loom/scan/scan.hpp>
 
+#include <cuda/functional>
+#include <cuda/std/functional>
+
 #include <algorithm>
 #include <cub/device/device_scan.cuh>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/permutation_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
+#include <type_traits>
 
 namespace loom::scan::detail {
 
@@ -62,12 +66,44 @@ struct combine_op {
   }
 };
 
+//! The binary operator CUB is given for monoid M (operands swapped when Swap): combine_op, or CUB's
+//! own operator where it computes the same bits in either operand order, so that CUB takes the
+//! policies it tunes for its operators (on sm_90 a float plus with CUB's own operator is tuned,
+//! one through a wrapper runs the generic policy):
+//!   - plus<T> over an arithmetic T: cuda::std::plus<T> (a + b and b + a are the same bits);
+//!   - minimum<T>, maximum<T> over an integral T: cuda::minimum<T>, cuda::maximum<T> (for floats
+//!     they differ from loom's on ties of signed zeros and on NaN in one operand order, so floats
+//!     keep combine_op).
+template <class M, bool Swap>
+struct cub_operator {
+  using type = combine_op<M, Swap>;
+  static type make(const M& m) { return {m}; }
+};
+template <class T, bool Swap>
+requires std::is_arithmetic_v<T>
+struct cub_operator<plus<T>, Swap> {
+  using type = ::cuda::std::plus<T>;
+  static type make(const plus<T>&) { return {}; }
+};
+template <class T, bool Swap>
+requires std::is_integral_v<T>
+struct cub_operator<minimum<T>, Swap> {
+  using type = ::cuda::minimum<T>;
+  static type make(const minimum<T>&) { return {}; }
+};
+template <class T, bool Swap>
+requires std::is_integral_v<T>
+struct cub_operator<maximum<T>, Swap> {
+  using type = ::cuda::maximum<T>;
+  static type make(const maximum<T>&) { return {}; }
+};
+
 //! One CUB call for the variant (temp == null: only sizes `bytes`).
 template <bool Swap, class M, class InIt, class OutIt>
 cudaError_t cub_monoid_scan(void* temp, std::size_t& bytes, const M& m, InIt in, OutIt out, index_t n,
                             offsets_ref offsets, index_t segments, bool reverse, bool exclusive,
                             typename M::value_type init, cudaStream_t stream) {
-  const combine_op<M, Swap> op{m};
+  const auto op = cub_operator<M, Swap>::make(m);
   if (!offsets) {
     if (exclusive) return cub::DeviceScan::ExclusiveScan(temp, bytes, in, out, op, init, n, stream);
     return cub::DeviceScan::InclusiveScan(temp, bytes, in, out, op, n, stream);
@@ -127,17 +163,14 @@ struct vendor_scan<cuda> {
     return most;
   }
 
-  //! The scan into CUB's temporary storage at the start of `ws` (sized by bytes() at plan time).
+  //! The scan into CUB's temporary storage `ws` (sized by bytes() at plan time, the most any
+  //! variant of the plan's n asks for). No size query per call: CUB checks the bytes it is given
+  //! and fails the call (cudaErrorInvalidValue, thrown as loom::error) should they be too few.
   template <monoid M, class In, class Out>
   static void run(const cuda& b, const M& m, In in, Out out, offsets_ref off, index_t segments, bool exclusive,
-                  typename M::value_type init, bool reverse, std::span<std::byte> ws, std::string_view call_name) {
-    const index_t n = in.extent(0);
-    std::size_t need = 0;
-    LOOM_CUDA_TRY(call(nullptr, need, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
-    LOOM_EXPECTS(need <= ws.size(), errc::internal, call_name, ": CUB asks for ", need,
-                 " bytes of temporary storage, more than the plan reserved (", ws.size(), ")");
+                  typename M::value_type init, bool reverse, std::span<std::byte> ws, std::string_view) {
     std::size_t bytes = ws.size();
-    LOOM_CUDA_TRY(call(ws.data(), bytes, m, in, out, n, off, segments, reverse, exclusive, init, b.stream));
+    LOOM_CUDA_TRY(call(ws.data(), bytes, m, in, out, in.extent(0), off, segments, reverse, exclusive, init, b.stream));
   }
 };
 
