@@ -26,8 +26,8 @@
 //             products), bf16 storage, fixed decay, H = 16, dk = dv = 128, C = 64, T = 8192 and 32768:
 //             TFLOP/s of the chunked algorithm's useful work (per chunk of c tokens and head,
 //             c(c+1)/2 (dk + dv) 2 + 2 c dk dv 2) and its share of the GPU's dense bf16 peak (SMs x
-//             clock x 2048 FLOP per cycle per SM on sm_80, 4096 on sm_90; target >= 0.40 at T = 32768),
-//             then where the call's time goes: each of its four strided-batched products timed by
+//             clock x 2048 FLOP per cycle per SM on sm_80, 4096 on sm_90; target >= 0.40 at T = 32768).
+//             Then where the call's time goes: each of its four strided-batched products timed by
 //             CUDA events around it, and the engine's two phases (gates, gathers, L = Ks^T V and the
 //             pass over chunk states; the output products with their mask and row scale) and the
 //             scatter, each timed alone; the elementwise passes are a phase's time less its products.
@@ -135,16 +135,10 @@ void scan_rows(std::size_t n) {
   std::printf("\nlast loom row vs CUB: largest |difference| over every 997th element %.3g\n", worst);
 }
 
-//! One step x -> a x + b of a diagonal recurrence's channel, and its composition (first, then
-//! second), as a CUB user writes them.
-struct step {
-  float a, b;
-};
-struct compose {
-  __host__ __device__ step operator()(const step& first, const step& second) const {
-    return {second.a * first.a, second.a * first.b + second.b};
-  }
-};
+//! The steps (a, b) of a diagonal recurrence's channels and their composition: loom::scan's affine
+//! pair and the combine functor its own CUB path passes (detail/affine_recurrence_cuda.cuh).
+using step = loom::scan::affine_pair<float>;
+using compose = loom::scan::detail::affine_combine<loom::scan::affine<float>>;
 //! Element j of the channel-major order: channel j / T, time j % T, read from row-major [T, d].
 struct step_at {
   const float *a, *b;
@@ -330,10 +324,9 @@ linear_split linear_parts(const Plan& pl, const Gate& gate, const X& x, O o, std
   namespace la = loom::linear_attention;
   const loom::cuda b{};
   constexpr std::string_view call = "loom.bench.cuda";
-  cublasHandle_t handle;
-  check_cublas(cublasCreate(&handle), "cublasCreate");
-  check_cublas(cublasSetStream(handle, b.stream), "cublasSetStream");
-  const la::cublas::detail::cublas_gemm gemm{handle, call};
+  auto& st = pl.device_state(call);
+  const auto lock = st.enter(b, call);  // the plan's cuBLAS handle, on b's stream
+  const la::cublas::detail::cublas_gemm gemm{st.handle.get(), call};
   const auto g = la::detail::gemm_setup(b, pl.base(), pl.layout(), gate, x, o, {}, ws, call);
   linear_split r;
   r.call = call_ms;
@@ -357,7 +350,6 @@ linear_split linear_parts(const Plan& pl, const Gate& gate, const X& x, O o, std
     std::sort(each[i].begin(), each[i].end());
     r.product[i] = each[i].empty() ? 0.0 : each[i][each[i].size() / 2];
   }
-  cublasDestroy(handle);
   return r;
 }
 

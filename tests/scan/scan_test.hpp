@@ -202,15 +202,15 @@ TEST_CASE("scan: float minimum and maximum over signed zeros, every variant, loo
 // either operand order, loom's combine otherwise.
 namespace cub_ops {
 using loom::scan::detail::combine_op;
-using loom::scan::detail::cub_operator;
-static_assert(std::is_same_v<cub_operator<ls::plus<float>, true>::type, ::cuda::std::plus<float>>);
-static_assert(std::is_same_v<cub_operator<ls::plus<std::int64_t>, false>::type, ::cuda::std::plus<std::int64_t>>);
-static_assert(std::is_same_v<cub_operator<ls::maximum<int>, true>::type, ::cuda::maximum<int>>);
-static_assert(std::is_same_v<cub_operator<ls::minimum<int>, false>::type, ::cuda::minimum<int>>);
-static_assert(std::is_same_v<cub_operator<ls::maximum<float>, false>::type, combine_op<ls::maximum<float>, false>>);
-static_assert(std::is_same_v<cub_operator<ls::minimum<double>, true>::type, combine_op<ls::minimum<double>, true>>);
-static_assert(
-    std::is_same_v<cub_operator<ls::multiplies<float>, false>::type, combine_op<ls::multiplies<float>, false>>);
+template <bool Swap, class M>
+using cub_op_t = decltype(loom::scan::detail::cub_operator<Swap>(M{}));
+static_assert(std::is_same_v<cub_op_t<true, ls::plus<float>>, ::cuda::std::plus<float>>);
+static_assert(std::is_same_v<cub_op_t<false, ls::plus<std::int64_t>>, ::cuda::std::plus<std::int64_t>>);
+static_assert(std::is_same_v<cub_op_t<true, ls::maximum<int>>, ::cuda::maximum<int>>);
+static_assert(std::is_same_v<cub_op_t<false, ls::minimum<int>>, ::cuda::minimum<int>>);
+static_assert(std::is_same_v<cub_op_t<false, ls::maximum<float>>, combine_op<ls::maximum<float>, false>>);
+static_assert(std::is_same_v<cub_op_t<true, ls::minimum<double>>, combine_op<ls::minimum<double>, true>>);
+static_assert(std::is_same_v<cub_op_t<false, ls::multiplies<float>>, combine_op<ls::multiplies<float>, false>>);
 }  // namespace cub_ops
 #endif
 

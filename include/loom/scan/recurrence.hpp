@@ -285,9 +285,8 @@ void run_local_recurrence(const B& b, const Plan& p, AV a, XV x, YV y, InV in_st
   const std::string_view call = adjoint ? "linear_recurrence_adjoint" : "linear_recurrence";
   if constexpr (vendor_affine<B>::available && affine_structure<typename Plan::structure_type>) {
     if (!p.opts().reproducible) {
-      run_affine_recurrence(b, p, a, x, y, in_states, out_states, adjoint, ws, [&](const auto& m) {
-        vendor_affine<B>::run(b, m, recurrence_access::vendor_part(p, ws), call);
-      });
+      run_affine_recurrence(b, p, a, x, y, in_states, out_states, adjoint, ws,
+                            [&](const auto& m) { vendor_affine<B>::run(b, m, recurrence_access::vendor_part(p, ws)); });
       return;
     }
   }

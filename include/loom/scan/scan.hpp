@@ -223,7 +223,7 @@ void run_monoid(const B& b, const Plan& p, In in, Out out, bool exclusive, typen
   if constexpr (vendor_scan<B>::available) {
     if (p.vendor()) {
       vendor_scan<B>::run(b, p.op(), in, out, ref_of(p.docs()), p.docs().implicit() ? 0 : p.docs().count(), exclusive,
-                          init, p.opts().dir == direction::reverse, ws, call);
+                          init, p.opts().dir == direction::reverse, ws);
       return;
     }
   }

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cub/device/device_scan.cuh>
 #include <span>
-#include <string_view>
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/tabulate_output_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
@@ -66,7 +65,7 @@ struct vendor_affine<cuda> {
   //! size query per call: CUB checks the bytes it is given and fails the call
   //! (cudaErrorInvalidValue, thrown as loom::error) should they be too few.
   template <class Map>
-  static void run(const cuda& b, const Map& m, std::span<std::byte> ws, std::string_view) {
+  static void run(const cuda& b, const Map& m, std::span<std::byte> ws) {
     using Op = affine_combine<typename Map::op_type>;
     const auto keys = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), affine_key_of<Map>{m});
     const auto in = thrust::make_transform_iterator(thrust::counting_iterator<index_t>(0), affine_element_of<Map>{m});

@@ -66,44 +66,33 @@ struct combine_op {
   }
 };
 
-//! The binary operator CUB is given for monoid M (operands swapped when Swap): combine_op, or CUB's
-//! own operator where it computes the same bits in either operand order, so that CUB takes the
-//! policies it tunes for its operators (on sm_90 a float plus with CUB's own operator is tuned,
-//! one through a wrapper runs the generic policy):
+//! The binary operator CUB is given for monoid m (operands swapped when Swap): CUB's own operator
+//! where it computes loom's bits in either operand order, so that CUB takes the policies it tunes
+//! for its operators (CCCL's tuning tables key on the operator type; any other functor gets the
+//! generic policy), else combine_op:
 //!   - plus<T> over an arithmetic T: cuda::std::plus<T> (a + b and b + a are the same bits);
 //!   - minimum<T>, maximum<T> over an integral T: cuda::minimum<T>, cuda::maximum<T> (for floats
 //!     they differ from loom's on ties of signed zeros and on NaN in one operand order, so floats
 //!     keep combine_op).
-template <class M, bool Swap>
-struct cub_operator {
-  using type = combine_op<M, Swap>;
-  static type make(const M& m) { return {m}; }
-};
-template <class T, bool Swap>
-requires std::is_arithmetic_v<T>
-struct cub_operator<plus<T>, Swap> {
-  using type = ::cuda::std::plus<T>;
-  static type make(const plus<T>&) { return {}; }
-};
-template <class T, bool Swap>
-requires std::is_integral_v<T>
-struct cub_operator<minimum<T>, Swap> {
-  using type = ::cuda::minimum<T>;
-  static type make(const minimum<T>&) { return {}; }
-};
-template <class T, bool Swap>
-requires std::is_integral_v<T>
-struct cub_operator<maximum<T>, Swap> {
-  using type = ::cuda::maximum<T>;
-  static type make(const maximum<T>&) { return {}; }
-};
+template <bool Swap, class M>
+auto cub_operator(const M& m) {
+  using T = typename M::value_type;
+  if constexpr (std::is_same_v<M, plus<T>> && std::is_arithmetic_v<T>)
+    return ::cuda::std::plus<T>{};
+  else if constexpr (std::is_same_v<M, minimum<T>> && std::is_integral_v<T>)
+    return ::cuda::minimum<T>{};
+  else if constexpr (std::is_same_v<M, maximum<T>> && std::is_integral_v<T>)
+    return ::cuda::maximum<T>{};
+  else
+    return combine_op<M, Swap>{m};
+}
 
 //! One CUB call for the variant (temp == null: only sizes `bytes`).
 template <bool Swap, class M, class InIt, class OutIt>
 cudaError_t cub_monoid_scan(void* temp, std::size_t& bytes, const M& m, InIt in, OutIt out, index_t n,
                             offsets_ref offsets, index_t segments, bool reverse, bool exclusive,
                             typename M::value_type init, cudaStream_t stream) {
-  const auto op = cub_operator<M, Swap>::make(m);
+  const auto op = cub_operator<Swap>(m);
   if (!offsets) {
     if (exclusive) return cub::DeviceScan::ExclusiveScan(temp, bytes, in, out, op, init, n, stream);
     return cub::DeviceScan::InclusiveScan(temp, bytes, in, out, op, n, stream);
@@ -168,7 +157,7 @@ struct vendor_scan<cuda> {
   //! and fails the call (cudaErrorInvalidValue, thrown as loom::error) should they be too few.
   template <monoid M, class In, class Out>
   static void run(const cuda& b, const M& m, In in, Out out, offsets_ref off, index_t segments, bool exclusive,
-                  typename M::value_type init, bool reverse, std::span<std::byte> ws, std::string_view) {
+                  typename M::value_type init, bool reverse, std::span<std::byte> ws) {
     std::size_t bytes = ws.size();
     LOOM_CUDA_TRY(call(ws.data(), bytes, m, in, out, in.extent(0), off, segments, reverse, exclusive, init, b.stream));
   }
