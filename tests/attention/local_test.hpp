@@ -203,15 +203,15 @@ TEST_CASE("attention: sliding window, empty documents, fp32 and bf16" LOOM_BACKE
 }
 
 TEST_CASE(
-    "attention: the fused backward (dQ summed by key stripes) and the two-pass one give the same bits" LOOM_BACKEND_TAG,
+    "attention: the fused backward (dQ summed by key stripes) and the two-pass one give the same bits, the query "
+    "side packed or not" LOOM_BACKEND_TAG,
     "[attention][local][backward]") {
   // Few slots take the fused schedule (one pass over key tiles, dQ summed per stripe, then over
-  // stripes); many take the two-pass one, which sums dQ in the same order. Both against the
-  // oracle, then bit for bit, overwriting and accumulating, with a NaN in one document's K.
-  if constexpr (!space::host_accessible) {
-    SUCCEED("device backends run the two-pass schedule only");
-    return;
-  }
+  // stripes); many take the two-pass one, which sums dQ in the same order. Each with the query
+  // side packed once (the default at this size) and loaded per tile pair (a bound of 0 bytes).
+  // Against the oracle, then bit for bit, overwriting and accumulating, with a NaN in one
+  // document's K. Device backends run the two-pass schedule only: packed against not.
+  constexpr bool host = space::host_accessible;
   using T = float;
   const vector_switch switched(GENERATE(true, false));
   const bool poisoned = GENERATE(false, true);
@@ -232,8 +232,10 @@ TEST_CASE(
               view_of<float, 2>(lse, {s.tq, s.hq}), opt);
   const la::detail::problem pb{s.tq, s.tk, s.hq, s.hkv, s.dk, s.dv, s.causal, s.window.left, s.window.right};
   REQUIRE(la::detail::stripes_of(pb) == 4);
-  auto run = [&](index_t cap, bool accumulate) {
-    const auto l = la::detail::layout_of<float>(pb, true, cap);
+  auto run = [&](index_t cap, bool accumulate, bool pack) {
+    const std::size_t pack_max = pack ? la::detail::packed_query_max_bytes : 0;
+    const auto l = la::detail::layout_of<float>(pb, true, cap, pack_max);
+    REQUIRE(l.packed == pack);
     buffer<T> dq(std::vector<T>(static_cast<std::size_t>(s.tq * s.hq * s.dk), T(0.5))),
         dk(std::vector<T>(static_cast<std::size_t>(s.tk * s.hkv * s.dk), T(0.25))),
         dv(std::vector<T>(static_cast<std::size_t>(s.tk * s.hkv * s.dv), T(-1)));
@@ -244,19 +246,24 @@ TEST_CASE(
         la::detail::coords_of(cv), la::detail::coords_of(cv), view_of<const T, 3>(out, {s.tq, s.hq, s.dv}),
         view_of<const float, 2>(lse, {s.tq, s.hq}), view_of<const T, 3>(dout, {s.tq, s.hq, s.dv}),
         view_of<T, 3>(dq, {s.tq, s.hq, s.dk}), view_of<T, 3>(dk, {s.tk, s.hkv, s.dk}),
-        view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), accumulate, ws.bytes(), cap);
+        view_of<T, 3>(dv, {s.tk, s.hkv, s.dv}), accumulate, ws.bytes(), cap, pack_max);
     loom::fence(b);
     return std::make_pair(l.fused, std::array<std::vector<T>, 3>{dq.to_host(), dk.to_host(), dv.to_host()});
   };
   for (bool accumulate : {false, true}) {
     INFO("accumulate " << accumulate << " poisoned " << poisoned);
-    const auto [fused, a] = run(1, accumulate);
-    const auto [two_pass, z] = run(index_t{1} << 20, accumulate);
-    REQUIRE(fused);
-    REQUIRE(!two_pass);
-    for (int g = 0; g < 3; ++g) {
-      REQUIRE(a[g].size() == z[g].size());
-      CHECK(std::memcmp(a[g].data(), z[g].data(), a[g].size() * sizeof(T)) == 0);
+    const index_t many = index_t{1} << 20;
+    const auto [fused, a] = run(host ? 1 : many, accumulate, true);
+    REQUIRE(fused == host);
+    for (const auto& [cap, pack] : {std::pair{index_t{1}, false}, std::pair{many, true}, std::pair{many, false}}) {
+      if (!host && (cap == 1 || pack)) continue;  // a device: the reference is (many, packed)
+      INFO("cap " << cap << " packed " << pack);
+      const auto [other_fused, z] = run(cap, accumulate, pack);
+      REQUIRE(other_fused == (host && cap == 1));
+      for (int g = 0; g < 3; ++g) {
+        REQUIRE(a[g].size() == z[g].size());
+        CHECK(std::memcmp(a[g].data(), z[g].data(), a[g].size() * sizeof(T)) == 0);
+      }
     }
     if (poisoned) {  // the NaN stays in document 1 (tokens [5, 300)) of every gradient
       const auto outside = [&](const std::vector<T>& x, index_t row, index_t t0, index_t t1) {

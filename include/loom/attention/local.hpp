@@ -187,10 +187,11 @@ inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (ite
 //! slot cap. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
 //! workspace and carves it per call; nothing is allocated.
 struct local_layout {
-  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, next = 0, bytes = 0;
+  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, query = 0, next = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
   index_t heads = 1;                //!< forward: query heads per work item (forward_kernel)
   bool fused = false;               //!< backward: one pass over key tiles that also sums dQ by stripes
+  bool packed = false;              //!< backward: the query side packed once (packed_query)
 };
 
 //! The most query heads a forward work item takes (their tiles and sums, 64 KiB each at d = 128,
@@ -200,8 +201,14 @@ inline constexpr index_t forward_max_heads = 4;
 //! The most bytes of per-stripe dQ sums the fused backward takes; above, the two-pass one runs.
 inline constexpr std::size_t fused_backward_max_bytes = std::size_t{512} << 20;
 
+//! The most bytes of packed query side (packed_query) the backward takes; above, each (key tile,
+//! query tile) pair loads its query and dO tiles from the caller's rows.
+inline constexpr std::size_t packed_query_max_bytes = std::size_t{512} << 20;
+
+//! Buffers of the forward or backward of pb under a slot cap; the backward packs its query side
+//! when that takes at most pack_max bytes (tests lower it to run both forms).
 template <class Acc>
-local_layout layout_of(const problem& pb, bool backward, index_t cap) {
+local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_t pack_max = packed_query_max_bytes) {
   using F = forward_kernel<float, float, float, float, Acc>;
   using KV = backward_kv_kernel<float, float, float, float, float, Acc>;
   using QK = backward_q_kernel<float, float, float, float, float, Acc>;
@@ -232,6 +239,9 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap) {
     l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
     if (l.fused) l.dq_part = w.add<Acc>(part);
+    const index_t packed = packed_query<Acc>::size(pb.tq, pb.hq, pb.dk, pb.dv);
+    l.packed = pb.tk > 0 && pb.tq > 0 && static_cast<double>(packed) * sizeof(Acc) <= static_cast<double>(pack_max);
+    if (l.packed) l.query = w.add<Acc>(packed);
   }
   l.bytes = w.bytes();
   return l;
@@ -349,28 +359,33 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
                     l.heads, pairs, next});
 }
 
-//! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes.
-//! With `accumulate`, the gradients are added to what dq, dk, dv hold (ring attention's sums over
-//! key blocks). No checks, no fence, no allocation.
+//! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes
+//! (layout_of<Acc>(pb, true, cap, pack_max).bytes). With `accumulate`, the gradients are added to
+//! what dq, dk, dv hold (ring attention's sums over key blocks). No checks, no fence, no allocation.
 template <class Acc, backend B, class Q, class K, class V, class O, class L, class DO, class DQ, class DK, class DV>
 void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const token_coords& qc,
                  const token_coords& kc, O out, L lse, DO dout, DQ dq, DK dk, DV dv, bool accumulate,
-                 std::span<std::byte> ws, index_t cap) {
+                 std::span<std::byte> ws, index_t cap, std::size_t pack_max = packed_query_max_bytes) {
   using TQ = typename Q::value_type;
   using TK = typename K::value_type;
   using TV = typename V::value_type;
   using TD = typename DO::value_type;
   using TG = typename DQ::value_type;
-  const local_layout l = layout_of<Acc>(pb, true, cap);
+  const local_layout l = layout_of<Acc>(pb, true, cap, pack_max);
   const workspace_carver w(ws);
   Acc* delta = w.at<Acc>(l.delta);
   if (pb.tq > 0)
     for_each_index(b, pb.tq * pb.hq,
                    delta_kernel<typename O::value_type, TD, Acc>{rows_of(out), rows_of(dout), delta, pb.hq, pb.dv});
   const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, true, true, false);
+  packed_query<Acc> pq{};
+  if (l.packed) {
+    pq = {w.at<Acc>(l.query), w.at<Acc>(l.query) + pb.tq * pb.hq * pb.dk, pb.tq, pb.dk, pb.dv};
+    for_each_index(b, pb.tq * pb.hq, pack_query_kernel<TQ, TD, Acc>{rows_of(q), rows_of(dout), pq, pb.hq, scale});
+  }
   const backward_args<TQ, TK, TV, TD, TG, Acc> args{
       pb,          rows_of(q),  rows_of(k), rows_of(v), rows_of(dout), rows2_of(lse), delta, rows_of(dq),
-      rows_of(dk), rows_of(dv), qc,         kc,         scale,         accumulate,    kv};
+      rows_of(dk), rows_of(dv), qc,         kc,         scale,         accumulate,    kv,    pq};
   // The fused schedule and the striped dQ order exist on host backends only (layout_of never picks
   // fused for a device's unbounded slot cap); device kernels keep the plain order.
   constexpr bool host = backend_traits<B>::memory_space::host_accessible;

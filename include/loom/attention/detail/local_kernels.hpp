@@ -536,6 +536,34 @@ LOOM_HD void store_rows(const rows3<T>& x, index_t r0, index_t n, index_t h, ind
   }
 }
 
+//! The query side of the backward packed once per call, so that no (key tile, query tile) pair
+//! gathers it again from rows hq * dk apart (one page each at 16 heads of 128 floats: a TLB miss a
+//! row): q [hq][tq][dk] times the scale and dout [hq][tq][dv], in the accumulation type. Null q:
+//! not packed (too large for the workspace bound, local.hpp), each pair loads its tiles.
+template <class Acc>
+struct packed_query {
+  Acc *q = nullptr, *dout = nullptr;
+  index_t tq = 0, dk = 0, dv = 0;
+  LOOM_HD const Acc* q_tile(index_t h, index_t q0) const { return q + (h * tq + q0) * dk; }
+  LOOM_HD const Acc* dout_tile(index_t h, index_t q0) const { return dout + (h * tq + q0) * dv; }
+  LOOM_HD static index_t size(index_t tq, index_t hq, index_t dk, index_t dv) { return tq * hq * (dk + dv); }
+};
+
+//! Fills row (t, h) of a packed_query (one item per (t, h)); the same values load_rows gives.
+template <class TQ, class TD, class Acc>
+struct pack_query_kernel {
+  rows3<const TQ> q;
+  rows3<const TD> dout;
+  packed_query<Acc> out;
+  index_t hq;
+  Acc scale;
+  LOOM_HD void operator()(index_t e) const {
+    const index_t t = e / hq, h = e % hq;
+    load_rows(q, t, 1, h, out.dk, scale, out.q + (h * out.tq + t) * out.dk);
+    load_rows(dout, t, 1, h, out.dv, Acc(1), out.dout + (h * out.tq + t) * out.dv);
+  }
+};
+
 //! Common operands of the backward passes.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc>
 struct backward_args {
@@ -551,15 +579,27 @@ struct backward_args {
   Acc scale;
   bool accumulate;      //!< add into dq, dk, dv instead of overwriting them
   prepared_kv<Acc> kv;  //!< kt, vt and kr
+  packed_query<Acc> pq{};
 
-  //! lse and delta of rows [q0, q0 + nq) of head h, and the query and dO tiles.
-  LOOM_HD void load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow, Acc* drow) const {
-    load_rows(q, q0, nq, h, pb.dk, scale, qs);
-    load_rows(dout, q0, nq, h, pb.dv, Acc(1), dos);
+  struct query_tiles {
+    const Acc *q, *dout;  //!< [nq][dk] (times the scale), [nq][dv]
+  };
+  //! lse and delta of rows [q0, q0 + nq) of head h into lrow and drow, and the query and dO tiles:
+  //! pq's where packed, else loaded into qs and dos.
+  LOOM_HD query_tiles load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow,
+                                      Acc* drow) const {
+    query_tiles r{qs, dos};
+    if (pq.q) {
+      r = {pq.q_tile(h, q0), pq.dout_tile(h, q0)};
+    } else {
+      load_rows(q, q0, nq, h, pb.dk, scale, qs);
+      load_rows(dout, q0, nq, h, pb.dv, Acc(1), dos);
+    }
     for (index_t i = 0; i < nq; ++i) {
       lrow[i] = lse.at(q0 + i, h);
       drow[i] = delta[(q0 + i) * pb.hq + h];
     }
+    return r;
   }
 };
 
@@ -587,14 +627,14 @@ LOOM_HD inline index_t stripes_of(const problem& pb) {
 
 //! dK and dV: one item per (key tile, kv head), over every query head of its group and every
 //! query tile. Fused: one item per (stripe, kv head) instead, over the stripe's key tiles in
-//! ascending order, also adding dS K into dq_part[stripe][t][h][:] (zeros before the call), which
+//! ascending order, also adding dS K into dq_part[stripe][h][t][:] (zeros before the call), which
 //! dq_reduce_kernel sums over the stripes.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Fused = false>
 struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
   index_t slots;
-  Acc* dq_part = nullptr;  //!< Fused: [stripes][tq][hq][dk]
+  Acc* dq_part = nullptr;  //!< Fused: [stripes][hq][tq][dk] (a tile's rows contiguous, not a page apart)
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
     return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv + 2 * tile_q;
@@ -616,7 +656,7 @@ struct backward_kv_kernel {
     const problem& pb = a.pb;
     const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k,
+    Acc *qw = w, *dw = qw + tile_q * dk, *s = dw + tile_q * dv, *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k,
         *gv = gk + tile_k * dk, *lrow = gv + tile_k * dv, *drow = lrow + tile_q;
     const Acc *kt = a.kv.kt_tile(hk, k0), *vt = a.kv.vt_tile(hk, k0);
     for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
@@ -629,7 +669,7 @@ struct backward_kv_kernel {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
         const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.left, pb.right);
         if (kind == tile_kind::skip) continue;
-        a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
+        const auto [qs, dos] = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
         backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.ld_t(), lrow, drow, s, dp);
         // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
         const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, q0, k0}};
@@ -643,7 +683,7 @@ struct backward_kv_kernel {
           gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
         if constexpr (Fused)
           dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, a.kv.kr_tile(hk, k0),
-                     dq_part + ((stripe * pb.tq + q0) * pb.hq + h) * dk, pb.hq * dk);
+                     dq_part + ((stripe * pb.hq + h) * pb.tq + q0) * dk, dk);
       }
     store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
     store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
@@ -672,9 +712,9 @@ struct backward_q_kernel {
     const index_t h = item / pb.q_tiles(), qtile = item % pb.q_tiles(), hk = h / pb.group();
     const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qs = w, *dos = qs + tile_q * dk, *s = dos + tile_q * dv, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k,
+    Acc *qw = w, *dw = qw + tile_q * dk, *s = dw + tile_q * dv, *dp = s + tile_q * tile_k, *gq = dp + tile_q * tile_k,
         *part = gq + tile_q * dk, *lrow = part + tile_q * dk, *drow = lrow + tile_q;
-    a.load_query_side(q0, nq, h, qs, dos, lrow, drow);
+    const auto [qs, dos] = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
     const tile_bounds qb = a.qc.bounds(q0, nq);
     const index_t stripes = Striped ? stripes_of(pb) : 1;
     Acc* sum = Striped ? part : gq;  // a stripe's sum
@@ -713,8 +753,9 @@ struct dq_reduce_kernel {
     const index_t t = e / hq, h = e % hq;
     TG* row = dq.at(t, h);
     for (index_t c = 0; c < dk; ++c) {
-      Acc x = dq_part[e * dk + c];
-      for (index_t s = 1; s < stripes; ++s) x = x + dq_part[(s * tq * hq + e) * dk + c];
+      const Acc* part = dq_part + (h * tq + t) * dk + c;  // stripe s at part[s * hq * tq * dk]
+      Acc x = part[0];
+      for (index_t s = 1; s < stripes; ++s) x = x + part[s * hq * tq * dk];
       const Acc val = x * scale;
       row[c] = static_cast<TG>(accumulate ? static_cast<Acc>(row[c]) + val : val);
     }
