@@ -239,8 +239,10 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_
     l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
     if (l.fused) l.dq_part = w.add<Acc>(part);
+    // Host backends only (a device's slot cap is unbounded): its kernels load their tiles.
     const index_t packed = packed_query<Acc>::size(pb.tq, pb.hq, pb.dk, pb.dv);
-    l.packed = pb.tk > 0 && pb.tq > 0 && static_cast<double>(packed) * sizeof(Acc) <= static_cast<double>(pack_max);
+    l.packed = cap < std::numeric_limits<index_t>::max() && pb.tk > 0 && pb.tq > 0 &&
+               static_cast<double>(packed) * sizeof(Acc) <= static_cast<double>(pack_max);
     if (l.packed) l.query = w.add<Acc>(packed);
   }
   l.bytes = w.bytes();

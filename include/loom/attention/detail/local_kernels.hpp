@@ -539,7 +539,8 @@ LOOM_HD void store_rows(const rows3<T>& x, index_t r0, index_t n, index_t h, ind
 //! The query side of the backward packed once per call, so that no (key tile, query tile) pair
 //! gathers it again from rows hq * dk apart (one page each at 16 heads of 128 floats: a TLB miss a
 //! row): q [hq][tq][dk] times the scale and dout [hq][tq][dv], in the accumulation type. Null q:
-//! not packed (too large for the workspace bound, local.hpp), each pair loads its tiles.
+//! not packed (device backends, or too large for the workspace bound, local.hpp), each pair loads
+//! its tiles. Device code never reads it (the branch would only add registers to spilling kernels).
 template <class Acc>
 struct packed_query {
   Acc *q = nullptr, *dout = nullptr;
@@ -589,9 +590,12 @@ struct backward_args {
   LOOM_HD query_tiles load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow,
                                       Acc* drow) const {
     query_tiles r{qs, dos};
+#if !defined(__CUDA_ARCH__)
     if (pq.q) {
       r = {pq.q_tile(h, q0), pq.dout_tile(h, q0)};
-    } else {
+    } else
+#endif
+    {
       load_rows(q, q0, nq, h, pb.dk, scale, qs);
       load_rows(dout, q0, nq, h, pb.dv, Acc(1), dos);
     }
