@@ -1,14 +1,17 @@
 // The blocks a fused (cuDNN-style diagonal band) attention kernel runs per step, derived from
 // shard plans and windows, checked pair by pair against the coordinate mask; the graph keys and
-// the graph cache. Host-only: the mapping, not cuDNN.
+// the graph cache. Host-only: the mapping, not cuDNN. Beside them, the hull the host kernels trim
+// a partial tile pair to (detail/tile.hpp), checked pair by pair against the same mask.
 
 #include <loom/attention/detail/fused_blocks.hpp>
+#include <loom/attention/detail/tile.hpp>
 
 #include <support/errors.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <random>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -297,4 +300,98 @@ TEST_CASE("fused blocks: graph keys, batches and the graph cache", "[attention][
                   std::runtime_error);
   CHECK(cache.get(k3, build)->key == k3);
   CHECK(builds.load() == 3);
+}
+
+namespace {
+struct plain_coords {  // the d(t), p(t) of the kernels' token_coords
+  const std::vector<index_t>& doc;
+  const std::vector<index_t>& pos;
+  index_t d(index_t t) const { return doc[static_cast<std::size_t>(t)]; }
+  index_t p(index_t t) const { return pos[static_cast<std::size_t>(t)]; }
+};
+}  // namespace
+
+TEST_CASE("tile hull: every visible pair of a partial tile pair lies inside its hull", "[attention][tile]") {
+  // Packed documents (contiguous runs, positions from 0) and scattered coordinates (any document,
+  // any position per token), causal or not, with and without windows; tiles of 1, 7, 13 and 64
+  // tokens at every offset. The hull must hold every visible pair; a hull left empty must have
+  // none. Then hand-checked hulls.
+  std::mt19937 rng(2027);
+  const auto hull_holds_every_pair = [](const std::vector<index_t>& qd, const std::vector<index_t>& qp,
+                                        const std::vector<index_t>& kd, const std::vector<index_t>& kp, index_t tile,
+                                        bool causal, index_t left, index_t right) {
+    const plain_coords qc{qd, qp}, kc{kd, kp};
+    const auto tq = static_cast<index_t>(qd.size()), tk = static_cast<index_t>(kd.size());
+    index_t partial = 0;
+    for (index_t q0 = 0; q0 < tq; q0 += tile)
+      for (index_t k0 = 0; k0 < tk; k0 += tile) {
+        const index_t nq = std::min(tile, tq - q0), nk = std::min(tile, tk - k0);
+        const auto qb = ld::bounds_of(qd.data(), 1, qp.data(), 1, q0, nq);
+        const auto kb = ld::bounds_of(kd.data(), 1, kp.data(), 1, k0, nk);
+        if (ld::classify(qb, kb, causal, left, right) != ld::tile_kind::partial) continue;
+        ++partial;
+        const auto h = ld::hull_of(qc, kc, qb, kb, q0, nq, k0, nk, causal, left, right);
+        REQUIRE(h.r0 >= 0);
+        REQUIRE(h.r1 <= nq);
+        REQUIRE(h.c0 >= 0);
+        REQUIRE(h.c1 <= nk);
+        for (index_t i = 0; i < nq; ++i)
+          for (index_t j = 0; j < nk; ++j)
+            if (ld::visible(qc.d(q0 + i), qc.p(q0 + i), kc.d(k0 + j), kc.p(k0 + j), causal, left, right)) {
+              INFO("q0 " << q0 << " k0 " << k0 << " i " << i << " j " << j);
+              REQUIRE(!h.empty());
+              REQUIRE(i >= h.r0);
+              REQUIRE(i < h.r1);
+              REQUIRE(j >= h.c0);
+              REQUIRE(j < h.c1);
+            }
+      }
+    return partial;
+  };
+  index_t partial = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const bool causal = trial % 2 == 0;
+    const index_t left = trial % 3 == 0 ? -1 : static_cast<index_t>(rng() % 40);
+    const index_t right = trial % 5 < 2 ? -1 : static_cast<index_t>(rng() % 40);
+    const index_t tile = std::vector<index_t>{1, 7, 13, 64}[static_cast<std::size_t>(trial % 4)];
+    // Packed: documents of 1 to 150 tokens up to 331 tokens.
+    std::vector<index_t> doc, pos;
+    for (index_t d = 0; static_cast<index_t>(doc.size()) < 331; ++d) {
+      const auto len = std::min<index_t>(1 + static_cast<index_t>(rng() % 150), 331 - static_cast<index_t>(doc.size()));
+      for (index_t t = 0; t < len; ++t) {
+        doc.push_back(d);
+        pos.push_back(t);
+      }
+    }
+    partial += hull_holds_every_pair(doc, pos, doc, pos, tile, causal, left, right);
+    // Scattered: 197 queries and 211 keys of 3 documents, positions 0..99 in any order.
+    std::vector<index_t> qd(197), qp(197), kd(211), kp(211);
+    for (std::size_t t = 0; t < qd.size(); ++t) qd[t] = rng() % 3, qp[t] = rng() % 100;
+    for (std::size_t t = 0; t < kd.size(); ++t) kd[t] = rng() % 3, kp[t] = rng() % 100;
+    partial += hull_holds_every_pair(qd, qp, kd, kp, tile, causal, left, right);
+  }
+  CHECK(partial > 1000);  // the sweep reached many partial pairs
+
+  // Hand-checked: queries 0..7 are document 0 (positions 10..17) then document 1 (0..3) in rows
+  // 8..11; keys of document 0 at positions 0..7. Causal: rows 0..7 only, every key.
+  const std::vector<index_t> qd{0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1}, qp{10, 11, 12, 13, 14, 15, 16, 17, 0, 1, 2, 3};
+  const std::vector<index_t> kd(8, 0), kp{0, 1, 2, 3, 4, 5, 6, 7};
+  const plain_coords qc{qd, qp}, kc{kd, kp};
+  const auto qb = ld::bounds_of(qd.data(), 1, qp.data(), 1, 0, 12),
+             kb = ld::bounds_of(kd.data(), 1, kp.data(), 1, 0, 8);
+  auto h = ld::hull_of(qc, kc, qb, kb, 0, 12, 0, 8, true, -1, -1);
+  CHECK((h.r0 == 0 && h.r1 == 8 && h.c0 == 0 && h.c1 == 8));
+  // Rows 0..7 alone (document 0, positions 10..17) with a window of 9 back: row 7 (17) sees no
+  // key (17 - 7 > 9) and key 0 is seen by no row (10 - 0 > 9).
+  const auto qb0 = ld::bounds_of(qd.data(), 1, qp.data(), 1, 0, 8);
+  REQUIRE(ld::classify(qb0, kb, true, 9, -1) == ld::tile_kind::partial);
+  h = ld::hull_of(qc, kc, qb0, kb, 0, 8, 0, 8, true, 9, -1);
+  CHECK((h.r0 == 0 && h.r1 == 7 && h.c0 == 1 && h.c1 == 8));
+  // Keys of document 1 at positions 5..7 against the same queries, causal: document 1's rows are
+  // at positions 0..3 (< 5), document 0's rows are another document: nothing can be seen.
+  const std::vector<index_t> kd1(3, 1), kp1{5, 6, 7};
+  const plain_coords kc1{kd1, kp1};
+  const auto kb1 = ld::bounds_of(kd1.data(), 1, kp1.data(), 1, 0, 3);
+  h = ld::hull_of(qc, kc1, qb, kb1, 0, 12, 0, 3, true, -1, -1);
+  CHECK(h.empty());
 }

@@ -380,30 +380,52 @@ struct forward_kernel {
     const tile_bounds qb = qc.bounds(q0, nq);
     for (index_t ktile = 0; ktile < pb.k_tiles(); ++ktile) {
       const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
-      const tile_kind kind = classify(qb, kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
+      const tile_bounds kb = kc.bounds(k0, nk);
+      const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       const bool full = kind == tile_kind::full;
+      // Host float products of a partial pair run over its hull only (tile_hull): the rows left
+      // out see no key of the tile (their update would change nothing) and the keys left out are
+      // masked for every row (exact zeros in P, whose terms add nothing to a sum), so the bits
+      // are those of the whole tile. Device code keeps the whole tile (no extra registers).
+      tile_hull hull{0, nq, 0, nk};
+#if !LOOM_IN_DEVICE_CODE
+      if (!full && !by_pairs) {
+        hull = hull_of(qc, kc, qb, kb, q0, nq, k0, nk, pb.causal, pb.left, pb.right);
+        if (hull.empty()) continue;
+      }
+#endif
       // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
       // not multiplied (0 * inf = NaN would cross into another document's rows).
       const bool skip_masked = kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv);
       // The pair products' V of this tile, for every head of the item.
       const std::uint16_t* v_pairs =
           by_pairs ? pair_values(hk, k0, skip_masked, s + tile_q * tile_k + g * head_size) : nullptr;
-      for (index_t u = 0; u < g; ++u) {
-        Acc* acc = acc_of(u);
-        if (by_pairs)
+      if (by_pairs) {
+        for (index_t u = 0; u < g; ++u) {
+          Acc* acc = acc_of(u);
           pair_scores(hk, k0, nq, qs_of(u), s);
-        else
-          gemm<false>(nq, tile_k, dk, qs_of(u), dk, kv.kt_tile(hk, k0), kv.ld_t(), s, tile_k, false);
-        if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
-        softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
-        if (by_pairs)
+          if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
+          softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
           pair_pv(hk, k0, nq, nk, s, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0, k0});
-        else if (skip_masked)
-          gemm_visible<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true,
-                              pair_visible{pb, qc, kc, q0, k0});
+        }
+        continue;
+      }
+      // Rows [r0, r1) of the tile, scores of keys [c0, c1) (apply_mask writes -inf over the
+      // others without reading them: they are masked), P V over those keys.
+      const index_t r0 = hull.r0, nr = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+      Acc* sr = s + r0 * tile_k;
+      for (index_t u = 0; u < g; ++u) {
+        Acc* acc = acc_of(u) + r0 * dv;
+        gemm<false>(nr, full || LOOM_IN_DEVICE_CODE ? tile_k : nc, dk, qs_of(u) + r0 * dk, dk, kv.kt_tile(hk, k0) + c0,
+                    kv.ld_t(), sr + c0, tile_k, false);
+        if (!full) apply_mask(pb, qc, kc, q0 + r0, nr, k0, nk, sr);  // visible scores made finite or NaN
+        softmax_update(nr, nk, full, sr, m_of(u) + r0, l_of(u) + r0, acc, dv);
+        if (skip_masked)
+          gemm_visible<false>(nr, dv, nc, sr + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true,
+                              pair_visible{pb, qc, kc, q0 + r0, k0 + c0});
         else
-          gemm<false>(nq, dv, nk, s, tile_k, kv.vr_tile(hk, k0), dv, acc, dv, true);
+          gemm<false>(nr, dv, nc, sr + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true);
       }
     }
     for (index_t u = 0; u < g; ++u)

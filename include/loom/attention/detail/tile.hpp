@@ -217,6 +217,36 @@ LOOM_HD inline tile_kind classify(const tile_bounds& q, const tile_bounds& k, bo
   return tile_kind::partial;
 }
 
+//! The rows [r0, r1) and keys [c0, c1) of a partial (query tile, key tile) pair outside which
+//! nothing is visible, from each token's coordinates against the other tile's bounds (necessary
+//! conditions of `visible`, so the hull may hold masked pairs, never drops a visible one): a
+//! query tile straddling two documents against a key tile of one of them keeps that document's
+//! rows. Empty (r0 == r1 or c0 == c1) when no pair can be visible.
+struct tile_hull {
+  index_t r0, r1, c0, c1;
+  LOOM_HD bool empty() const { return r0 >= r1 || c0 >= c1; }
+};
+template <class Coords>
+LOOM_HD tile_hull hull_of(const Coords& qc, const Coords& kc, const tile_bounds& qb, const tile_bounds& kb, index_t q0,
+                          index_t nq, index_t k0, index_t nk, bool causal, index_t left, index_t right) {
+  const auto row_may_see = [&](index_t i) {
+    const index_t d = qc.d(q0 + i), p = qc.p(q0 + i);
+    return d >= kb.doc_min && d <= kb.doc_max && (!causal || p >= kb.pos_min) && (left < 0 || p - kb.pos_max <= left) &&
+           (right < 0 || kb.pos_min - p <= right);
+  };
+  const auto key_may_be_seen = [&](index_t j) {
+    const index_t d = kc.d(k0 + j), p = kc.p(k0 + j);
+    return d >= qb.doc_min && d <= qb.doc_max && (!causal || p <= qb.pos_max) && (left < 0 || qb.pos_min - p <= left) &&
+           (right < 0 || p - qb.pos_max <= right);
+  };
+  tile_hull h{0, nq, 0, nk};
+  while (h.r0 < h.r1 && !row_may_see(h.r0)) ++h.r0;
+  while (h.r1 > h.r0 && !row_may_see(h.r1 - 1)) --h.r1;
+  while (h.c0 < h.c1 && !key_may_be_seen(h.c0)) ++h.c0;
+  while (h.c1 > h.c0 && !key_may_be_seen(h.c1 - 1)) --h.c1;
+  return h;
+}
+
 //! Whether query (qd, qp) sees key (kd, kp): same document, j <= i when causal, and
 //! i - left <= j <= i + right (-1: unbounded).
 LOOM_HD inline bool visible(index_t qd, index_t qp, index_t kd, index_t kp, bool causal, index_t left, index_t right) {
