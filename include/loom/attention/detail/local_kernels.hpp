@@ -516,15 +516,17 @@ struct delta_kernel {
 //! P = exp(S - lse) (masked) into s and dS = P (dP - delta) into dp. Masked entries are selected
 //! as exact zeros, whatever dP holds there (a non-finite v or dout of another document). A lse of
 //! +inf or NaN gives NaN, and one too small for the scores overflows to +inf: a stale lse shows.
+//! The products run over columns [c0, c0 + ns) only (a partial pair's hull, tile_hull): the
+//! columns outside are masked, and apply_mask writes them without reading them.
 template <class Acc>
 LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const token_coords& kc, tile_kind kind,
-                             index_t q0, index_t nq, index_t k0, index_t nk, const Acc* qs, const Acc* kt,
-                             const Acc* dos, const Acc* vt, index_t ld, const Acc* lse_rows, const Acc* delta_rows,
-                             Acc* s, Acc* dp) {
-  gemm<false>(nq, tile_k, pb.dk, qs, pb.dk, kt, ld, s, tile_k, false);
+                             index_t q0, index_t nq, index_t k0, index_t nk, index_t c0, index_t ns, const Acc* qs,
+                             const Acc* kt, const Acc* dos, const Acc* vt, index_t ld, const Acc* lse_rows,
+                             const Acc* delta_rows, Acc* s, Acc* dp) {
+  gemm<false>(nq, ns, pb.dk, qs, pb.dk, kt + c0, ld, s + c0, tile_k, false);
   const bool full = kind == tile_kind::full;
   if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
-  gemm<false>(nq, tile_k, pb.dv, dos, pb.dv, vt, ld, dp, tile_k, false);
+  gemm<false>(nq, ns, pb.dv, dos, pb.dv, vt + c0, ld, dp + c0, tile_k, false);
   for (index_t i = 0; i < nq; ++i) {
     Acc* srow = s + i * tile_k;
     Acc* drow = dp + i * tile_k;
@@ -629,6 +631,26 @@ struct backward_args {
   }
 };
 
+//! The hull a backward pass runs a (query tile, key tile) pair over: a partial pair's (tile_hull)
+//! on host backends, the whole pair in device code (no extra registers in kernels that spill).
+//! Rows and keys outside a hull add exact zeros to every sum, so the bits do not depend on it.
+template <class Args>
+LOOM_HD tile_hull hull_on_host(const Args& a, tile_kind kind, const tile_bounds& qb, const tile_bounds& kb, index_t q0,
+                               index_t nq, index_t k0, index_t nk) {
+#if !LOOM_IN_DEVICE_CODE
+  if (kind == tile_kind::partial)
+    return hull_of(a.qc, a.kc, qb, kb, q0, nq, k0, nk, a.pb.causal, a.pb.left, a.pb.right);
+#else
+  (void)a, (void)kind, (void)qb, (void)kb, (void)q0, (void)k0;
+#endif
+  return tile_hull{0, nq, 0, nk};
+}
+//! Columns of the score products over a hull of nc keys: nc on host backends' partial pairs,
+//! else the whole tile (as the device kernels always ran them).
+LOOM_HD inline index_t score_columns(tile_kind kind, index_t nc) {
+  return kind == tile_kind::partial && !LOOM_IN_DEVICE_CODE ? nc : tile_k;
+}
+
 //! dQ += dS K for one (query tile, key tile) pair into rows of stride ldq; masked entries of dS
 //! are skipped where K is not finite. Both schedules call it, so their products agree bit for bit.
 template <class Acc>
@@ -693,23 +715,29 @@ struct backward_kv_kernel {
     for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
-        const tile_kind kind = classify(a.qc.bounds(q0, nq), kb, pb.causal, pb.left, pb.right);
+        const tile_bounds qb = a.qc.bounds(q0, nq);
+        const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
         if (kind == tile_kind::skip) continue;
-        const auto [qs, dos] = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
-        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, kt, dos, vt, a.kv.ld_t(), lrow, drow, s, dp);
+        // Rows [qa, qa + na) and keys [k0 + c0, k0 + c0 + nc) of the pair: its hull (host).
+        const tile_hull hull = hull_on_host(a, kind, qb, kb, q0, nq, k0, nk);
+        if (hull.empty()) continue;
+        const index_t qa = q0 + hull.r0, na = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+        const auto [qs, dos] = a.load_query_side(qa, na, h, qw, dw, lrow, drow);
+        backward_scores(pb, a.qc, a.kc, kind, qa, na, k0, nk, c0, score_columns(kind, nc), qs, kt, dos, vt, a.kv.ld_t(),
+                        lrow, drow, s, dp);
         // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
-        const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, q0, k0}};
-        if (kind == tile_kind::partial && !all_finite(dos, nq, dv, dv))
-          gemm_visible<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true, vis);
+        const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, qa, k0 + c0}};
+        if (kind == tile_kind::partial && !all_finite(dos, na, dv, dv))
+          gemm_visible<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true, vis);
         else
-          gemm<true>(nk, dv, nq, s, tile_k, dos, dv, gv, dv, true);  // dV += Pᵀ dO
-        if (kind == tile_kind::partial && !all_finite(qs, nq, dk, dk))
-          gemm_visible<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true, vis);
+          gemm<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true);  // dV += Pᵀ dO
+        if (kind == tile_kind::partial && !all_finite(qs, na, dk, dk))
+          gemm_visible<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true, vis);
         else
-          gemm<true>(nk, dk, nq, dp, tile_k, qs, dk, gk, dk, true);  // dK += dSᵀ (scale Q)
+          gemm<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true);  // dK += dSᵀ (scale Q)
         if constexpr (Fused)
-          dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, a.kv.kr_tile(hk, k0),
-                     dq_part + ((stripe * pb.hq + h) * pb.tq + q0) * dk, dk);
+          dq_product(pb, a.qc, a.kc, kind, k_finite, qa, na, k0 + c0, nc, dp + c0, a.kv.kr_tile(hk, k0) + c0 * dk,
+                     dq_part + ((stripe * pb.hq + h) * pb.tq + qa) * dk, dk);
       }
     store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
     store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
@@ -751,13 +779,18 @@ struct backward_q_kernel {
         for (index_t e = 0; e < tile_q * dk; ++e) part[e] = Acc(0);
       for (index_t ktile = stripe; ktile < pb.k_tiles(); ktile += stripes) {
         const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
-        const tile_kind kind = classify(qb, a.kc.bounds(k0, nk), pb.causal, pb.left, pb.right);
+        const tile_bounds kb = a.kc.bounds(k0, nk);
+        const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
         if (kind == tile_kind::skip) continue;
-        backward_scores(pb, a.qc, a.kc, kind, q0, nq, k0, nk, qs, a.kv.kt_tile(hk, k0), dos, a.kv.vt_tile(hk, k0),
-                        a.kv.ld_t(), lrow, drow, s, dp);
+        const tile_hull hull = hull_on_host(a, kind, qb, kb, q0, nq, k0, nk);
+        if (hull.empty()) continue;
+        const index_t r0 = hull.r0, na = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+        backward_scores(pb, a.qc, a.kc, kind, q0 + r0, na, k0, nk, c0, score_columns(kind, nc), qs + r0 * dk,
+                        a.kv.kt_tile(hk, k0), dos + r0 * dv, a.kv.vt_tile(hk, k0), a.kv.ld_t(), lrow + r0, drow + r0, s,
+                        dp);
         const Acc* kr = a.kv.kr_tile(hk, k0);
         const bool k_finite = kind != tile_kind::partial || all_finite(kr, nk, dk, dk);
-        dq_product(pb, a.qc, a.kc, kind, k_finite, q0, nq, k0, nk, dp, kr, sum, dk);
+        dq_product(pb, a.qc, a.kc, kind, k_finite, q0 + r0, na, k0 + c0, nc, dp + c0, kr + c0 * dk, sum + r0 * dk, dk);
       }
       if constexpr (Striped)
         for (index_t e = 0; e < nq * dk; ++e) gq[e] = stripe == 0 ? part[e] : gq[e] + part[e];
