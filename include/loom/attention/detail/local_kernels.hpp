@@ -98,21 +98,24 @@ struct prepare_kv_kernel {
   prepared_kv<Acc> out;
   LOOM_HD void operator()(index_t item) const {
     const index_t hk = item / pb.k_tiles(), k0 = (item % pb.k_tiles()) * tile_k;
-    const index_t p = out.tk_pad;
     for (index_t j = 0; j < tile_k; ++j) {
       const index_t t = k0 + j;
-      const bool in = t < pb.tk;
-      for (index_t c = 0; c < pb.dk; ++c) {
-        const Acc x = in ? static_cast<Acc>(k.at(t, hk)[c]) : Acc(0);
-        if (out.kt) out.kt[out.t_at(hk, c, t, pb.dk)] = x;
-        if (out.kr) out.kr[(hk * p + t) * pb.dk + c] = x;
-      }
-      for (index_t c = 0; c < pb.dv; ++c) {
-        const Acc x = in ? static_cast<Acc>(v.at(t, hk)[c]) : Acc(0);
-        if (out.vt) out.vt[out.t_at(hk, c, t, pb.dv)] = x;
-        if (out.vr) out.vr[(hk * p + t) * pb.dv + c] = x;
-      }
+      const TK* krow = t < pb.tk ? k.at(t, hk) : nullptr;
+      const TV* vrow = t < pb.tk ? v.at(t, hk) : nullptr;
+      // Element (c, t) of a transposed layout sits at t_at(hk, c, t, d) = t_at(hk, 0, t, d) + c * tile_k.
+      if (out.kt) fill_row(krow, pb.dk, out.kt + out.t_at(hk, 0, t, pb.dk), tile_k);
+      if (out.kr) fill_row(krow, pb.dk, out.kr + (hk * out.tk_pad + t) * pb.dk, 1);
+      if (out.vt) fill_row(vrow, pb.dv, out.vt + out.t_at(hk, 0, t, pb.dv), tile_k);
+      if (out.vr) fill_row(vrow, pb.dv, out.vr + (hk * out.tk_pad + t) * pb.dv, 1);
     }
+  }
+  //! dst[c * stride] = row[c] in the accumulation type for c < d; zeros for a padding key (null row).
+  template <class T>
+  LOOM_HD static void fill_row(const T* row, index_t d, Acc* dst, index_t stride) {
+    if (row)
+      for (index_t c = 0; c < d; ++c) dst[c * stride] = static_cast<Acc>(row[c]);
+    else
+      for (index_t c = 0; c < d; ++c) dst[c * stride] = Acc(0);
   }
 };
 
