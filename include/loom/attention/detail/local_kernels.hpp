@@ -387,13 +387,13 @@ struct forward_kernel {
       const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       const bool full = kind == tile_kind::full;
-      // Host float products of a partial pair run over its hull only (tile_hull): the rows left
+      // Host products (float and bfloat16 pairs) of a partial pair run over its hull only: the rows left
       // out see no key of the tile (their update would change nothing) and the keys left out are
       // masked for every row (exact zeros in P, whose terms add nothing to a sum), so the bits
       // are those of the whole tile. Device code keeps the whole tile (no extra registers).
       tile_hull hull{0, nq, 0, nk};
 #if !LOOM_IN_DEVICE_CODE
-      if (!full && !by_pairs) {
+      if (!full) {
         hull = hull_of(qc, kc, qb, kb, q0, nq, k0, nk, pb.causal, pb.left, pb.right);
         if (hull.empty()) continue;
       }
@@ -404,27 +404,22 @@ struct forward_kernel {
       // The pair products' V of this tile, for every head of the item.
       const std::uint16_t* v_pairs =
           by_pairs ? pair_values(hk, k0, skip_masked, s + tile_q * tile_k + g * head_size) : nullptr;
-      if (by_pairs) {
-        for (index_t u = 0; u < g; ++u) {
-          Acc* acc = acc_of(u);
-          pair_scores(hk, k0, nq, qs_of(u), s);
-          if (!full) apply_mask(pb, qc, kc, q0, nq, k0, nk, s);  // visible scores made finite or NaN
-          softmax_update(nq, nk, full, s, m_of(u), l_of(u), acc, dv);
-          pair_pv(hk, k0, nq, nk, s, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0, k0});
-        }
-        continue;
-      }
-      // Rows [r0, r1) of the tile, scores of keys [c0, c1) (apply_mask writes -inf over the
-      // others without reading them: they are masked), P V over those keys.
+      // Rows [r0, r0 + nr) of the tile, scores of keys [c0, c0 + nc) (apply_mask writes -inf over
+      // the others without reading them: they are masked), P V over those keys.
       const index_t r0 = hull.r0, nr = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+      const index_t ns = full || LOOM_IN_DEVICE_CODE ? tile_k : nc;  // score columns from c0
       Acc* sr = s + r0 * tile_k;
       for (index_t u = 0; u < g; ++u) {
         Acc* acc = acc_of(u) + r0 * dv;
-        gemm<false>(nr, full || LOOM_IN_DEVICE_CODE ? tile_k : nc, dk, qs_of(u) + r0 * dk, dk, kv.kt_tile(hk, k0) + c0,
-                    kv.ld_t(), sr + c0, tile_k, false);
+        if (by_pairs)
+          pair_scores(hk, k0, nr, c0, ns, qs_of(u), r0, sr);
+        else
+          gemm<false>(nr, ns, dk, qs_of(u) + r0 * dk, dk, kv.kt_tile(hk, k0) + c0, kv.ld_t(), sr + c0, tile_k, false);
         if (!full) apply_mask(pb, qc, kc, q0 + r0, nr, k0, nk, sr);  // visible scores made finite or NaN
         softmax_update(nr, nk, full, sr, m_of(u) + r0, l_of(u) + r0, acc, dv);
-        if (skip_masked)
+        if (by_pairs)
+          pair_pv(hk, k0, nr, nk, c0, c0 + nc, sr, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0 + r0, k0});
+        else if (skip_masked)
           gemm_visible<false>(nr, dv, nc, sr + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true,
                               pair_visible{pb, qc, kc, q0 + r0, k0 + c0});
         else
@@ -450,13 +445,16 @@ struct forward_kernel {
       }
     }
   }
-  LOOM_HD void pair_scores(index_t hk, index_t k0, index_t nq, const Acc* qs, Acc* s) const {
+  //! Scores of rows [r0, r0 + nq) of the query tile qs (row r0 written at s) against keys
+  //! [c0, c0 + ns) of the tile (written from s + c0).
+  LOOM_HD void pair_scores(index_t hk, index_t k0, index_t nq, index_t c0, index_t ns, const Acc* qs, index_t r0,
+                           Acc* s) const {
 #if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (pair_types)
-      loom::detail::x86::gemm_bf16(nq, tile_k, pb.dk / 2, reinterpret_cast<const std::uint16_t*>(qs), pb.dk,
-                                   pairs.kt_tile(hk, k0), 2 * tile_k, s, tile_k, false, scale);
+      loom::detail::x86::gemm_bf16(nq, ns, pb.dk / 2, reinterpret_cast<const std::uint16_t*>(qs) + r0 * pb.dk, pb.dk,
+                                   pairs.kt_tile(hk, k0) + 2 * c0, 2 * tile_k, s + c0, tile_k, false, scale);
 #else
-    (void)hk, (void)k0, (void)nq, (void)qs, (void)s;
+    (void)hk, (void)k0, (void)nq, (void)c0, (void)ns, (void)qs, (void)r0, (void)s;
 #endif
   }
   //! The pair products' V of key tile k0: the prepared pairs, or with `not_finite` (a partial tile
@@ -469,17 +467,19 @@ struct forward_kernel {
     return clean;
   }
   LOOM_HD static bool bf16_finite(std::uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; }
-  //! acc += bfloat16(P) v_pairs over the tile's nk keys. With `skip_masked`, v_pairs has V's
+  //! acc += bfloat16(P) v_pairs over the key pairs holding keys [c0, c1) (the keys outside are
+  //! masked: their P is 0) of the tile's nk. With `skip_masked`, v_pairs has V's
   //! non-finite values made zeros (pair_values), which adds exact zeros where P is 0, as the clean
   //! tile does (so other documents' rows keep their bits); then P V is added for each non-finite
   //! value of V to the rows that see its key (those rows are not finite either way).
-  LOOM_HD void pair_pv(index_t hk, index_t k0, index_t nq, index_t nk, Acc* s, Acc* acc, const std::uint16_t* v_pairs,
-                       bool skip_masked, const pair_visible& visible) const {
+  LOOM_HD void pair_pv(index_t hk, index_t k0, index_t nq, index_t nk, index_t c0, index_t c1, Acc* s, Acc* acc,
+                       const std::uint16_t* v_pairs, bool skip_masked, const pair_visible& visible) const {
 #if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (pair_types) {
-      const index_t dv = pb.dv;
+      const index_t dv = pb.dv, p0 = c0 / 2;
       const std::uint16_t* p = x86::probs_to_bf16<tile_k>(s, nq);  // past nk: exact zeros, as V's padding
-      loom::detail::x86::gemm_bf16(nq, dv, (nk + 1) / 2, p, tile_k, v_pairs, 2 * dv, acc, dv, true);
+      loom::detail::x86::gemm_bf16(nq, dv, (c1 + 1) / 2 - p0, p + 2 * p0, tile_k, v_pairs + p0 * 2 * dv, 2 * dv, acc,
+                                   dv, true);
       if (!skip_masked) return;
       const std::uint16_t* v2 = pairs.vr_tile(hk, k0);
       for (index_t j = 0; j < nk; ++j)
@@ -493,7 +493,8 @@ struct forward_kernel {
         }
     }
 #else
-    (void)hk, (void)k0, (void)nq, (void)nk, (void)s, (void)acc, (void)v_pairs, (void)skip_masked, (void)visible;
+    (void)hk, (void)k0, (void)nq, (void)nk, (void)c0, (void)c1, (void)s, (void)acc, (void)v_pairs, (void)skip_masked,
+        (void)visible;
 #endif
   }
 };
