@@ -376,15 +376,16 @@ void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const 
   const local_layout l = layout_of<Acc>(pb, true, cap, pack_max);
   const workspace_carver w(ws);
   Acc* delta = w.at<Acc>(l.delta);
-  if (pb.tq > 0)
-    for_each_index(b, pb.tq * pb.hq,
-                   delta_kernel<typename O::value_type, TD, Acc>{rows_of(out), rows_of(dout), delta, pb.hq, pb.dv});
-  const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, true, true, false);
+  using TO = typename O::value_type;
+  const delta_kernel<TO, TD, Acc> deltas{rows_of(out), rows_of(dout), delta, pb.hq, pb.dv};
   packed_query<Acc> pq{};
-  if (l.packed) {
+  if (l.packed) {  // the packing items compute delta too
     pq = {w.at<Acc>(l.query), w.at<Acc>(l.query) + pb.tq * pb.hq * pb.dk, pb.tq, pb.dk, pb.dv};
-    for_each_index(b, pb.tq * pb.hq, pack_query_kernel<TQ, TD, Acc>{rows_of(q), rows_of(dout), pq, pb.hq, scale});
+    for_each_index(b, pb.tq * pb.hq, pack_query_kernel<TQ, TO, TD, Acc>{rows_of(q), rows_of(dout), pq, deltas, scale});
+  } else if (pb.tq > 0) {
+    for_each_index(b, pb.tq * pb.hq, deltas);
   }
+  const prepared_kv<Acc> kv = prepare(b, pb, k, v, w.at<Acc>(l.kv), true, true, true, false);
   const backward_args<TQ, TK, TV, TD, TG, Acc> args{
       pb,          rows_of(q),  rows_of(k), rows_of(v), rows_of(dout), rows2_of(lse), delta, rows_of(dq),
       rows_of(dk), rows_of(dv), qc,         kc,         scale,         accumulate,    kv,    pq};

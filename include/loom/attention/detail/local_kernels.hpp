@@ -272,6 +272,28 @@ LOOM_HD Acc finish_row(Acc m, Acc l, const Acc* acc, index_t dv, TO* out) {
   return any ? m + static_cast<Acc>(std::log(l)) : neg_inf<Acc>();
 }
 
+//! The hull the forward and both backward passes run a (query tile, key tile) pair over: a partial
+//! pair's (tile_hull) on host backends, the whole pair in device code (no extra registers in
+//! kernels that spill). Rows left out see no key of the tile and keys left out are masked for every
+//! row: they add exact zeros to every sum, so the bits do not depend on the hull. `a` holds the
+//! problem and the coordinates (pb, qc, kc).
+template <class Args>
+LOOM_HD tile_hull hull_on_host(const Args& a, tile_kind kind, const tile_bounds& qb, const tile_bounds& kb, index_t q0,
+                               index_t nq, index_t k0, index_t nk) {
+#if !LOOM_IN_DEVICE_CODE
+  if (kind == tile_kind::partial)
+    return hull_of(a.qc, a.kc, qb, kb, q0, nq, k0, nk, a.pb.causal, a.pb.left, a.pb.right);
+#else
+  (void)a, (void)kind, (void)qb, (void)kb, (void)q0, (void)k0;
+#endif
+  return tile_hull{0, nq, 0, nk};
+}
+//! Columns of the score products over a hull of nc keys: nc on host backends' partial pairs,
+//! else the whole tile (as the device kernels always ran them).
+LOOM_HD inline index_t score_columns(tile_kind kind, index_t nc) {
+  return kind == tile_kind::partial && !LOOM_IN_DEVICE_CODE ? nc : tile_k;
+}
+
 //! Whether query q0 + i sees key k0 + l, for gemm_visible.
 struct pair_visible {
   const problem& pb;
@@ -387,17 +409,8 @@ struct forward_kernel {
       const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
       if (kind == tile_kind::skip) continue;
       const bool full = kind == tile_kind::full;
-      // Host products (float and bfloat16 pairs) of a partial pair run over its hull only: the rows left
-      // out see no key of the tile (their update would change nothing) and the keys left out are
-      // masked for every row (exact zeros in P, whose terms add nothing to a sum), so the bits
-      // are those of the whole tile. Device code keeps the whole tile (no extra registers).
-      tile_hull hull{0, nq, 0, nk};
-#if !LOOM_IN_DEVICE_CODE
-      if (!full) {
-        hull = hull_of(qc, kc, qb, kb, q0, nq, k0, nk, pb.causal, pb.left, pb.right);
-        if (hull.empty()) continue;
-      }
-#endif
+      const tile_hull hull = hull_on_host(*this, kind, qb, kb, q0, nq, k0, nk);  // float and pair products
+      if (!LOOM_IN_DEVICE_CODE && hull.empty()) continue;                        // (a device's never is)
       // A masked probability is an exact 0; with a non-finite v in the tile it must be skipped,
       // not multiplied (0 * inf = NaN would cross into another document's rows).
       const bool skip_masked = kind == tile_kind::partial && !all_finite(kv.vr_tile(hk, k0), nk, dv, dv);
@@ -407,7 +420,7 @@ struct forward_kernel {
       // Rows [r0, r0 + nr) of the tile, scores of keys [c0, c0 + nc) (apply_mask writes -inf over
       // the others without reading them: they are masked), P V over those keys.
       const index_t r0 = hull.r0, nr = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
-      const index_t ns = full || LOOM_IN_DEVICE_CODE ? tile_k : nc;  // score columns from c0
+      const index_t ns = score_columns(kind, nc);  // score columns from c0
       Acc* sr = s + r0 * tile_k;
       for (index_t u = 0; u < g; ++u) {
         Acc* acc = acc_of(u) + r0 * dv;
@@ -578,18 +591,20 @@ struct packed_query {
   LOOM_HD static index_t size(index_t tq, index_t hq, index_t dk, index_t dv) { return tq * hq * (dk + dv); }
 };
 
-//! Fills row (t, h) of a packed_query (one item per (t, h)); the same values load_rows gives.
-template <class TQ, class TD, class Acc>
+//! Fills row (t, h) of a packed_query (one item per (t, h)); the same values load_rows gives. The
+//! item also computes that row's delta (delta_kernel), while its dO row is in the cache.
+template <class TQ, class TO, class TD, class Acc>
 struct pack_query_kernel {
   rows3<const TQ> q;
   rows3<const TD> dout;
   packed_query<Acc> out;
-  index_t hq;
+  delta_kernel<TO, TD, Acc> delta;
   Acc scale;
   LOOM_HD void operator()(index_t e) const {
-    const index_t t = e / hq, h = e % hq;
+    const index_t t = e / delta.hq, h = e % delta.hq;
     load_rows(q, t, 1, h, out.dk, scale, out.q + (h * out.tq + t) * out.dk);
     load_rows(dout, t, 1, h, out.dv, Acc(1), out.dout + (h * out.tq + t) * out.dv);
+    delta(e);
   }
 };
 
@@ -618,7 +633,7 @@ struct backward_args {
   LOOM_HD query_tiles load_query_side(index_t q0, index_t nq, index_t h, Acc* qs, Acc* dos, Acc* lrow,
                                       Acc* drow) const {
     query_tiles r{qs, dos};
-#if !defined(__CUDA_ARCH__)
+#if !LOOM_IN_DEVICE_CODE
     if (pq.q) {
       r = {pq.q_tile(h, q0), pq.dout_tile(h, q0)};
     } else
@@ -634,26 +649,6 @@ struct backward_args {
     return r;
   }
 };
-
-//! The hull a backward pass runs a (query tile, key tile) pair over: a partial pair's (tile_hull)
-//! on host backends, the whole pair in device code (no extra registers in kernels that spill).
-//! Rows and keys outside a hull add exact zeros to every sum, so the bits do not depend on it.
-template <class Args>
-LOOM_HD tile_hull hull_on_host(const Args& a, tile_kind kind, const tile_bounds& qb, const tile_bounds& kb, index_t q0,
-                               index_t nq, index_t k0, index_t nk) {
-#if !LOOM_IN_DEVICE_CODE
-  if (kind == tile_kind::partial)
-    return hull_of(a.qc, a.kc, qb, kb, q0, nq, k0, nk, a.pb.causal, a.pb.left, a.pb.right);
-#else
-  (void)a, (void)kind, (void)qb, (void)kb, (void)q0, (void)k0;
-#endif
-  return tile_hull{0, nq, 0, nk};
-}
-//! Columns of the score products over a hull of nc keys: nc on host backends' partial pairs,
-//! else the whole tile (as the device kernels always ran them).
-LOOM_HD inline index_t score_columns(tile_kind kind, index_t nc) {
-  return kind == tile_kind::partial && !LOOM_IN_DEVICE_CODE ? nc : tile_k;
-}
 
 //! dQ += dS K for one (query tile, key tile) pair into rows of stride ldq; masked entries of dS
 //! are skipped where K is not finite. Both schedules call it, so their products agree bit for bit.
