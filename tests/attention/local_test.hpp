@@ -675,8 +675,8 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
     CHECK(vbad == 0);
   }
   // The 16-lane softmax rows (AVX-512) give the 8-lane ones' bits: max, probabilities and sum,
-  // with and without the full-row poisoning, every nk; the finite check and the rescale on odd
-  // lengths, a non-finite value at every position.
+  // with and without the full-row poisoning, every nk, and the backward's rows of P and dS; the
+  // finite check and the rescale on odd lengths, a non-finite value at every position.
   if (loom::detail::x86::avx512_cpu() && loom::detail::x86::avx2_cpu()) {
     namespace ax = la::detail::x86;
     constexpr index_t w = la::detail::tile_k;
@@ -699,6 +699,19 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
         mismatches += la::detail::float_to_bits(s8) != la::detail::float_to_bits(s16);
         for (std::size_t j = 0; j < r8.size(); ++j)
           mismatches += la::detail::float_to_bits(r8[j]) != la::detail::float_to_bits(r16[j]);
+        // The backward's probability and score-gradient row: against a finite lse, a NaN one
+        // (the caller's stand-in for +inf) and one too small for the scores (overflow to +inf).
+        std::vector<float> dp(w);
+        for (auto& x : dp) x = static_cast<float>(values(g));
+        if (trial % 5 == 4) dp[static_cast<std::size_t>(trial * 11) % w] = inf;
+        const float lse = trial % 7 == 3 ? std::numeric_limits<float>::quiet_NaN() : trial % 7 == 5 ? -95.0f : m8 + 1.5f;
+        std::vector<float> p8(row), p16(row), d8(dp), d16(dp);
+        ax::backward_row(p8.data(), d8.data(), w, nk, full, lse, 0.375f);
+        ax::backward_row16(p16.data(), d16.data(), w, nk, full, lse, 0.375f);
+        for (std::size_t j = 0; j < p8.size(); ++j) {
+          mismatches += la::detail::float_to_bits(p8[j]) != la::detail::float_to_bits(p16[j]);
+          mismatches += la::detail::float_to_bits(d8[j]) != la::detail::float_to_bits(d16[j]);
+        }
       }
     }
     CHECK(mismatches == 0);

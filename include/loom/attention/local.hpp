@@ -211,6 +211,7 @@ template <class Acc>
 local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_t pack_max = packed_query_max_bytes) {
   using F = forward_kernel<float, float, float, float, Acc>;
   using KV = backward_kv_kernel<float, float, float, float, float, Acc>;
+  using KVF = backward_kv_kernel<float, float, float, float, float, Acc, true>;
   using QK = backward_q_kernel<float, float, float, float, float, Acc>;
   local_layout l;
   workspace_layout w;
@@ -236,7 +237,8 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_
     l.slots = slots_for(cap, pb.q_tiles() * pb.hq);
     l.kv_slots = slots_for(cap, (l.fused ? stripes : pb.k_tiles()) * pb.hkv);
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, true, true, false));
-    l.scratch = w.add<Acc>(std::max(l.kv_slots * KV::scratch(pb.dk, pb.dv), l.slots * QK::scratch(pb.dk, pb.dv)));
+    const index_t kv_scratch = l.fused ? KVF::scratch(pb.dk, pb.dv) : KV::scratch(pb.dk, pb.dv);
+    l.scratch = w.add<Acc>(std::max(l.kv_slots * kv_scratch, l.slots * QK::scratch(pb.dk, pb.dv)));
     l.delta = w.add<Acc>(pb.tq * pb.hq);
     if (l.fused) l.dq_part = w.add<Acc>(part);
     // Host backends only (a device's slot cap is unbounded): its kernels load their tiles.

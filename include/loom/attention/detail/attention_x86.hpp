@@ -335,6 +335,25 @@ LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bo
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
+//! backward_row in 16 lanes (the same operations lane for lane, so the same bits).
+LOOM_X86_AVX512 inline void backward_row16(float* srow, float* drow, index_t width, index_t nk, bool full, float lse,
+                                           float delta) {
+  const __m512 l = _mm512_set1_ps(lse), dl = _mm512_set1_ps(delta), nan = _mm512_set1_ps(__builtin_nanf(""));
+  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (index_t j = 0; j < width; j += 16) {
+    const __m512 s = _mm512_loadu_ps(srow + j);
+    __mmask16 seen = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(nk - j)), lane);
+    if (!full) seen &= _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_UQ);
+    const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(s, s), _mm512_setzero_ps(), _CMP_EQ_OQ),
+                                          nan, s);  // finite_or_nan
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, l)));
+    const __m512 ds = _mm512_maskz_mov_ps(seen, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + j), dl)));
+    _mm512_storeu_ps(srow + j, p);
+    _mm512_storeu_ps(drow + j, ds);
+  }
+}
+
 //! Whether row[0, n) holds only finite values (tile.hpp's all_finite of one row), 16 lanes a step.
 LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
   const __m512i ones = _mm512_set1_epi32(0x7f800000);

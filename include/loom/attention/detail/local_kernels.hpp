@@ -552,7 +552,10 @@ LOOM_HD void backward_scores(const problem& pb, const token_coords& qc, const to
 #if defined(LOOM_ATTENTION_X86_TILES)
     if constexpr (std::is_same_v<Acc, float>)
       if (loom::detail::x86::avx2_available()) {
-        x86::backward_row(srow, drow, tile_k, nk, full, lse, delta);
+        if (loom::detail::x86::avx512_available())
+          x86::backward_row16(srow, drow, tile_k, nk, full, lse, delta);
+        else
+          x86::backward_row(srow, drow, tile_k, nk, full, lse, delta);
         continue;
       }
 #endif
@@ -675,7 +678,12 @@ LOOM_HD inline index_t stripes_of(const problem& pb) {
 //! dK and dV: one item per (key tile, kv head), over every query head of its group and every
 //! query tile. Fused: one item per (stripe, kv head) instead, over the stripe's key tiles in
 //! ascending order, also adding dS K into dq_part[stripe][h][t][:] (zeros before the call), which
-//! dq_reduce_kernel sums over the stripes.
+//! dq_reduce_kernel sums over the stripes. A fused item takes its key tiles kv_group at a time:
+//! their dK and dV sums held together, each query and dO tile read once for the group and each
+//! dq_part tile read and written once (the query side of a kv head is megabytes, streamed from
+//! memory once per visit: a visit per key tile cost the products 8-10 % of their rate, measured).
+//! Every sum still takes its terms in the same order (a dq_part row its key tiles ascending, a
+//! key tile's dK and dV their query heads and tiles ascending), so the bits do not change.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Fused = false>
 struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
@@ -683,8 +691,9 @@ struct backward_kv_kernel {
   index_t slots;
   Acc* dq_part = nullptr;  //!< Fused: [stripes][hq][tq][dk] (a tile's rows contiguous, not a page apart)
 
+  static constexpr index_t kv_group = Fused ? 3 : 1;
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
-    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + tile_k * dk + tile_k * dv + 2 * tile_q;
+    return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + kv_group * (tile_k * dk + tile_k * dv) + 2 * tile_q;
   }
   LOOM_HD index_t items() const { return (Fused ? stripes_of(a.pb) : a.pb.k_tiles()) * a.pb.hkv; }
   LOOM_HD void operator()(index_t slot) const {
@@ -693,53 +702,68 @@ struct backward_kv_kernel {
   }
   LOOM_HD void run(index_t item, Acc* w) const {
     if constexpr (!Fused) {
-      key_tile(item / a.pb.k_tiles(), item % a.pb.k_tiles(), w, 0);
+      key_tiles(item / a.pb.k_tiles(), item % a.pb.k_tiles(), 1, 1, w, 0);
     } else {
-      const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes;
-      for (index_t ktile = stripe; ktile < a.pb.k_tiles(); ktile += stripes) key_tile(hk, ktile, w, stripe);
+      const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes, tiles = a.pb.k_tiles();
+      for (index_t ktile = stripe; ktile < tiles; ktile += stripes * kv_group) {
+        const index_t left = (tiles - ktile + stripes - 1) / stripes;
+        key_tiles(hk, ktile, left < kv_group ? left : kv_group, stripes, w, stripe);
+      }
     }
   }
-  LOOM_HD void key_tile(index_t hk, index_t ktile, Acc* w, index_t stripe) const {
+  //! Key tiles first, first + step, ... (count of them, at most kv_group) of kv head hk.
+  LOOM_HD void key_tiles(index_t hk, index_t first, index_t count, index_t step, Acc* w, index_t stripe) const {
     const problem& pb = a.pb;
-    const index_t k0 = ktile * tile_k, nk = pb.tk - k0 < tile_k ? pb.tk - k0 : tile_k;
     const index_t dk = pb.dk, dv = pb.dv;
-    Acc *qw = w, *dw = qw + tile_q * dk, *s = dw + tile_q * dv, *dp = s + tile_q * tile_k, *gk = dp + tile_q * tile_k,
-        *gv = gk + tile_k * dk, *lrow = gv + tile_k * dv, *drow = lrow + tile_q;
-    const Acc *kt = a.kv.kt_tile(hk, k0), *vt = a.kv.vt_tile(hk, k0);
-    for (index_t e = 0; e < tile_k * dk; ++e) gk[e] = Acc(0);
-    for (index_t e = 0; e < tile_k * dv; ++e) gv[e] = Acc(0);
-    const tile_bounds kb = a.kc.bounds(k0, nk);
-    bool k_finite = true;
-    if constexpr (Fused) k_finite = all_finite(a.kv.kr_tile(hk, k0), nk, dk, dk);
+    Acc *qw = w, *dw = qw + tile_q * dk, *s = dw + tile_q * dv, *dp = s + tile_q * tile_k, *gk0 = dp + tile_q * tile_k,
+        *gv0 = gk0 + kv_group * tile_k * dk, *lrow = gv0 + kv_group * tile_k * dv, *drow = lrow + tile_q;
+    index_t k0[kv_group], nk[kv_group];
+    tile_bounds kb[kv_group];
+    bool k_finite[kv_group];
+    for (index_t u = 0; u < count; ++u) {
+      k0[u] = (first + u * step) * tile_k;
+      nk[u] = pb.tk - k0[u] < tile_k ? pb.tk - k0[u] : tile_k;
+      kb[u] = a.kc.bounds(k0[u], nk[u]);
+      k_finite[u] = true;
+      if constexpr (Fused) k_finite[u] = all_finite(a.kv.kr_tile(hk, k0[u]), nk[u], dk, dk);
+    }
+    for (index_t e = 0; e < count * tile_k * dk; ++e) gk0[e] = Acc(0);
+    for (index_t e = 0; e < count * tile_k * dv; ++e) gv0[e] = Acc(0);
     for (index_t h = hk * pb.group(); h < (hk + 1) * pb.group(); ++h)
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
         const tile_bounds qb = a.qc.bounds(q0, nq);
-        const tile_kind kind = classify(qb, kb, pb.causal, pb.left, pb.right);
-        if (kind == tile_kind::skip) continue;
-        // Rows [qa, qa + na) and keys [k0 + c0, k0 + c0 + nc) of the pair: its hull (host).
-        const tile_hull hull = hull_on_host(a, kind, qb, kb, q0, nq, k0, nk);
-        if (hull.empty()) continue;
-        const index_t qa = q0 + hull.r0, na = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
-        const auto [qs, dos] = a.load_query_side(qa, na, h, qw, dw, lrow, drow);
-        backward_scores(pb, a.qc, a.kc, kind, qa, na, k0, nk, c0, score_columns(kind, nc), qs, kt, dos, vt, a.kv.ld_t(),
-                        lrow, drow, s, dp);
-        // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
-        const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, qa, k0 + c0}};
-        if (kind == tile_kind::partial && !all_finite(dos, na, dv, dv))
-          gemm_visible<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true, vis);
-        else
-          gemm<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true);  // dV += Pᵀ dO
-        if (kind == tile_kind::partial && !all_finite(qs, na, dk, dk))
-          gemm_visible<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true, vis);
-        else
-          gemm<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true);  // dK += dSᵀ (scale Q)
-        if constexpr (Fused)
-          dq_product(pb, a.qc, a.kc, kind, k_finite, qa, na, k0 + c0, nc, dp + c0, a.kv.kr_tile(hk, k0) + c0 * dk,
-                     dq_part + ((stripe * pb.hq + h) * pb.tq + qa) * dk, dk);
+        for (index_t u = 0; u < count; ++u) {
+          const tile_kind kind = classify(qb, kb[u], pb.causal, pb.left, pb.right);
+          if (kind == tile_kind::skip) continue;
+          // Rows [qa, qa + na) and keys [k0 + c0, k0 + c0 + nc) of the pair: its hull (host).
+          const tile_hull hull = hull_on_host(a, kind, qb, kb[u], q0, nq, k0[u], nk[u]);
+          if (hull.empty()) continue;
+          const index_t qa = q0 + hull.r0, na = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+          const Acc *kt = a.kv.kt_tile(hk, k0[u]), *vt = a.kv.vt_tile(hk, k0[u]);
+          Acc *gk = gk0 + u * tile_k * dk, *gv = gv0 + u * tile_k * dv;
+          const auto [qs, dos] = a.load_query_side(qa, na, h, qw, dw, lrow, drow);
+          backward_scores(pb, a.qc, a.kc, kind, qa, na, k0[u], nk[u], c0, score_columns(kind, nc), qs, kt, dos, vt,
+                          a.kv.ld_t(), lrow, drow, s, dp);
+          // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
+          const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, qa, k0[u] + c0}};
+          if (kind == tile_kind::partial && !all_finite(dos, na, dv, dv))
+            gemm_visible<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true, vis);
+          else
+            gemm<true>(nc, dv, na, s + c0, tile_k, dos, dv, gv + c0 * dv, dv, true);  // dV += Pᵀ dO
+          if (kind == tile_kind::partial && !all_finite(qs, na, dk, dk))
+            gemm_visible<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true, vis);
+          else
+            gemm<true>(nc, dk, na, dp + c0, tile_k, qs, dk, gk + c0 * dk, dk, true);  // dK += dSᵀ (scale Q)
+          if constexpr (Fused)
+            dq_product(pb, a.qc, a.kc, kind, k_finite[u], qa, na, k0[u] + c0, nc, dp + c0,
+                       a.kv.kr_tile(hk, k0[u]) + c0 * dk, dq_part + ((stripe * pb.hq + h) * pb.tq + qa) * dk, dk);
+        }
       }
-    store_rows(a.dk, k0, nk, hk, dk, gk, Acc(1), a.accumulate);
-    store_rows(a.dv, k0, nk, hk, dv, gv, Acc(1), a.accumulate);
+    for (index_t u = 0; u < count; ++u) {
+      store_rows(a.dk, k0[u], nk[u], hk, dk, gk0 + u * tile_k * dk, Acc(1), a.accumulate);
+      store_rows(a.dv, k0[u], nk[u], hk, dv, gv0 + u * tile_k * dv, Acc(1), a.accumulate);
+    }
   }
 };
 
