@@ -345,8 +345,8 @@ LOOM_X86_AVX512 inline void backward_row16(float* srow, float* drow, index_t wid
     const __m512 s = _mm512_loadu_ps(srow + j);
     __mmask16 seen = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(nk - j)), lane);
     if (!full) seen &= _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_UQ);
-    const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(s, s), _mm512_setzero_ps(), _CMP_EQ_OQ),
-                                          nan, s);  // finite_or_nan
+    const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(s, s), _mm512_setzero_ps(), _CMP_EQ_OQ), nan,
+                                          s);  // finite_or_nan
     const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, l)));
     const __m512 ds = _mm512_maskz_mov_ps(seen, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + j), dl)));
     _mm512_storeu_ps(srow + j, p);
