@@ -700,13 +700,14 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
         for (std::size_t j = 0; j < r8.size(); ++j)
           mismatches += la::detail::float_to_bits(r8[j]) != la::detail::float_to_bits(r16[j]);
         // The backward's probability and score-gradient row: against a finite lse, a NaN one
-        // (the caller's stand-in for +inf) and one too small for the scores (overflow to +inf).
+        // (the caller's stand-in for +inf, which it never passes) and one too small for the
+        // scores (overflow to +inf).
         std::vector<float> dp(w);
         for (auto& x : dp) x = static_cast<float>(values(g));
         if (trial % 5 == 4) dp[static_cast<std::size_t>(trial * 11) % w] = inf;
         const float lse = trial % 7 == 3   ? std::numeric_limits<float>::quiet_NaN()
                           : trial % 7 == 5 ? -95.0f
-                                           : m8 + 1.5f;
+                                           : (std::isfinite(m8) ? m8 : 30.0f) + 1.5f;
         std::vector<float> p8(row), p16(row), d8(dp), d16(dp);
         ax::backward_row(p8.data(), d8.data(), w, nk, full, lse, 0.375f);
         ax::backward_row16(p16.data(), d16.data(), w, nk, full, lse, 0.375f);

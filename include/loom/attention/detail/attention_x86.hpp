@@ -314,18 +314,24 @@ LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), hi, _mm512_setzero_ps());
 }
 
+//! finite_or_nan8 and lanes_below in 16 lanes.
+LOOM_X86_AVX512 inline __m512 finite_or_nan16(__m512 x) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ),
+                              _mm512_set1_ps(__builtin_nanf("")), x);
+}
+LOOM_X86_AVX512 inline __mmask16 lanes_below16(index_t j0, index_t n) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(n - j0)), lane);
+}
+
 LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bool full, float mx) {
   const __m512 m = _mm512_set1_ps(mx);
-  const __m512 nan = _mm512_set1_ps(__builtin_nanf(""));
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m256 sum = _mm256_setzero_ps();
   for (index_t j = 0; j < width; j += 16) {
     __m512 x = _mm512_loadu_ps(row + j);
-    if (full)  // finite_or_nan: NaN where x - x is not 0
-      x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ), nan, x);
+    if (full) x = finite_or_nan16(x);
     __m512 e = exp16(_mm512_sub_ps(x, m));
-    if (full)  // entries j >= nk are 0
-      e = _mm512_maskz_mov_ps(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(nk - j)), lane), e);
+    if (full) e = _mm512_maskz_mov_ps(lanes_below16(j, nk), e);  // entries j >= nk are 0
     _mm512_storeu_ps(row + j, e);
     sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
     sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
@@ -338,16 +344,12 @@ LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bo
 //! backward_row in 16 lanes (the same operations lane for lane, so the same bits).
 LOOM_X86_AVX512 inline void backward_row16(float* srow, float* drow, index_t width, index_t nk, bool full, float lse,
                                            float delta) {
-  const __m512 l = _mm512_set1_ps(lse), dl = _mm512_set1_ps(delta), nan = _mm512_set1_ps(__builtin_nanf(""));
-  const __m512 ninf = _mm512_set1_ps(-__builtin_inff());
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 l = _mm512_set1_ps(lse), dl = _mm512_set1_ps(delta), ninf = _mm512_set1_ps(-__builtin_inff());
   for (index_t j = 0; j < width; j += 16) {
     const __m512 s = _mm512_loadu_ps(srow + j);
-    __mmask16 seen = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(nk - j)), lane);
+    __mmask16 seen = lanes_below16(j, nk);
     if (!full) seen &= _mm512_cmp_ps_mask(s, ninf, _CMP_NEQ_UQ);
-    const __m512 x = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_sub_ps(s, s), _mm512_setzero_ps(), _CMP_EQ_OQ), nan,
-                                          s);  // finite_or_nan
-    const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, l)));
+    const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(finite_or_nan16(s), l)));
     const __m512 ds = _mm512_maskz_mov_ps(seen, _mm512_mul_ps(p, _mm512_sub_ps(_mm512_loadu_ps(drow + j), dl)));
     _mm512_storeu_ps(srow + j, p);
     _mm512_storeu_ps(drow + j, ds);

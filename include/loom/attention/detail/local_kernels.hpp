@@ -702,22 +702,24 @@ struct backward_kv_kernel {
   }
   LOOM_HD void run(index_t item, Acc* w) const {
     if constexpr (!Fused) {
-      key_tiles(item / a.pb.k_tiles(), item % a.pb.k_tiles(), 1, 1, w, 0);
+      key_tiles(item / a.pb.k_tiles(), item % a.pb.k_tiles(), 1, 1, w);
     } else {
       const index_t stripes = stripes_of(a.pb), hk = item / stripes, stripe = item % stripes, tiles = a.pb.k_tiles();
       for (index_t ktile = stripe; ktile < tiles; ktile += stripes * kv_group) {
         const index_t left = (tiles - ktile + stripes - 1) / stripes;
-        key_tiles(hk, ktile, left < kv_group ? left : kv_group, stripes, w, stripe);
+        key_tiles(hk, ktile, left < kv_group ? left : kv_group, stripes, w);
       }
     }
   }
-  //! Key tiles first, first + step, ... (count of them, at most kv_group) of kv head hk.
-  LOOM_HD void key_tiles(index_t hk, index_t first, index_t count, index_t step, Acc* w, index_t stripe) const {
+  //! Key tiles first, first + step, ... (count of them, at most kv_group; fused: all in the stripe
+  //! of `first`) of kv head hk.
+  LOOM_HD void key_tiles(index_t hk, index_t first, index_t count, index_t step, Acc* w) const {
     const problem& pb = a.pb;
+    const index_t stripe = Fused ? first % stripes_of(pb) : 0;
     const index_t dk = pb.dk, dv = pb.dv;
     Acc *qw = w, *dw = qw + tile_q * dk, *s = dw + tile_q * dv, *dp = s + tile_q * tile_k, *gk0 = dp + tile_q * tile_k,
         *gv0 = gk0 + kv_group * tile_k * dk, *lrow = gv0 + kv_group * tile_k * dv, *drow = lrow + tile_q;
-    index_t k0[kv_group], nk[kv_group];
+    index_t k0[kv_group] = {}, nk[kv_group] = {};
     tile_bounds kb[kv_group];
     bool k_finite[kv_group];
     for (index_t u = 0; u < count; ++u) {
@@ -733,18 +735,22 @@ struct backward_kv_kernel {
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
         const tile_bounds qb = a.qc.bounds(q0, nq);
+        // The query side of the tile, loaded (or found packed) at its first pair that runs, once
+        // for the group; each pair takes the rows of its hull from it.
+        typename backward_args<TQ, TK, TV, TD, TG, Acc>::query_tiles side{};
         for (index_t u = 0; u < count; ++u) {
           const tile_kind kind = classify(qb, kb[u], pb.causal, pb.left, pb.right);
           if (kind == tile_kind::skip) continue;
           // Rows [qa, qa + na) and keys [k0 + c0, k0 + c0 + nc) of the pair: its hull (host).
           const tile_hull hull = hull_on_host(a, kind, qb, kb[u], q0, nq, k0[u], nk[u]);
           if (hull.empty()) continue;
-          const index_t qa = q0 + hull.r0, na = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
+          const index_t r0 = hull.r0, qa = q0 + r0, na = hull.r1 - r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
           const Acc *kt = a.kv.kt_tile(hk, k0[u]), *vt = a.kv.vt_tile(hk, k0[u]);
           Acc *gk = gk0 + u * tile_k * dk, *gv = gv0 + u * tile_k * dv;
-          const auto [qs, dos] = a.load_query_side(qa, na, h, qw, dw, lrow, drow);
+          if (!side.q) side = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
+          const Acc *qs = side.q + r0 * dk, *dos = side.dout + r0 * dv;
           backward_scores(pb, a.qc, a.kc, kind, qa, na, k0[u], nk[u], c0, score_columns(kind, nc), qs, kt, dos, vt,
-                          a.kv.ld_t(), lrow, drow, s, dp);
+                          a.kv.ld_t(), lrow + r0, drow + r0, s, dp);
           // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
           const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, qa, k0[u] + c0}};
           if (kind == tile_kind::partial && !all_finite(dos, na, dv, dv))
