@@ -680,8 +680,9 @@ LOOM_HD inline index_t stripes_of(const problem& pb) {
 //! ascending order, also adding dS K into dq_part[stripe][h][t][:] (zeros before the call), which
 //! dq_reduce_kernel sums over the stripes. A fused item takes its key tiles kv_group at a time:
 //! their dK and dV sums held together, each query and dO tile read once for the group and each
-//! dq_part tile read and written once (the query side of a kv head is megabytes, streamed from
-//! memory once per visit: a visit per key tile cost the products 8-10 % of their rate, measured).
+//! dq_part tile visited once (in cache for the group's products; the query side of a kv head is
+//! megabytes, streamed from memory once per visit: a visit per key tile cost the products 8-10 %
+//! of their rate, measured).
 //! Every sum still takes its terms in the same order (a dq_part row its key tiles ascending, a
 //! key tile's dK and dV their query heads and tiles ascending), so the bits do not change.
 template <class TQ, class TK, class TV, class TD, class TG, class Acc, bool Fused = false>
@@ -735,8 +736,9 @@ struct backward_kv_kernel {
       for (index_t qtile = 0; qtile < pb.q_tiles(); ++qtile) {
         const index_t q0 = qtile * tile_q, nq = pb.tq - q0 < tile_q ? pb.tq - q0 : tile_q;
         const tile_bounds qb = a.qc.bounds(q0, nq);
-        // The query side of the tile, loaded (or found packed) at its first pair that runs, once
-        // for the group; each pair takes the rows of its hull from it.
+        // Fused: the query side of the whole tile, loaded (or found packed) at its first pair that
+        // runs, once for the group; each pair takes the rows of its hull from it. One key tile
+        // (the two-pass kernel, device code): the hull's rows alone.
         typename backward_args<TQ, TK, TV, TD, TG, Acc>::query_tiles side{};
         for (index_t u = 0; u < count; ++u) {
           const tile_kind kind = classify(qb, kb[u], pb.causal, pb.left, pb.right);
@@ -747,10 +749,16 @@ struct backward_kv_kernel {
           const index_t r0 = hull.r0, qa = q0 + r0, na = hull.r1 - r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
           const Acc *kt = a.kv.kt_tile(hk, k0[u]), *vt = a.kv.vt_tile(hk, k0[u]);
           Acc *gk = gk0 + u * tile_k * dk, *gv = gv0 + u * tile_k * dv;
-          if (!side.q) side = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
-          const Acc *qs = side.q + r0 * dk, *dos = side.dout + r0 * dv;
+          index_t rs = r0;  // the pair's first row in `side`
+          if constexpr (Fused) {
+            if (!side.q) side = a.load_query_side(q0, nq, h, qw, dw, lrow, drow);
+          } else {
+            side = a.load_query_side(qa, na, h, qw, dw, lrow, drow);
+            rs = 0;
+          }
+          const Acc *qs = side.q + rs * dk, *dos = side.dout + rs * dv;
           backward_scores(pb, a.qc, a.kc, kind, qa, na, k0[u], nk[u], c0, score_columns(kind, nc), qs, kt, dos, vt,
-                          a.kv.ld_t(), lrow + r0, drow + r0, s, dp);
+                          a.kv.ld_t(), lrow + rs, drow + rs, s, dp);
           // Masked entries of P and dS are exact zeros: skip them where dO or Q is not finite.
           const pair_visible_by_key vis{pair_visible{pb, a.qc, a.kc, qa, k0[u] + c0}};
           if (kind == tile_kind::partial && !all_finite(dos, na, dv, dv))
