@@ -221,8 +221,12 @@ TEST_CASE(
   using T = float;
   const vector_switch switched(GENERATE(true, false));
   const bool poisoned = GENERATE(false, true);
-  const std::vector<index_t> cu{0, 5, 300, 301, 557};  // 557 tokens: 9 key tiles, 4 stripes
-  lt::attn_shape s{557, 557, 6, 2, 40, 24, true, {200, 0}};
+  // 557 tokens: 9 key tiles in 4 stripes, groups of 3, 2, 2 and 2 key tiles; 1031 tokens: 17 key
+  // tiles, groups of 4 and 1 in stripe 0 and of 4 in the others (kv_group = 4).
+  const index_t n = GENERATE(index_t{557}, index_t{1031});
+  const std::vector<index_t> cu =
+      n == 557 ? std::vector<index_t>{0, 5, 300, 301, 557} : std::vector<index_t>{0, 5, 300, 301, 557, 1031};
+  lt::attn_shape s{n, n, 6, 2, 40, 24, true, {200, 0}};
   auto in = make_inputs<T>(s, 140);
   if (poisoned) in.k[(10 * s.hkv + 1) * s.dk + 3] = std::numeric_limits<double>::quiet_NaN();  // document 1
   const auto c = lt::packed(cu);

@@ -692,7 +692,7 @@ struct backward_kv_kernel {
   index_t slots;
   Acc* dq_part = nullptr;  //!< Fused: [stripes][hq][tq][dk] (a tile's rows contiguous, not a page apart)
 
-  static constexpr index_t kv_group = Fused ? 3 : 1;
+  static constexpr index_t kv_group = Fused ? 4 : 1;
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
     return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + kv_group * (tile_k * dk + tile_k * dv) + 2 * tile_q;
   }
