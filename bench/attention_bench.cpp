@@ -89,6 +89,14 @@ double pairs(index_t n, bool causal) {
                 : static_cast<double>(n) * static_cast<double>(n);
 }
 
+// call() once untimed (the workspace's pages are touched once, as the peer rows' warm-up call
+// does), then in the timed loop.
+template <class F>
+void timed(benchmark::State& state, const F& call) {
+  call();
+  for (auto _ : state) call();
+}
+
 void set_flops(benchmark::State& state, double flops) {
   state.counters["GFLOP/s"] =
       benchmark::Counter(flops * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
@@ -125,8 +133,7 @@ void loom_forward(benchmark::State& state) {
     la::forward(b, plan, d.c(d.q), d.c(d.k), d.c(d.v), d.m(d.out),
                 loom::tensor_view<float, 2>(d.lse.data(), {d.n, heads}), ws.span());
   };
-  fwd();  // untimed: the workspace's pages are touched once, as the peer rows' warm-up call does
-  for (auto _ : state) fwd();
+  timed(state, fwd);
   set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));
 }
 
@@ -148,8 +155,7 @@ void loom_backward(benchmark::State& state) {
                  loom::tensor_view<const float, 2>(d.lse.data(), {d.n, heads}), d.c(d.dout), d.m(d.dq), d.m(d.dk),
                  d.m(d.dv), ws.span());
   };
-  bwd();  // untimed, as loom_forward's first call
-  for (auto _ : state) bwd();
+  timed(state, bwd);
   set_flops(state, 4.0 * dim * heads * pairs(d.n, causal));  // the forward's count: time ratios read directly
 }
 
@@ -343,14 +349,11 @@ void gqa(benchmark::State& state) {
                  loom::tensor_view<float, 3>(d.dk.data(), {t, D::hkv, dim}),
                  loom::tensor_view<float, 3>(d.dv.data(), {t, D::hkv, dim}), ws.span());
   };
-  // One untimed call first, as the peer rows have (the workspace's pages are touched once).
-  fwd();
-  if (backward) bwd();
-  for (auto _ : state) {
-    if (backward)
-      bwd();
-    else
-      fwd();
+  if (backward) {
+    fwd();  // the lse the backward reads
+    timed(state, bwd);
+  } else {
+    timed(state, fwd);
   }
   double visible = 0;
   for (std::size_t i = 0; i + 1 < cu.size(); ++i) visible += pairs(cu[i + 1] - cu[i], true);
@@ -380,8 +383,7 @@ void gqa_bf16(benchmark::State& state) {
                 loom::tensor_view<loom::bfloat16, 3>(out.data(), {t, D::hq, dim}),
                 loom::tensor_view<float, 2>(lse.data(), {t, D::hq}), ws.span());
   };
-  fwd();  // untimed, as attention.gqa's first call
-  for (auto _ : state) fwd();
+  timed(state, fwd);
   double visible = 0;
   for (std::size_t i = 0; i + 1 < cu.size(); ++i) visible += pairs(cu[i + 1] - cu[i], true);
   set_flops(state, 4.0 * dim * D::hq * visible);
@@ -456,8 +458,7 @@ void decode(benchmark::State& state) {
                 loom::tensor_view<float, 3>(d.out.data(), {D::seqs, D::hq, dim}),
                 loom::tensor_view<float, 2>(d.lse.data(), {D::seqs, D::hq}), ws.span());
   };
-  fwd();  // untimed, as loom_forward's first call
-  for (auto _ : state) fwd();
+  timed(state, fwd);
   const double kv_bytes = 2.0 * static_cast<double>(d.k.size()) * sizeof(float);
   state.counters["GB/s"] =
       benchmark::Counter(kv_bytes * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
