@@ -10,9 +10,13 @@
 // contention.newton/busy:b       rnn::forward of para_gru<float>, T = 262144, d = 8 (full Newton)
 // contention.attention/busy:b    local attention forward, fp32, T = 2048, 8 heads, d = 64, causal
 // contention.spmm/busy:b         bitmap spmm, M = K = 4096, N = 16, 90 % zeros
+// contention.linear_attention/busy:b  chunked linear attention forward, fp32, fixed decay,
+//                                 T = 16384, 8 heads, dk = dv = 64, chunk 64, one document
+// contention.linear_attention_backward/busy:b  its backward (dq, dk, dv; no final state)
 
 #include <loom/attention/local.hpp>
 #include <loom/backend/openmp.hpp>
+#include <loom/linear_attention/chunked.hpp>
 #include <loom/rnn/newton.hpp>
 #include <loom/scan/recurrence.hpp>
 #include <loom/scan/scan.hpp>
@@ -156,6 +160,35 @@ void spmm(benchmark::State& state) {
   });
 }
 
+// Chunked linear attention, forward (backward = false) or backward, on its own plan and workspace.
+void linear_attention_of(benchmark::State& state, bool backward) {
+  namespace la = loom::linear_attention;
+  const index_t t = 16384, heads = 8, dim = 64;
+  const auto q = random_vector(static_cast<std::size_t>(t * heads * dim), 11);
+  const auto k = random_vector(q.size(), 12), v = random_vector(q.size(), 13), d_o = random_vector(q.size(), 14);
+  std::vector<float> log_gate(static_cast<std::size_t>(heads), -0.01f), out(q.size()), dq(q.size()), dk(q.size()),
+      dv(q.size());
+  const auto plan = la::make_plan(two_threads, loom::segments<>{}, {.tokens = t, .heads = heads, .dk = dim, .dv = dim},
+                                  {.chunk = 64});
+  const loom::workspace_buffer ws(backward ? plan.backward_workspace_bytes() : plan.forward_workspace_bytes());
+  using view = loom::tensor_view<const float, 3>;
+  using out_view = loom::tensor_view<float, 3>;
+  const la::operands x{view(q.data(), {t, heads, dim}), view(k.data(), {t, heads, dim}),
+                       view(v.data(), {t, heads, dim})};
+  const la::fixed_decay<float> gate{loom::tensor_view<const float, 1>(log_gate.data(), {heads})};
+  const la::gradients g{out_view(dq.data(), {t, heads, dim}), out_view(dk.data(), {t, heads, dim}),
+                        out_view(dv.data(), {t, heads, dim})};
+  timed(state, [&] {
+    if (backward)
+      la::backward(two_threads, plan, gate, x, view(d_o.data(), {t, heads, dim}), {}, g, ws.span());
+    else
+      la::forward(two_threads, plan, gate, x, out_view(out.data(), {t, heads, dim}), {}, ws.span());
+  });
+}
+
+void linear_attention(benchmark::State& state) { linear_attention_of(state, false); }
+void linear_attention_backward(benchmark::State& state) { linear_attention_of(state, true); }
+
 void busy_args(benchmark::internal::Benchmark* bm) {
   bm->ArgNames({"busy"})->Arg(0)->Arg(1)->UseRealTime()->Unit(benchmark::kMillisecond);
 }
@@ -168,3 +201,5 @@ BENCHMARK(short_recurrence)->Name("contention.short_recurrence")->Apply(busy_arg
 BENCHMARK(newton)->Name("contention.newton")->Apply(busy_args);
 BENCHMARK(attention)->Name("contention.attention")->Apply(busy_args);
 BENCHMARK(spmm)->Name("contention.spmm")->Apply(busy_args);
+BENCHMARK(linear_attention)->Name("contention.linear_attention")->Apply(busy_args);
+BENCHMARK(linear_attention_backward)->Name("contention.linear_attention_backward")->Apply(busy_args);

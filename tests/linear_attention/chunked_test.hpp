@@ -67,7 +67,7 @@ struct run_result {
 //! Runs loom's chunked forward (and backward when d_o is non-empty) on the backend under test.
 template <class P>
 run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o = {},
-               const std::vector<double>& dfin = {}) {
+               const std::vector<double>& dfin = {}, la::options opt = {}) {
   const docs_of offsets(p.cu, chunk % 2 == 0);  // int64 offsets for even chunks, int32 for odd
   using S = typename P::storage_type;
   using A = typename P::accum_type;
@@ -80,7 +80,8 @@ run_result run(const problem& p, index_t chunk, const std::vector<double>& d_o =
                            mk(static_cast<const S*>(k.data()), {T, H, p.dk}),
                            mk(static_cast<const S*>(v.data()), {T, H, p.dv})};
   if (!p.init.empty()) x.initial_state = mk(static_cast<const A*>(init.data()), {docs, H, p.dk, p.dv});
-  const la::options opt{.chunk = chunk, .scale = p.scale};
+  opt.chunk = chunk;
+  opt.scale = p.scale;
   const auto fin_v = mk(fin.data(), {docs, H, p.dk, p.dv});
   const auto o_v = mk(o.data(), {T, H, p.dv});
   auto with_gating = [&](auto&& f) {
@@ -255,6 +256,32 @@ TEST_CASE("linear_attention::forward: the fused and the chunk-parallel paths giv
         REQUIRE(got.fin == ref.fin);
       }
     check_forward<loom::fp32>(p, chunk, std::string(name(mode)) + " paths");
+  }
+}
+
+TEST_CASE("linear_attention: forward and backward give the same bits with one lane or many (items in any order)",
+          "[linear_attention][lanes]" LOOM_BACKEND_TAG) {
+  // Host backends hand the items to the lanes from a shared counter, so which lane runs an item and
+  // in what order changes from call to call; one lane runs every item in order.
+  const auto mode = GENERATE(gating::fixed, gating::scalar);
+  const index_t T = 389, H = 5;
+  const auto p = loom::test::la::make_problem(T, H, 8, 4, mode, loom::test::la::random_docs(T, 4, 13), true, 41);
+  const auto d_o = loom::test::uniform<double>(T * H * 4, -1, 1, 79);
+  const auto dfin = loom::test::uniform<double>(p.docs() * H * 8 * 4, -1, 1, 80);
+  for (bool fused : {false, true}) {
+    const auto one = run<loom::fp32>(p, 16, d_o, dfin, {.lanes = 1, .fused = fused});
+    for (index_t lanes : {index_t{2}, index_t{7}, index_t{64}})
+      for (int call = 0; call < 2; ++call) {
+        INFO(name(mode) << " fused=" << fused << " lanes=" << lanes << " call " << call);
+        const auto got = run<loom::fp32>(p, 16, d_o, dfin, {.lanes = lanes, .fused = fused});
+        REQUIRE(got.o == one.o);
+        REQUIRE(got.fin == one.fin);
+        REQUIRE(got.dq == one.dq);
+        REQUIRE(got.dk == one.dk);
+        REQUIRE(got.dv == one.dv);
+        REQUIRE(got.dinit == one.dinit);
+        REQUIRE(got.dlg == one.dlg);
+      }
   }
 }
 

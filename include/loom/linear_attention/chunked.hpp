@@ -23,8 +23,10 @@
 //! contribution; (2) per (document, head) the sequential pass over the chunk states; (3) per
 //! (chunk, head) the output, intra-chunk masked product plus the inter-chunk term. Work:
 //! O(T H (C (dk + dv) + dk dv)); workspace O(chunks H dk dv) plus per-lane scratch.
-//! Deterministic: for a fixed backend and inputs the bits never change (no atomics; each output
-//! element is computed by one fixed loop order, independent of the thread count).
+//! Deterministic: for a fixed backend and inputs the bits never change (no atomic sums; each output
+//! element is computed by one fixed loop order, independent of the thread count and of the lane
+//! that runs its item). On host backends the lanes take their items from a shared counter, so a
+//! thread that loses its core to another process delays a launch by the item it holds.
 
 #include <loom/backend/copy.hpp>
 #include <loom/backend/parallel.hpp>

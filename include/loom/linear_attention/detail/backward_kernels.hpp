@@ -25,7 +25,7 @@ struct adjoint_chunk_kernel {
     A* base = p.scratch + lane * p.lane_stride;
     A *qs = base, *kt = qs + p.c * p.dk, *vs = kt + p.dk * p.c, *b = vs + p.c * p.dv, *dos = b + p.c,
       *ep = dos + p.c * p.dv;
-    for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.n_chunks * p.heads; item = p.next_item(item)) {
       const index_t ci = item / p.heads, h = item % p.heads;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;
@@ -57,7 +57,7 @@ struct adjoint_pass_kernel {
   LOOM_HD void operator()(index_t lane) const {
     const index_t sz = p.dk * p.dv;
     A* run = p.scratch + lane * p.lane_stride;
-    for (index_t item = lane; item < p.docs * p.heads; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.docs * p.heads; item = p.next_item(item)) {
       const index_t d = item / p.heads, h = item % p.heads;
       for (index_t x = 0; x < sz; ++x) run[x] = dfin ? dfin[item * sz + x] : A(0);
       for (index_t ci = p.doc_chunk[d + 1]; ci-- > p.doc_chunk[d];) {
@@ -89,7 +89,7 @@ struct gradient_kernel {
     A *qs = base, *kt = qs + c * nk, *vs = kt + nk * c, *b = vs + c * nv, *pr = b + c, *os = pr + c * c;
     A *dos = os + c * nv, *vt = dos + c * nv, *dvs = vt + nv * c, *ks = dvs + c * nv, *dqs = ks + c * nk,
       *dks = dqs + c * nk, *dp = dks + c * nk, *st = dp + c * c, *et = st + nv * nk, *ep = et + nv * nk;
-    for (index_t item = lane; item < p.n_chunks * p.heads; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.n_chunks * p.heads; item = p.next_item(item)) {
       const index_t ci = item / p.heads, h = item % p.heads;
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin;

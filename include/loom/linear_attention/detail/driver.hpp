@@ -130,11 +130,14 @@ auto setup(const B& b, const plan<P>& pl, const Gating& gating, const operands<P
   return std::pair{p, w};
 }
 
-//! for_each_index over min(lanes, items) lanes; the kernel strides its items by that count.
+//! for_each_index over min(lanes, items) lanes. On host backends (each launch complete on return)
+//! the lanes take the items from a shared counter; elsewhere each strides them by the lane count.
 template <class B, class K>
 void launch(const B& b, K k, index_t items, index_t lanes) {
   if (items <= 0) return;
   k.p.lanes = items < lanes ? items : lanes;
+  [[maybe_unused]] index_t next = 0;
+  if constexpr (backend_traits<B>::memory_space::host_accessible) k.p.next = &next;
   for_each_index(b, k.p.lanes, k);
 }
 

@@ -26,6 +26,7 @@
 #include <loom/linear_attention/detail/layout.hpp>
 #include <loom/scan/monoid.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -129,6 +130,20 @@ struct problem {
   A* log_decay = nullptr;  //!< [chunks, H]: b_{n-1} of each chunk
   A* scratch = nullptr;    //!< [lanes, lane_floats]
   index_t lanes = 1, lane_stride = 0;
+  index_t* next = nullptr;  //!< host backends: the launch's shared item counter (driver.hpp's launch)
+
+  //! A lane's first item, and the item it takes after `item`: from the shared counter where there
+  //! is one (host backends: a lane whose thread lost its core delays the launch by the item it
+  //! holds, not by its share), else lane, lane + lanes, ... Every item computes the same bits
+  //! whichever lane runs it (its state starts from its inputs, in its lane's scratch).
+  LOOM_HD index_t first_item(index_t lane) const { return take(lane); }
+  LOOM_HD index_t next_item(index_t item) const { return take(item + lanes); }
+  LOOM_HD index_t take(index_t stride_next) const {
+#if !LOOM_IN_DEVICE_CODE
+    if (next) return std::atomic_ref<index_t>(*next).fetch_add(1, std::memory_order_relaxed);
+#endif
+    return stride_next;
+  }
 
   LOOM_HD A* state(index_t chunk, index_t h) const { return states + (chunk * heads + h) * dk * dv; }
 
@@ -454,7 +469,7 @@ struct chunk_state_kernel {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    for (index_t item = lane; item < p.n_chunks * p.groups; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.n_chunks * p.groups; item = p.next_item(item)) {
       const auto [ci, h0, g] = st.item_of(item, 0);
       const chunk_info ch = st.begin_chunk(ci, h0, g, mode, false);
       const index_t n = ch.end - ch.begin;
@@ -482,7 +497,7 @@ struct state_pass_kernel {
   LOOM_HD void operator()(index_t lane) const {
     const index_t sz = p.dk * p.dv;
     A* run = p.scratch + lane * p.lane_stride;
-    for (index_t item = lane; item < p.docs * p.heads; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.docs * p.heads; item = p.next_item(item)) {
       const index_t d = item / p.heads, h = item % p.heads;
       const A* s0 = init ? init + item * sz : nullptr;
       for (index_t x = 0; x < sz; ++x) run[x] = s0 ? s0[x] : A(0);
@@ -521,7 +536,7 @@ struct output_kernel {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < (last - first) * p.groups; item = p.next_item(item)) {
       const auto [ci, h0, g] = st.item_of(item, first);
       const chunk_info ch = st.begin_chunk(ci, h0, g, mode, true);
       const index_t n = ch.end - ch.begin;
@@ -555,7 +570,7 @@ struct state_scan_kernel {
     int mode[max_head_group];
     A before[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    for (index_t item = lane; item < p.docs * p.groups; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < p.docs * p.groups; item = p.next_item(item)) {
       const auto [d, h0, g] = st.item_of(item, 0);
       st.start_states(init, d, h0, g);
       for (index_t s = 0; s < g; ++s) before[s] = A(0);
@@ -600,7 +615,7 @@ struct fused_kernel {
     const lane_tiles<A> l(p.scratch + lane * p.lane_stride, p.c, p.dk, p.dv);
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
-    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < (last - first) * p.groups; item = p.next_item(item)) {
       const auto [d, h0, g] = st.item_of(item, first);
       st.start_states(init, d, h0, g);
       const auto range = st.chunks_of(d, c_lo, c_hi);
@@ -639,7 +654,7 @@ struct incoming_kernel {
     int mode[max_head_group];
     const chunk_steps<S, A, Space> st(p, l);
     const index_t kp = l.kp, vp = l.vp, sz = p.dk * p.dv;
-    for (index_t item = lane; item < (last - first) * p.groups; item += p.lanes) {
+    for (index_t item = p.first_item(lane); item < (last - first) * p.groups; item = p.next_item(item)) {
       const auto [ci, h0, g] = st.item_of(item, first);
       const chunk_info ch = p.chunks[ci];
       const index_t n = ch.end - ch.begin, rows = round_up(n, tile_rows);
