@@ -9,6 +9,7 @@
 //                                 loom::parallel_grain_bytes, so it runs on the calling thread)
 // contention.newton/busy:b       rnn::forward of para_gru<float>, T = 262144, d = 8 (full Newton)
 // contention.attention/busy:b    local attention forward, fp32, T = 2048, 8 heads, d = 64, causal
+// contention.attention_backward/busy:b  its backward (dq, dk, dv from the forward's output and lse)
 // contention.spmm/busy:b         bitmap spmm, M = K = 4096, N = 16, 90 % zeros
 // contention.linear_attention/busy:b  chunked linear attention forward, fp32, fixed decay,
 //                                 T = 16384, 8 heads, dk = dv = 64, chunk 64, one document
@@ -25,6 +26,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <random>
@@ -127,23 +129,37 @@ void newton(benchmark::State& state) {
   state.counters["newton_iterations"] = rep.iterations;
 }
 
-void attention(benchmark::State& state) {
+// Local attention, forward (backward = false) or backward (from the forward's output and lse).
+void attention_of(benchmark::State& state, bool backward) {
   const index_t t = 2048, heads = 8, dim = 64;
   const auto q = random_vector(static_cast<std::size_t>(t * heads * dim), 6);
-  const auto k = random_vector(q.size(), 7), v = random_vector(q.size(), 8);
-  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(t * heads));
+  const auto k = random_vector(q.size(), 7), v = random_vector(q.size(), 8), d_out = random_vector(q.size(), 15);
+  std::vector<float> out(q.size()), lse(static_cast<std::size_t>(t * heads)), dq(q.size()), dk(q.size()), dv(q.size());
   loom::attention::options opt;
   opt.causal = true;
   const auto plan =
       loom::attention::make_plan(two_threads, loom::segments<>::whole(t), {t, heads, heads, dim, dim}, opt);
-  const loom::workspace_buffer ws(plan.workspace_bytes());
+  const loom::workspace_buffer ws(std::max(plan.workspace_bytes(), plan.backward_workspace_bytes()));
   using view = loom::tensor_view<const float, 3>;
-  timed(state, [&] {
+  using out_view = loom::tensor_view<float, 3>;
+  const auto forward = [&] {
     loom::attention::forward(two_threads, plan, view(q.data(), {t, heads, dim}), view(k.data(), {t, heads, dim}),
-                             view(v.data(), {t, heads, dim}), loom::tensor_view<float, 3>(out.data(), {t, heads, dim}),
+                             view(v.data(), {t, heads, dim}), out_view(out.data(), {t, heads, dim}),
                              loom::tensor_view<float, 2>(lse.data(), {t, heads}), ws.span());
+  };
+  if (!backward) return timed(state, forward);
+  forward();
+  timed(state, [&] {
+    loom::attention::backward(two_threads, plan, view(q.data(), {t, heads, dim}), view(k.data(), {t, heads, dim}),
+                              view(v.data(), {t, heads, dim}), view(out.data(), {t, heads, dim}),
+                              loom::tensor_view<const float, 2>(lse.data(), {t, heads}),
+                              view(d_out.data(), {t, heads, dim}), out_view(dq.data(), {t, heads, dim}),
+                              out_view(dk.data(), {t, heads, dim}), out_view(dv.data(), {t, heads, dim}), ws.span());
   });
 }
+
+void attention(benchmark::State& state) { attention_of(state, false); }
+void attention_backward(benchmark::State& state) { attention_of(state, true); }
 
 void spmm(benchmark::State& state) {
   const index_t m = 4096, k = 4096, n = 16;
@@ -200,6 +216,7 @@ BENCHMARK(recurrence)->Name("contention.recurrence")->Apply(busy_args);
 BENCHMARK(short_recurrence)->Name("contention.short_recurrence")->Apply(busy_args);
 BENCHMARK(newton)->Name("contention.newton")->Apply(busy_args);
 BENCHMARK(attention)->Name("contention.attention")->Apply(busy_args);
+BENCHMARK(attention_backward)->Name("contention.attention_backward")->Apply(busy_args);
 BENCHMARK(spmm)->Name("contention.spmm")->Apply(busy_args);
 BENCHMARK(linear_attention)->Name("contention.linear_attention")->Apply(busy_args);
 BENCHMARK(linear_attention_backward)->Name("contention.linear_attention_backward")->Apply(busy_args);

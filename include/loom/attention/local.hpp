@@ -246,6 +246,7 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_
     l.packed = cap < std::numeric_limits<index_t>::max() && pb.tk > 0 && pb.tq > 0 &&
                static_cast<double>(packed) * sizeof(Acc) <= static_cast<double>(pack_max);
     if (l.packed) l.query = w.add<Acc>(packed);
+    l.next = w.add<index_t>(1);  // host backends: the item counter of each launch
   }
   l.bytes = w.bytes();
   return l;
@@ -397,18 +398,27 @@ void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const 
   using KV = backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
   using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc, host>;
   Acc* scratch = w.at<Acc>(l.scratch);
+  // Host backends: the slots of each launch take items from a shared counter (take_items), reset
+  // before the launch (the previous one has returned).
+  index_t* next = nullptr;
+  if constexpr (host) next = w.at<index_t>(l.next);
+  const auto counter = [next] {
+    if (next) *next = 0;
+    return next;
+  };
   if constexpr (host)
     if (l.fused) {
       const index_t stripes = stripes_of(pb);
       Acc* part = w.at<Acc>(l.dq_part);
       loom::detail::fill(b, part, stripes * pb.tq * pb.hq * pb.dk, Acc(0));
-      for_each_index(b, l.kv_slots, backward_kv_kernel<TQ, TK, TV, TD, TG, Acc, true>{args, scratch, l.kv_slots, part});
+      for_each_index(b, l.kv_slots,
+                     backward_kv_kernel<TQ, TK, TV, TD, TG, Acc, true>{args, scratch, l.kv_slots, part, counter()});
       for_each_index(b, pb.tq * pb.hq,
                      dq_reduce_kernel<TG, Acc>{part, rows_of(dq), pb.tq, pb.hq, pb.dk, stripes, scale, accumulate});
       return;
     }
-  if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots});
-  if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots});
+  if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots, nullptr, counter()});
+  if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots, counter()});
 }
 
 //! (segment, offset) of every token of a packed sequence.

@@ -323,6 +323,24 @@ LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_c
   }
 }
 
+//! Runs run(item) for the items [0, n) a slot takes: from the shared counter `next` where there is
+//! one (host backends: a slot whose thread lost its core to another process delays the call by the
+//! item it holds, not by its share of the items), else slot, slot + slots, ... Each item computes
+//! alone, so which slot runs it does not change the bits.
+template <class F>
+LOOM_HD void take_items(index_t* next, index_t slot, index_t slots, index_t n, const F& run) {
+#if !LOOM_IN_DEVICE_CODE
+  if (next) {
+    std::atomic_ref<index_t> counter(*next);
+    for (index_t item = counter.fetch_add(1, std::memory_order_relaxed); item < n;
+         item = counter.fetch_add(1, std::memory_order_relaxed))
+      run(item);
+    return;
+  }
+#endif
+  for (index_t item = slot; item < n; item += slots) run(item);
+}
+
 //! The forward: one item per (query tile, head), or on host backends (Grouped) per (query tile,
 //! `heads` query heads of one kv head): each key tile is then read from memory once for all of
 //! them and reused from the cache (the heads' tiles and sums take `heads` times the scratch).
@@ -366,17 +384,7 @@ struct forward_kernel {
 
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(pb.dk, pb.dv, per_item());
-#if !LOOM_IN_DEVICE_CODE
-    if constexpr (Grouped)
-      if (next) {
-        std::atomic_ref<index_t> counter(*next);
-        for (index_t item = counter.fetch_add(1, std::memory_order_relaxed); item < items();
-             item = counter.fetch_add(1, std::memory_order_relaxed))
-          run(item, w);
-        return;
-      }
-#endif
-    for (index_t item = slot; item < items(); item += slots) run(item, w);
+    take_items(Grouped ? next : nullptr, slot, slots, items(), [&](index_t item) { run(item, w); });
   }
 
   LOOM_HD void run(index_t item, Acc* w) const {
@@ -690,7 +698,8 @@ struct backward_kv_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
   index_t slots;
-  Acc* dq_part = nullptr;  //!< Fused: [stripes][hq][tq][dk] (a tile's rows contiguous, not a page apart)
+  Acc* dq_part = nullptr;   //!< Fused: [stripes][hq][tq][dk] (a tile's rows contiguous, not a page apart)
+  index_t* next = nullptr;  //!< host backends: the shared item counter, 0 before the call (take_items)
 
   static constexpr index_t kv_group = Fused ? 4 : 1;
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
@@ -699,7 +708,7 @@ struct backward_kv_kernel {
   LOOM_HD index_t items() const { return (Fused ? stripes_of(a.pb) : a.pb.k_tiles()) * a.pb.hkv; }
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
-    for (index_t item = slot; item < items(); item += slots) run(item, w);
+    take_items(next, slot, slots, items(), [&](index_t item) { run(item, w); });
   }
   LOOM_HD void run(index_t item, Acc* w) const {
     if constexpr (!Fused) {
@@ -789,6 +798,7 @@ struct backward_q_kernel {
   backward_args<TQ, TK, TV, TD, TG, Acc> a;
   Acc* ws;
   index_t slots;
+  index_t* next = nullptr;  //!< host backends: the shared item counter, 0 before the call (take_items)
 
   LOOM_HD static index_t scratch(index_t dk, index_t dv) {
     return tile_q * dk + tile_q * dv + 2 * tile_q * tile_k + 2 * tile_q * dk + 2 * tile_q;
@@ -796,7 +806,7 @@ struct backward_q_kernel {
   LOOM_HD index_t items() const { return a.pb.q_tiles() * a.pb.hq; }
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(a.pb.dk, a.pb.dv);
-    for (index_t item = slot; item < items(); item += slots) run(item, w);
+    take_items(next, slot, slots, items(), [&](index_t item) { run(item, w); });
   }
   LOOM_HD void run(index_t item, Acc* w) const {
     const problem& pb = a.pb;
