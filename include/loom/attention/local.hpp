@@ -266,7 +266,7 @@ std::size_t backward_bytes(const problem& pb, index_t cap) {
 //! Where the split-KV forward's buffers sit in its workspace: the splits' partial results (when a
 //! document has more than one split) and one scratch per slot.
 struct decode_layout {
-  std::size_t part_out = 0, part_lse = 0, scratch = 0, bytes = 0;
+  std::size_t part_out = 0, part_lse = 0, scratch = 0, next = 0, bytes = 0;
   index_t slots = 0;
 };
 
@@ -282,6 +282,7 @@ decode_layout decode_layout_of(const problem& pb, const decode_split<Space>& g, 
     l.part_lse = w.add<Acc>(pb.tq * pb.hq * splits);
   }
   l.scratch = w.add<Acc>(l.slots * Kn::scratch(g.max_q, pb.group(), g.heads, pb.dk, pb.dv));
+  l.next = w.add<index_t>(1);  // host backends: the item counter
   l.bytes = w.bytes();
   return l;
 }
@@ -642,10 +643,15 @@ void split_forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse,
   Acc* po = g.splits > 1 ? w.at<Acc>(l.part_out) : nullptr;
   Acc* pl = g.splits > 1 ? w.at<Acc>(l.part_lse) : nullptr;
   using TO = typename O::value_type;
+  index_t* next = nullptr;  // host backends: the slots take items from a shared counter
+  if constexpr (backend_traits<B>::memory_space::host_accessible) {
+    next = w.at<index_t>(l.next);
+    *next = 0;
+  }
   for_each_index(b, l.slots,
                  decode_kernel<typename Q::value_type, typename K::value_type, typename V::value_type, TO, Acc, S>{
                      pb, g, rows_of(q), rows_of(k), rows_of(v), rows_of(out), rows2_of(lse), p.scale(), po, pl,
-                     w.at<Acc>(l.scratch), l.slots});
+                     w.at<Acc>(l.scratch), l.slots, next});
   if (g.splits > 1)
     for_each_index(b, pb.tq * pb.hq,
                    decode_merge_kernel<TO, Acc, S>{g, rows_of(out), rows2_of(lse), po, pl, pb.hq, pb.dv});

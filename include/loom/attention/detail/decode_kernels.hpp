@@ -145,6 +145,7 @@ struct decode_kernel {
   Acc* part_lse;  //!< [tq][hq][splits]
   Acc* ws;
   index_t slots;
+  index_t* next = nullptr;  //!< host backends: the shared item counter, 0 before the call (take_items)
 
   //! Query rows of one kv head of a work item (its documents' query tokens times the heads of the
   //! GQA group), padded to whole register blocks so that no block spans two kv heads.
@@ -159,7 +160,7 @@ struct decode_kernel {
 
   LOOM_HD void operator()(index_t slot) const {
     Acc* w = ws + slot * scratch(g.max_q, pb.group(), g.heads, pb.dk, pb.dv);
-    for (index_t item = slot; item < items(); item += slots) run(item, w);
+    take_items(next, slot, slots, items(), [&](index_t item) { run(item, w); });
   }
 
   LOOM_HD void run(index_t item, Acc* w) const {

@@ -11,8 +11,8 @@
 //! host), each with its own scratch; the host forward's slots take them from a shared counter.
 
 #include <loom/attention/detail/tile.hpp>
+#include <loom/backend/detail/item_counter.hpp>
 
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -323,23 +323,7 @@ LOOM_HD void apply_mask(const problem& pb, const token_coords& qc, const token_c
   }
 }
 
-//! Runs run(item) for the items [0, n) a slot takes: from the shared counter `next` where there is
-//! one (host backends: a slot whose thread lost its core to another process delays the call by the
-//! item it holds, not by its share of the items), else slot, slot + slots, ... Each item computes
-//! alone, so which slot runs it does not change the bits.
-template <class F>
-LOOM_HD void take_items(index_t* next, index_t slot, index_t slots, index_t n, const F& run) {
-#if !LOOM_IN_DEVICE_CODE
-  if (next) {
-    std::atomic_ref<index_t> counter(*next);
-    for (index_t item = counter.fetch_add(1, std::memory_order_relaxed); item < n;
-         item = counter.fetch_add(1, std::memory_order_relaxed))
-      run(item);
-    return;
-  }
-#endif
-  for (index_t item = slot; item < n; item += slots) run(item);
-}
+using loom::detail::take_items;  // a launch's items: from a shared counter on host backends
 
 //! The forward: one item per (query tile, head), or on host backends (Grouped) per (query tile,
 //! `heads` query heads of one kv head): each key tile is then read from memory once for all of

@@ -20,13 +20,13 @@
 //! operands zero-padded to multiples of tile_cols, so every tile is full and every loop is a
 //! fixed-trip, unit-stride one.
 
+#include <loom/backend/detail/item_counter.hpp>
 #include <loom/backend/detail/x86_gemm.hpp>
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 #include <loom/linear_attention/detail/layout.hpp>
 #include <loom/scan/monoid.hpp>
 
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -132,18 +132,11 @@ struct problem {
   index_t lanes = 1, lane_stride = 0;
   index_t* next = nullptr;  //!< host backends: the launch's shared item counter (driver.hpp's launch)
 
-  //! A lane's first item, and the item it takes after `item`: from the shared counter where there
-  //! is one (host backends: a lane whose thread lost its core delays the launch by the item it
-  //! holds, not by its share), else lane, lane + lanes, ... Every item computes the same bits
-  //! whichever lane runs it (its state starts from its inputs, in its lane's scratch).
-  LOOM_HD index_t first_item(index_t lane) const { return take(lane); }
-  LOOM_HD index_t next_item(index_t item) const { return take(item + lanes); }
-  LOOM_HD index_t take(index_t stride_next) const {
-#if !LOOM_IN_DEVICE_CODE
-    if (next) return std::atomic_ref<index_t>(*next).fetch_add(1, std::memory_order_relaxed);
-#endif
-    return stride_next;
-  }
+  //! A lane's first item, and the item it takes after `item` (loom::detail::take_item: from the
+  //! shared counter where there is one, else lane, lane + lanes, ...). Every item computes the same
+  //! bits whichever lane runs it (its state starts from its inputs, in its lane's scratch).
+  LOOM_HD index_t first_item(index_t lane) const { return loom::detail::take_item(next, lane); }
+  LOOM_HD index_t next_item(index_t item) const { return loom::detail::take_item(next, item + lanes); }
 
   LOOM_HD A* state(index_t chunk, index_t h) const { return states + (chunk * heads + h) * dk * dv; }
 
