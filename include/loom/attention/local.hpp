@@ -187,7 +187,7 @@ inline index_t slots_for(index_t cap, index_t items) { return items < cap ? (ite
 //! slot cap. `backward` selects the backward's buffers. The same arithmetic sizes a plan's
 //! workspace and carves it per call; nothing is allocated.
 struct local_layout {
-  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, query = 0, next = 0, bytes = 0;
+  std::size_t kv = 0, scratch = 0, delta = 0, dq_part = 0, query = 0, bytes = 0;
   index_t slots = 0, kv_slots = 0;  //!< forward / dQ slots; dK dV slots (backward)
   index_t heads = 1;                //!< forward: query heads per work item (forward_kernel)
   bool fused = false;               //!< backward: one pass over key tiles that also sums dQ by stripes
@@ -227,7 +227,6 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_
     l.slots = slots_for(cap, pb.q_tiles() * (pb.hq / l.heads));
     l.kv = w.add<Acc>(prepared_kv<Acc>::size(pb.hkv, pad, pb.dk, pb.dv, true, false, false, true));
     l.scratch = w.add<Acc>(l.slots * F::scratch(pb.dk, pb.dv, l.heads));
-    l.next = w.add<index_t>(1);  // host backends: the forward's item counter
   } else {
     // Fused (5 tile products per tile pair instead of 7) on the host when its (stripe, kv head)
     // items keep every slot busy and its dQ sums fit the bound; both schedules give the same bits.
@@ -246,7 +245,6 @@ local_layout layout_of(const problem& pb, bool backward, index_t cap, std::size_
     l.packed = cap < std::numeric_limits<index_t>::max() && pb.tk > 0 && pb.tq > 0 &&
                static_cast<double>(packed) * sizeof(Acc) <= static_cast<double>(pack_max);
     if (l.packed) l.query = w.add<Acc>(packed);
-    l.next = w.add<index_t>(1);  // host backends: the item counter of each launch
   }
   l.bytes = w.bytes();
   return l;
@@ -266,7 +264,7 @@ std::size_t backward_bytes(const problem& pb, index_t cap) {
 //! Where the split-KV forward's buffers sit in its workspace: the splits' partial results (when a
 //! document has more than one split) and one scratch per slot.
 struct decode_layout {
-  std::size_t part_out = 0, part_lse = 0, scratch = 0, next = 0, bytes = 0;
+  std::size_t part_out = 0, part_lse = 0, scratch = 0, bytes = 0;
   index_t slots = 0;
 };
 
@@ -282,7 +280,6 @@ decode_layout decode_layout_of(const problem& pb, const decode_split<Space>& g, 
     l.part_lse = w.add<Acc>(pb.tq * pb.hq * splits);
   }
   l.scratch = w.add<Acc>(l.slots * Kn::scratch(g.max_q, pb.group(), g.heads, pb.dk, pb.dv));
-  l.next = w.add<index_t>(1);  // host backends: the item counter
   l.bytes = w.bytes();
   return l;
 }
@@ -355,14 +352,10 @@ void forward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const t
                                        : prepare(b, pb, k, v, kv_at, true, false, false, true);
   // Host backends: the slots (one per thread) take items from a shared counter, so a thread that
   // loses its core to another process delays the call by the item it holds, not by its share.
-  index_t* next = nullptr;
-  if constexpr (host) {
-    next = w.at<index_t>(l.next);
-    *next = 0;
-  }
+  loom::detail::launch_counter<B> items;
   for_each_index(b, l.slots,
                  Kn{pb, rows_of(q), kv, rows_of(out), rows2_of(lse), qc, kc, scale, w.at<Acc>(l.scratch), l.slots,
-                    l.heads, pairs, next});
+                    l.heads, pairs, items.get()});
 }
 
 //! The backward of checked views on a workspace of at least backward_bytes<Acc>(pb, cap) bytes
@@ -399,27 +392,22 @@ void backward_on(const B& b, const problem& pb, Acc scale, Q q, K k, V v, const 
   using KV = backward_kv_kernel<TQ, TK, TV, TD, TG, Acc>;
   using QK = backward_q_kernel<TQ, TK, TV, TD, TG, Acc, host>;
   Acc* scratch = w.at<Acc>(l.scratch);
-  // Host backends: the slots of each launch take items from a shared counter (take_items), reset
-  // before the launch (the previous one has returned).
-  index_t* next = nullptr;
-  if constexpr (host) next = w.at<index_t>(l.next);
-  const auto counter = [next] {
-    if (next) *next = 0;
-    return next;
-  };
+  // Host backends: the slots of each launch take items from a counter of its own (take_items).
+  loom::detail::launch_counter<B> kv_items, q_items;
   if constexpr (host)
     if (l.fused) {
       const index_t stripes = stripes_of(pb);
       Acc* part = w.at<Acc>(l.dq_part);
       loom::detail::fill(b, part, stripes * pb.tq * pb.hq * pb.dk, Acc(0));
-      for_each_index(b, l.kv_slots,
-                     backward_kv_kernel<TQ, TK, TV, TD, TG, Acc, true>{args, scratch, l.kv_slots, part, counter()});
+      for_each_index(
+          b, l.kv_slots,
+          backward_kv_kernel<TQ, TK, TV, TD, TG, Acc, true>{args, scratch, l.kv_slots, part, kv_items.get()});
       for_each_index(b, pb.tq * pb.hq,
                      dq_reduce_kernel<TG, Acc>{part, rows_of(dq), pb.tq, pb.hq, pb.dk, stripes, scale, accumulate});
       return;
     }
-  if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots, nullptr, counter()});
-  if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots, counter()});
+  if (pb.tk > 0) for_each_index(b, l.kv_slots, KV{args, scratch, l.kv_slots, nullptr, kv_items.get()});
+  if (pb.tq > 0) for_each_index(b, l.slots, QK{args, scratch, l.slots, q_items.get()});
 }
 
 //! (segment, offset) of every token of a packed sequence.
@@ -643,15 +631,11 @@ void split_forward(const B& b, const plan<B, P>& p, Q q, K k, V v, O out, L lse,
   Acc* po = g.splits > 1 ? w.at<Acc>(l.part_out) : nullptr;
   Acc* pl = g.splits > 1 ? w.at<Acc>(l.part_lse) : nullptr;
   using TO = typename O::value_type;
-  index_t* next = nullptr;  // host backends: the slots take items from a shared counter
-  if constexpr (backend_traits<B>::memory_space::host_accessible) {
-    next = w.at<index_t>(l.next);
-    *next = 0;
-  }
+  loom::detail::launch_counter<B> items;  // host backends: the slots take items from it
   for_each_index(b, l.slots,
                  decode_kernel<typename Q::value_type, typename K::value_type, typename V::value_type, TO, Acc, S>{
                      pb, g, rows_of(q), rows_of(k), rows_of(v), rows_of(out), rows2_of(lse), p.scale(), po, pl,
-                     w.at<Acc>(l.scratch), l.slots, next});
+                     w.at<Acc>(l.scratch), l.slots, items.get()});
   if (g.splits > 1)
     for_each_index(b, pb.tq * pb.hq,
                    decode_merge_kernel<TO, Acc, S>{g, rows_of(out), rows2_of(lse), po, pl, pb.hq, pb.dv});

@@ -7,6 +7,7 @@
 //! or no counter) slot s runs items s, s + slots, ... Either way each item computes alone, so the
 //! bits of the results do not depend on which slot runs it.
 
+#include <loom/backend/traits.hpp>
 #include <loom/config.hpp>
 #include <loom/core/tensor_view.hpp>
 
@@ -30,5 +31,22 @@ template <class F>
 LOOM_HD void take_items(index_t* counter, index_t slot, index_t slots, index_t n, const F& run) {
   for (index_t item = take_item(counter, slot); item < n; item = take_item(counter, item + slots)) run(item);
 }
+
+//! The shared item counter of one launch on backend B (host code): where B's memory is the host's
+//! (its launches run there and complete on return) a counter from 0 that lives as long as this
+//! object, else none (the slots keep the fixed order). One object per launch.
+template <class B>
+class launch_counter {
+ public:
+  [[nodiscard]] index_t* get() noexcept {
+    if constexpr (backend_traits<B>::memory_space::host_accessible)
+      return &value_;
+    else
+      return nullptr;
+  }
+
+ private:
+  index_t value_ = 0;
+};
 
 }  // namespace loom::detail

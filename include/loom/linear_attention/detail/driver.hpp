@@ -136,8 +136,8 @@ template <class B, class K>
 void launch(const B& b, K k, index_t items, index_t lanes) {
   if (items <= 0) return;
   k.p.lanes = items < lanes ? items : lanes;
-  [[maybe_unused]] index_t next = 0;
-  if constexpr (backend_traits<B>::memory_space::host_accessible) k.p.next = &next;
+  loom::detail::launch_counter<B> counter;
+  k.p.next = counter.get();
   for_each_index(b, k.p.lanes, k);
 }
 
