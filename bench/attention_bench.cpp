@@ -13,6 +13,8 @@
 //                            second.
 //   attention.decode_memcpy  the memory-copy rate over the same K/V bytes, in the same process
 //                            (GB/s = bytes read + written, as baseline.memcpy); threads 1 and 2.
+//   attention.decode_read    the memory's read rate over the same K/V bytes (a sum of them): the
+//                            limit of a pass that only reads them (GB/s = bytes read).
 //   attention.ring           ring pass_kv over comm::local, one thread per rank, zigzag, causal;
 //                            P = 1 is the local kernel on one thread. Counter wait_fraction: the
 //                            share of each rank's time spent waiting on transfers.
@@ -427,8 +429,8 @@ struct line_aligned {
   line_aligned() = default;
   template <class U>
   line_aligned(const line_aligned<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, std::align_val_t{64}); }
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) { ::operator delete (p, std::align_val_t{64}); }
   template <class U>
   bool operator==(const line_aligned<U>&) const {
     return true;
@@ -511,7 +513,44 @@ void decode_memcpy(benchmark::State& state) {
       4.0 * static_cast<double>(bytes) * static_cast<double>(state.iterations()) * 1e-9, benchmark::Counter::kIsRate);
 }
 
+// The memory's read rate over the same K/V bytes, in the same process: each thread sums its share
+// of K, then of V (64 partial sums, which compilers vectorise into independent chains): what a pass
+// that only reads them could reach. GB/s counts the bytes read (the K/V bytes).
+void decode_read(benchmark::State& state) {
+  const int threads = static_cast<int>(state.range(0));
+  static decode_data d;
+  const std::size_t n = d.k.size();
+  for (auto _ : state) {
+    float sink = 0;
+    for (const float* src : {d.k.data(), d.v.data()}) {
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+      {
+        const auto t = static_cast<std::size_t>(omp_get_thread_num()), nt = static_cast<std::size_t>(threads);
+        const std::size_t b = n / nt * t / 64 * 64, e = t + 1 == nt ? n : n / nt * (t + 1) / 64 * 64;
+        float part[64] = {};
+        std::size_t i = b;
+        for (; i + 64 <= e; i += 64)
+          for (std::size_t u = 0; u < 64; ++u) part[u] += src[i + u];
+        for (; i < e; ++i) part[0] += src[i];
+        for (const float x : part) sink += x;
+      }
+    }
+    benchmark::DoNotOptimize(sink);
+  }
+  state.counters["GB/s"] =
+      benchmark::Counter(2.0 * static_cast<double>(n * sizeof(float)) * static_cast<double>(state.iterations()) * 1e-9,
+                         benchmark::Counter::kIsRate);
+}
+
 }  // namespace
+
+BENCHMARK(decode_read)
+    ->Name("attention.decode_read")
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 BENCHMARK(decode_memcpy)
     ->Name("attention.decode_memcpy")
