@@ -418,8 +418,8 @@ BENCHMARK(gqa)
 // Decode: every sequence's query token against its own keys (cu_seqlens_q = 0, 1, ..., 32 and
 // cu_seqlens_k = 0, 32768, ...). K and V (4 GiB) are filled once, outside the timed loop, in
 // memory that starts on a 64-byte line as tensor libraries allocate it (a std::vector this large
-// starts 16 bytes past a line: then every K and V row straddles one line more, and decode on 2
-// threads took 99-128 ms against 90).
+// starts 16 bytes past a line: then every K and V row straddles one line more, and decode on 1
+// thread took 180-185 ms against 164-167).
 namespace {
 
 //! A std::vector allocator whose memory starts on a cache line.
