@@ -41,7 +41,6 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <new>
 #include <optional>
 #include <random>
 #include <sgemm.hpp>
@@ -417,36 +416,22 @@ BENCHMARK(gqa)
 
 // Decode: every sequence's query token against its own keys (cu_seqlens_q = 0, 1, ..., 32 and
 // cu_seqlens_k = 0, 32768, ...). K and V (4 GiB) are filled once, outside the timed loop, in
-// memory that starts on a 64-byte line as tensor libraries allocate it (a std::vector this large
-// starts 16 bytes past a line: then every K and V row straddles one line more, and decode on 1
-// thread took 180-185 ms against 164-167).
+// loom::workspace_buffer memory, which starts on a cache line as tensor libraries' does (a
+// std::vector this large starts 16 bytes past a line: then every K and V row straddles one line
+// more, and decode on 1 thread took 180-185 ms against 164-167).
 namespace {
-
-//! A std::vector allocator whose memory starts on a cache line.
-template <class T>
-struct line_aligned {
-  using value_type = T;
-  line_aligned() = default;
-  template <class U>
-  line_aligned(const line_aligned<U>&) {}
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64})); }
-  void deallocate(T* p, std::size_t) { ::operator delete (p, std::align_val_t{64}); }
-  template <class U>
-  bool operator==(const line_aligned<U>&) const {
-    return true;
-  }
-};
 
 struct decode_data {
   static constexpr index_t seqs = 32, keys = 32768, hq = 16, hkv = 4;
+  static constexpr std::size_t kv_size = static_cast<std::size_t>(seqs * keys * hkv * dim);  // of K, of V
   std::vector<float> q;
-  std::vector<float, line_aligned<float>> k, v;
+  loom::workspace_buffer k_mem{kv_size * sizeof(float)}, v_mem{kv_size * sizeof(float)};  // aligned
+  std::span<float> k{reinterpret_cast<float*>(k_mem.data()), kv_size},
+      v{reinterpret_cast<float*>(v_mem.data()), kv_size};
   std::vector<float> out, lse;
   std::vector<std::int32_t> qcu, kcu;
   decode_data()
       : q(random_vector(static_cast<std::size_t>(seqs * hq * dim), 7)),
-        k(static_cast<std::size_t>(seqs * keys * hkv * dim)),
-        v(k.size()),
         out(q.size()),
         lse(static_cast<std::size_t>(seqs * hq)) {
     std::uint32_t x = 12345;  // a cheap generator: 2^30 values

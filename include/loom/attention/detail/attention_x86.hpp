@@ -94,11 +94,6 @@ inline bool vector_products(index_t dk, index_t dv) {
   return false;
 }
 
-//! Forces v into a register: the split-KV products use each loaded vector for four rows, and a
-//! compiler that folds the load into every FMA turns one load into four (measured: the P V
-//! product over cached tiles ran at 0.55x its rate with the loads folded, AMD EPYC family 25).
-LOOM_X86_AVX2 inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
-
 //! s[r * ld_s] = q_r . k for rows r < 4 (q row-major, row stride dk, a multiple of 8) and one key
 //! row: 8 lanes of the dimension per FMA, the key's lanes loaded once for the four rows, two
 //! accumulators per row, the four sums reduced together by one horizontal-add tree.
@@ -108,9 +103,7 @@ LOOM_X86_AVX2 inline void dot4(const float* q, const TK* kr, index_t dk, float* 
   for (int r = 0; r < 4; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
   index_t c0 = 0;
   for (; c0 + 16 <= dk; c0 += 16) {
-    __m256 k0 = load8(kr + c0), k1 = load8(kr + c0 + 8);
-    in_register(k0);
-    in_register(k1);
+    const __m256 k0 = load8(kr + c0), k1 = load8(kr + c0 + 8);
     for (int r = 0; r < 4; ++r) {
       a[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * dk + c0), k0, a[r][0]);
       a[r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * dk + c0 + 8), k1, a[r][1]);
@@ -150,6 +143,11 @@ LOOM_X86_AVX2 inline void decode_scores(const float* q, const decode_blocks& lay
         dot4(q + x * lay.q_head + b * 4 * dk, kr + x * lay.k_head, dk, s + ((x * lay.blocks + b) * 4) * ld_s + j, ld_s);
   }
 }
+
+//! Forces v into a register: decode_pv uses each loaded V vector for four rows, and GCC folded the
+//! load into every row's FMA, one load turned into four (the product over cached tiles then ran at
+//! 0.55x its rate, AMD EPYC family 25).
+LOOM_X86_AVX2 inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
 
 //! acc[r * dv + c] += sum_{j < nk} p[r * ld_p + j] v_j[c] for rows r < 4 (dv a multiple of 8, v
 //! rows of stride ldv), keys j ascending (decode_scores asked for the rows); one line of `ahead`
