@@ -227,7 +227,26 @@ LOOM_HD void scale_row(Acc* row, index_t n, Acc alpha) {
 //! or past nk), ready for the P V product. `full`: every key of the block is visible to every row.
 template <class Acc>
 LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, Acc* l, Acc* acc, index_t dv) {
-  for (index_t i = 0; i < nq; ++i) {
+  index_t i = 0;
+#if defined(LOOM_ATTENTION_X86_TILES)
+  // AVX-512, every key visible: four rows at a time while their scores are finite (the same
+  // operations per row as below, so the same bits; the rows' chains of dependent operations
+  // overlap). A group with a score that is not finite, and the rows after it, take the loop below.
+  if constexpr (std::is_same_v<Acc, float>)
+    if (full && loom::detail::x86::avx512_available())
+      for (; i + 4 <= nq; i += 4) {
+        Acc mx[4], alpha[4], sum[4];
+        if (!x86::rows_max4<tile_k>(s + i * tile_k, nk, m + i, mx)) break;
+        for (index_t r = 0; r < 4; ++r) alpha[r] = fast_exp(m[i + r] - mx[r]);
+        x86::rows_exp4<tile_k>(s + i * tile_k, mx, sum);
+        for (index_t r = 0; r < 4; ++r) {
+          l[i + r] = l[i + r] * alpha[r] + sum[r];
+          m[i + r] = mx[r];
+          if (alpha[r] != Acc(1)) scale_row(acc + (i + r) * dv, dv, alpha[r]);
+        }
+      }
+#endif
+  for (; i < nq; ++i) {
     Acc* row = s + i * tile_k;
     // Where every key is visible, a score of +-inf or NaN must make its entry NaN (exp_row's full
     // form). On the host a row of finite scores takes the plain form, which with -inf past nk
