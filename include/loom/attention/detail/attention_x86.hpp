@@ -348,68 +348,6 @@ LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bo
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
 }
 
-//! Four rows of a tile whose keys are all visible (softmax_update's `full`), W scores a row (a
-//! multiple of 16), the first nk valid: the first step of the online softmax for the four at once,
-//! so that their chains of dependent operations overlap. Returns false, having changed nothing
-//! but entries past nk, when a row holds a score that is not finite (the caller then takes its
-//! per-row path, which makes such a row NaN). Otherwise the entries past nk are -inf (as the
-//! per-row path sets them) and mx[r] is the row's new max from init m[r], by row_max16's
-//! operations in its order (the same bits).
-template <int W>
-LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, float* mx) {
-  static_assert(W % 16 == 0, "whole vectors of 16 floats a row");
-  const __m512i ones = _mm512_set1_epi32(0x7f800000);
-  __m512 x[4][W / 16];
-  __mmask16 bad = 0;
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r)
-#pragma GCC unroll 4
-    for (int v = 0; v < W / 16; ++v) {
-      const __mmask16 in = lanes_below16(16 * v, nk);
-      x[r][v] = _mm512_loadu_ps(s + r * W + 16 * v);
-      bad |= _mm512_mask_cmpeq_epi32_mask(in, _mm512_and_si512(_mm512_castps_si512(x[r][v]), ones), ones);
-      x[r][v] = _mm512_mask_blend_ps(in, _mm512_set1_ps(-__builtin_inff()), x[r][v]);
-    }
-  if (bad != 0) return false;
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
-    __m512 a = _mm512_set1_ps(m[r]);
-#pragma GCC unroll 4
-    for (int v = 0; v < W / 16; ++v) {
-      if (16 * (v + 1) > nk) _mm512_storeu_ps(s + r * W + 16 * v, x[r][v]);
-      a = _mm512_max_ps(x[r][v], a);
-    }
-    mx[r] = _mm512_reduce_max_ps(a);
-  }
-  return true;
-}
-
-//! The second step for the four rows of rows_max4 (which returned true): row[j] = e^(row[j] -
-//! mx[r]) for every j < W, and sum[r] the row's sum, by exp_row16's operations in its order (the
-//! same bits as exp_row16 without `full`, over rows whose entries past nk are -inf).
-template <int W>
-LOOM_X86_AVX512 inline void rows_exp4(float* s, const float* mx, float* sum) {
-  __m256 acc[4];
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
-    const __m512 m = _mm512_set1_ps(mx[r]);
-    acc[r] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-    for (int v = 0; v < W / 16; ++v) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + r * W + 16 * v), m));
-      _mm512_storeu_ps(s + r * W + 16 * v, e);
-      acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(e));
-      acc[r] = _mm256_add_ps(acc[r], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    sum[r] = _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
-  }
-}
-
 //! backward_row in 16 lanes (the same operations lane for lane, so the same bits).
 LOOM_X86_AVX512 inline void backward_row16(float* srow, float* drow, index_t width, index_t nk, bool full, float lse,
                                            float delta) {
@@ -440,6 +378,33 @@ LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
     bad |= _mm512_mask_cmpeq_epi32_mask(tail, u, ones);
   }
   return bad == 0;
+}
+
+//! Four rows of a tile whose keys are all visible (softmax_update's `full`), W scores a row, the
+//! first nk valid: the first step of the online softmax for the four at once (finite_row16, then
+//! row_max16 from init m[r]), so that their chains of dependent operations overlap. Returns false,
+//! having changed nothing, when a row holds a score that is not finite (the caller then takes its
+//! per-row path, which makes such a row NaN). Otherwise the entries past nk are -inf (as the
+//! per-row path sets them) and mx[r] is row r's new max.
+template <int W>
+LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, float* mx) {
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r)
+    if (!finite_row16(s + r * W, nk)) return false;
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    for (index_t j = nk; j < W; ++j) s[r * W + j] = -__builtin_inff();
+    mx[r] = row_max16(s + r * W, W, m[r]);
+  }
+  return true;
+}
+
+//! The second step for the four rows of rows_max4 (which returned true): exp_row16 of each row
+//! against its max mx[r] (without `full`: the entries past nk are -inf), its sum in sum[r].
+template <int W>
+LOOM_X86_AVX512 inline void rows_exp4(float* s, const float* mx, float* sum) {
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) sum[r] = exp_row16(s + r * W, W, W, false, mx[r]);
 }
 
 //! row[0, n) *= alpha, 16 lanes a step.

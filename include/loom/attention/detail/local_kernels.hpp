@@ -220,6 +220,18 @@ LOOM_HD void scale_row(Acc* row, index_t n, Acc alpha) {
   for (index_t c = 0; c < n; ++c) row[c] *= alpha;
 }
 
+//! The end of a row's online-softmax step: its new max mx, the rescale alpha = e^(m - mx) of what
+//! it had summed, the sum of its new probabilities; the accumulator row (dv values) rescaled.
+template <class Acc>
+LOOM_HD void commit_row(Acc mx, Acc alpha, Acc sum, Acc& m, Acc& l, Acc* acc, index_t dv) {
+  l = l * alpha + sum;
+  m = mx;
+#if !LOOM_IN_DEVICE_CODE
+  if (alpha == Acc(1)) return;  // the max held: the accumulators stay (x * 1 is x)
+#endif
+  scale_row(acc, dv, alpha);
+}
+
 //! The online-softmax step of rows [0, nq) of a (query rows, key tile) block: s holds the rows'
 //! scores (tile_k wide, the first nk valid; masked ones -inf, visible non-finite ones NaN, as
 //! apply_mask leaves them). Each row's running max m and sum l are updated and its accumulator
@@ -239,11 +251,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
         if (!x86::rows_max4<tile_k>(s + i * tile_k, nk, m + i, mx)) break;
         for (index_t r = 0; r < 4; ++r) alpha[r] = fast_exp(m[i + r] - mx[r]);
         x86::rows_exp4<tile_k>(s + i * tile_k, mx, sum);
-        for (index_t r = 0; r < 4; ++r) {
-          l[i + r] = l[i + r] * alpha[r] + sum[r];
-          m[i + r] = mx[r];
-          if (alpha[r] != Acc(1)) scale_row(acc + (i + r) * dv, dv, alpha[r]);
-        }
+        for (index_t r = 0; r < 4; ++r) commit_row(mx[r], alpha[r], sum[r], m[i + r], l[i + r], acc + (i + r) * dv, dv);
       }
 #endif
   for (; i < nq; ++i) {
@@ -270,13 +278,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
       continue;
     }
     const Acc alpha = fast_exp(m[i] - mx);
-    const Acc sum = exp_row(row, nk, poison, mx);
-    l[i] = l[i] * alpha + sum;
-    m[i] = mx;
-#if !LOOM_IN_DEVICE_CODE
-    if (alpha == Acc(1)) continue;  // the max held: the accumulators stay (x * 1 is x)
-#endif
-    scale_row(acc + i * dv, dv, alpha);
+    commit_row(mx, alpha, exp_row(row, nk, poison, mx), m[i], l[i], acc + i * dv, dv);
   }
 }
 
