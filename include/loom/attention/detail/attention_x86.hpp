@@ -299,11 +299,13 @@ LOOM_X86_AVX512 inline float row_max16(const float* row, index_t width, float in
   return _mm512_reduce_max_ps(a);
 }
 
-LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 z = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic);
-  const __m512 kf = _mm512_sub_ps(z, magic);
-  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(magic));
+//! exp16's range reduction and polynomial: with z = x log2(e) + 1.5 * 2^23 (exp16_z: k = round(x
+//! log2(e)) in z's low mantissa bits), p(r) ~ e^r for r = x - k ln 2.
+LOOM_X86_AVX512 inline __m512 exp16_z(__m512 x) {
+  return _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+}
+LOOM_X86_AVX512 inline __m512 exp16_poly(__m512 x, __m512 z) {
+  const __m512 kf = _mm512_sub_ps(z, _mm512_set1_ps(12582912.0f));
   const __m512 r =
       _mm512_fnmadd_ps(kf, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145752f), x));
   __m512 p = _mm512_set1_ps(1.9841270e-4f);
@@ -313,12 +315,26 @@ LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  const __m512 e =
-      _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23)));
+  return _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+}
+
+LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
+  const __m512 z = exp16_z(x);
+  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(_mm512_set1_ps(12582912.0f)));
+  const __m512 two_k = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
+  const __m512 e = _mm512_mul_ps(exp16_poly(x, z), two_k);
   const __m512 hi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.37f), _CMP_GT_OQ), e,
                                          _mm512_set1_ps(__builtin_inff()));
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), hi, _mm512_setzero_ps());
+}
+
+//! exp16 of an x that is <= 0, -inf or NaN (a score minus its row's max): the same bits in fewer
+//! operations. Nothing overflows, and p(r) 2^k is one vscalefps: every x > -87 has k >= -126, so
+//! 2^k is a normal float and vscalefps rounds p(r) 2^k once, as exp16's multiply does.
+LOOM_X86_AVX512 inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 z = exp16_z(x);
+  const __m512 e = _mm512_scalef_ps(exp16_poly(x, z), _mm512_sub_ps(z, _mm512_set1_ps(12582912.0f)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), e, _mm512_setzero_ps());
 }
 
 //! finite_or_nan8 and lanes_below in 16 lanes.
@@ -337,7 +353,7 @@ LOOM_X86_AVX512 inline float exp_row16(float* row, index_t width, index_t nk, bo
   for (index_t j = 0; j < width; j += 16) {
     __m512 x = _mm512_loadu_ps(row + j);
     if (full) x = finite_or_nan16(x);
-    __m512 e = exp16(_mm512_sub_ps(x, m));
+    __m512 e = exp16_nonpositive(_mm512_sub_ps(x, m));           // x <= m, the row's max
     if (full) e = _mm512_maskz_mov_ps(lanes_below16(j, nk), e);  // entries j >= nk are 0
     _mm512_storeu_ps(row + j, e);
     sum = _mm256_add_ps(sum, _mm512_castps512_ps256(e));
@@ -381,21 +397,34 @@ LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
 }
 
 //! Four rows of a tile whose keys are all visible (softmax_update's `full`), W scores a row, the
-//! first nk valid: the first step of the online softmax for the four at once (finite_row16, then
-//! row_max16 from init m[r]), so that their chains of dependent operations overlap. Returns false,
-//! having changed nothing, when a row holds a score that is not finite (the caller then takes its
-//! per-row path, which makes such a row NaN). Otherwise the entries past nk are -inf (as the
-//! per-row path sets them) and mx[r] is row r's new max.
+//! first nk valid: the first step of the online softmax for the four at once, so that their chains
+//! of dependent operations overlap. Per row one pass over its W scores (the entries past nk set to
+//! -inf first, as the per-row path does) takes finite_row16's test of [0, nk) and row_max16's max
+//! from init m[r], in row_max16's order. Returns false when a row holds a score that is not finite
+//! (the caller then takes its per-row path, which makes such a row NaN; the scores are unchanged
+//! apart from the -inf past nk). Otherwise mx[r] is row r's new max.
 template <int W>
 LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, float* mx) {
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r)
-    if (!finite_row16(s + r * W, nk)) return false;
+  const __m512i ones = _mm512_set1_epi32(0x7f800000);
+  __m512 a[4];
+  __mmask16 bad = 0;
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
     for (index_t j = nk; j < W; ++j) s[r * W + j] = -__builtin_inff();
-    mx[r] = row_max16(s + r * W, W, m[r]);
+    a[r] = _mm512_set1_ps(m[r]);
   }
+  for (index_t j = 0; j < W; j += 16) {
+    const __mmask16 valid = lanes_below16(j, nk);
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m512 v = _mm512_loadu_ps(s + r * W + j);
+      bad |= _mm512_mask_cmpeq_epi32_mask(valid, _mm512_and_si512(_mm512_castps_si512(v), ones), ones);
+      a[r] = _mm512_max_ps(v, a[r]);
+    }
+  }
+  if (bad != 0) return false;
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) mx[r] = _mm512_reduce_max_ps(a[r]);
   return true;
 }
 

@@ -309,6 +309,37 @@ LOOM_HD tile_hull hull_on_host(const Args& a, tile_kind kind, const tile_bounds&
 #endif
   return tile_hull{0, nq, 0, nk};
 }
+//! Rows [r0, r1) of a partial (query tile, key tile) pair's hull split into bands that each run
+//! the score and P V products over their own keys [c0, c1), on host backends: a band covers up to
+//! hull_band_rows rows (one register block of the products) and takes the hull of its rows
+//! (hull_of; consecutive bands with the same keys are joined), so a tile on the causal diagonal
+//! skips most of its masked upper triangle. Keys a band leaves out are masked for each of its rows:
+//! their scores are written -inf by apply_mask (which does not read them) and their probabilities
+//! are exact zeros that the P V product would have added, so the bits are those of the whole hull.
+//! A full pair is one band, the hull; device code runs the whole hull (no extra registers in
+//! kernels that spill). Returns the number of bands written to `bands`.
+inline constexpr index_t hull_band_rows = 6;
+inline constexpr int max_hull_bands = static_cast<int>((tile_q + hull_band_rows - 1) / hull_band_rows);
+template <class Args>
+int hull_bands(const Args& a, tile_kind kind, const tile_bounds& kb, const tile_hull& hull, index_t q0, index_t k0,
+               index_t nk, tile_hull* bands) {
+  bands[0] = hull;
+  if (kind != tile_kind::partial) return 1;
+  int n = 0;
+  for (index_t b0 = hull.r0; b0 < hull.r1; b0 += hull_band_rows) {
+    const index_t nb = hull.r1 - b0 < hull_band_rows ? hull.r1 - b0 : hull_band_rows;
+    tile_hull h =
+        hull_of(a.qc, a.kc, a.qc.bounds(q0 + b0, nb), kb, q0 + b0, nb, k0, nk, a.pb.causal, a.pb.left, a.pb.right);
+    h.r0 = b0, h.r1 = b0 + nb;  // every row of the band (a row that sees none of its keys adds nothing)
+    if (h.c0 >= h.c1) h.c0 = h.c1 = hull.c0;
+    if (n > 0 && bands[n - 1].c0 == h.c0 && bands[n - 1].c1 == h.c1)
+      bands[n - 1].r1 = h.r1;
+    else
+      bands[n++] = h;
+  }
+  return n;
+}
+
 //! Columns of the score products over a hull of nc keys: nc on host backends' partial pairs,
 //! else the whole tile (as the device kernels always ran them).
 LOOM_HD inline index_t score_columns(tile_kind kind, index_t nc) {
@@ -432,24 +463,41 @@ struct forward_kernel {
           by_pairs ? pair_values(hk, k0, skip_masked, s + tile_q * tile_k + g * head_size) : nullptr;
       // Rows [r0, r0 + nr) of the tile, scores of keys [c0, c0 + nc) (apply_mask writes -inf over
       // the others without reading them: they are masked), P V over those keys.
-      const index_t r0 = hull.r0, nr = hull.r1 - hull.r0, c0 = hull.c0, nc = hull.c1 - hull.c0;
-      const index_t ns = score_columns(kind, nc);  // score columns from c0
+      // Bands of rows [r0, r0 + nr) of the hull (hull_bands), each with its own keys [c0, c0 + nc).
+#if !LOOM_IN_DEVICE_CODE
+      tile_hull bands[max_hull_bands];
+      const int n_bands = hull_bands(*this, kind, kb, hull, q0, k0, nk, bands);
+#else
+      const tile_hull bands[1] = {hull};  // one band (no extra registers in kernels that spill)
+      constexpr int n_bands = 1;
+#endif
+      const index_t r0 = hull.r0, nr = hull.r1 - hull.r0;
       Acc* sr = s + r0 * tile_k;
       for (index_t u = 0; u < g; ++u) {
-        Acc* acc = acc_of(u) + r0 * dv;
-        if (by_pairs)
-          pair_scores(hk, k0, nr, c0, ns, qs_of(u), r0, sr);
-        else
-          gemm<false>(nr, ns, dk, qs_of(u) + r0 * dk, dk, kv.kt_tile(hk, k0) + c0, kv.ld_t(), sr + c0, tile_k, false);
+        for (int bi = 0; bi < n_bands; ++bi) {
+          const tile_hull& bd = bands[bi];
+          const index_t br = bd.r0, bn = bd.r1 - bd.r0, c0 = bd.c0, ns = score_columns(kind, bd.c1 - bd.c0);
+          if (by_pairs)
+            pair_scores(hk, k0, bn, c0, ns, qs_of(u), br, s + br * tile_k);
+          else
+            gemm<false>(bn, ns, dk, qs_of(u) + br * dk, dk, kv.kt_tile(hk, k0) + c0, kv.ld_t(), s + br * tile_k + c0,
+                        tile_k, false);
+        }
         if (!full) apply_mask(pb, qc, kc, q0 + r0, nr, k0, nk, sr);  // visible scores made finite or NaN
-        softmax_update(nr, nk, full, sr, m_of(u) + r0, l_of(u) + r0, acc, dv);
-        if (by_pairs)
-          pair_pv(hk, k0, nr, nk, c0, c0 + nc, sr, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0 + r0, k0});
-        else if (skip_masked)
-          gemm_visible<false>(nr, dv, nc, sr + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true,
-                              pair_visible{pb, qc, kc, q0 + r0, k0 + c0});
-        else
-          gemm<false>(nr, dv, nc, sr + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true);
+        softmax_update(nr, nk, full, sr, m_of(u) + r0, l_of(u) + r0, acc_of(u) + r0 * dv, dv);
+        for (int bi = 0; bi < n_bands; ++bi) {
+          const tile_hull& bd = bands[bi];
+          const index_t br = bd.r0, bn = bd.r1 - bd.r0, c0 = bd.c0, nc = bd.c1 - bd.c0;
+          Acc *sb = s + br * tile_k, *acc = acc_of(u) + br * dv;
+          if (!LOOM_IN_DEVICE_CODE && nc == 0) continue;  // a band that sees none of the keys
+          if (by_pairs)
+            pair_pv(hk, k0, bn, nk, c0, c0 + nc, sb, acc, v_pairs, skip_masked, pair_visible{pb, qc, kc, q0 + br, k0});
+          else if (skip_masked)
+            gemm_visible<false>(bn, dv, nc, sb + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true,
+                                pair_visible{pb, qc, kc, q0 + br, k0 + c0});
+          else
+            gemm<false>(bn, dv, nc, sb + c0, tile_k, kv.vr_tile(hk, k0) + c0 * dv, dv, acc, dv, true);
+        }
       }
     }
     for (index_t u = 0; u < g; ++u)
