@@ -461,9 +461,9 @@ struct forward_kernel {
       // The pair products' V of this tile, for every head of the item.
       const std::uint16_t* v_pairs =
           by_pairs ? pair_values(hk, k0, skip_masked, s + tile_q * tile_k + g * head_size) : nullptr;
-      // Rows [r0, r0 + nr) of the tile, scores of keys [c0, c0 + nc) (apply_mask writes -inf over
-      // the others without reading them: they are masked), P V over those keys.
-      // Bands of rows [r0, r0 + nr) of the hull (hull_bands), each with its own keys [c0, c0 + nc).
+      // Rows [r0, r0 + nr) of the tile (the hull's) in bands (hull_bands), each band's scores over
+      // its keys [c0, c0 + nc) (apply_mask writes -inf over the others without reading them: they
+      // are masked), the softmax step over the hull's rows, then each band's P V over its keys.
 #if !LOOM_IN_DEVICE_CODE
       tile_hull bands[max_hull_bands];
       const int n_bands = hull_bands(*this, kind, kb, hull, q0, k0, nk, bands);
