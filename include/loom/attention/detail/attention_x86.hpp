@@ -299,13 +299,15 @@ LOOM_X86_AVX512 inline float row_max16(const float* row, index_t width, float in
   return _mm512_reduce_max_ps(a);
 }
 
-//! exp16's range reduction and polynomial: with z = x log2(e) + 1.5 * 2^23 (exp16_z: k = round(x
-//! log2(e)) in z's low mantissa bits), p(r) ~ e^r for r = x - k ln 2.
+//! exp16's range reduction: z = x log2(e) + exp16_shift holds k = round(x log2(e)) in its low
+//! mantissa bits, and kf = z - exp16_shift is k as a float (exp16_kf).
+inline constexpr float exp16_shift = 12582912.0f;  // 1.5 * 2^23
 LOOM_X86_AVX512 inline __m512 exp16_z(__m512 x) {
-  return _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
+  return _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(exp16_shift));
 }
-LOOM_X86_AVX512 inline __m512 exp16_poly(__m512 x, __m512 z) {
-  const __m512 kf = _mm512_sub_ps(z, _mm512_set1_ps(12582912.0f));
+LOOM_X86_AVX512 inline __m512 exp16_kf(__m512 z) { return _mm512_sub_ps(z, _mm512_set1_ps(exp16_shift)); }
+//! p(r) ~ e^r for r = x - k ln 2 (Cody-Waite), the polynomial of tile.hpp's fast_exp.
+LOOM_X86_AVX512 inline __m512 exp16_poly(__m512 x, __m512 kf) {
   const __m512 r =
       _mm512_fnmadd_ps(kf, _mm512_set1_ps(1.42860677e-6f), _mm512_fnmadd_ps(kf, _mm512_set1_ps(0.693145752f), x));
   __m512 p = _mm512_set1_ps(1.9841270e-4f);
@@ -320,9 +322,9 @@ LOOM_X86_AVX512 inline __m512 exp16_poly(__m512 x, __m512 z) {
 
 LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
   const __m512 z = exp16_z(x);
-  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(_mm512_set1_ps(12582912.0f)));
+  const __m512i k = _mm512_sub_epi32(_mm512_castps_si512(z), _mm512_castps_si512(_mm512_set1_ps(exp16_shift)));
   const __m512 two_k = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k, _mm512_set1_epi32(127)), 23));
-  const __m512 e = _mm512_mul_ps(exp16_poly(x, z), two_k);
+  const __m512 e = _mm512_mul_ps(exp16_poly(x, exp16_kf(z)), two_k);
   const __m512 hi = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(88.37f), _CMP_GT_OQ), e,
                                          _mm512_set1_ps(__builtin_inff()));
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), hi, _mm512_setzero_ps());
@@ -332,8 +334,8 @@ LOOM_X86_AVX512 inline __m512 exp16(__m512 x) {
 //! operations. Nothing overflows, and p(r) 2^k is one vscalefps: every x > -87 has k >= -126, so
 //! 2^k is a normal float and vscalefps rounds p(r) 2^k once, as exp16's multiply does.
 LOOM_X86_AVX512 inline __m512 exp16_nonpositive(__m512 x) {
-  const __m512 z = exp16_z(x);
-  const __m512 e = _mm512_scalef_ps(exp16_poly(x, z), _mm512_sub_ps(z, _mm512_set1_ps(12582912.0f)));
+  const __m512 kf = exp16_kf(exp16_z(x));
+  const __m512 e = _mm512_scalef_ps(exp16_poly(x, kf), kf);
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LE_OQ), e, _mm512_setzero_ps());
 }
 
@@ -379,19 +381,20 @@ LOOM_X86_AVX512 inline void backward_row16(float* srow, float* drow, index_t wid
   }
 }
 
+//! The lanes of `lanes` whose value in v is not finite (all exponent bits set: +-inf or NaN).
+LOOM_X86_AVX512 inline __mmask16 nonfinite_lanes16(__m512 v, __mmask16 lanes) {
+  const __m512i ones = _mm512_set1_epi32(0x7f800000);
+  return _mm512_mask_cmpeq_epi32_mask(lanes, _mm512_and_si512(_mm512_castps_si512(v), ones), ones);
+}
+
 //! Whether row[0, n) holds only finite values (tile.hpp's all_finite of one row), 16 lanes a step.
 LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
-  const __m512i ones = _mm512_set1_epi32(0x7f800000);
   __mmask16 bad = 0;
   index_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512i u = _mm512_and_si512(_mm512_loadu_si512(row + j), ones);
-    bad |= _mm512_cmpeq_epi32_mask(u, ones);
-  }
+  for (; j + 16 <= n; j += 16) bad |= nonfinite_lanes16(_mm512_loadu_ps(row + j), 0xffff);
   if (j < n) {
     const __mmask16 tail = loom::detail::x86::first_lanes(static_cast<unsigned>(n - j));
-    const __m512i u = _mm512_and_si512(_mm512_maskz_loadu_epi32(tail, row + j), ones);
-    bad |= _mm512_mask_cmpeq_epi32_mask(tail, u, ones);
+    bad |= nonfinite_lanes16(_mm512_maskz_loadu_ps(tail, row + j), tail);
   }
   return bad == 0;
 }
@@ -399,13 +402,12 @@ LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
 //! Four rows of a tile whose keys are all visible (softmax_update's `full`), W scores a row, the
 //! first nk valid: the first step of the online softmax for the four at once, so that their chains
 //! of dependent operations overlap. Per row one pass over its W scores (the entries past nk set to
-//! -inf first, as the per-row path does) takes finite_row16's test of [0, nk) and row_max16's max
+//! -inf first, as the per-row path does) takes finite_row16's test of [0, nk) (nonfinite_lanes16) and row_max16's max
 //! from init m[r], in row_max16's order. Returns false when a row holds a score that is not finite
 //! (the caller then takes its per-row path, which makes such a row NaN; the scores are unchanged
 //! apart from the -inf past nk). Otherwise mx[r] is row r's new max.
 template <int W>
 LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, float* mx) {
-  const __m512i ones = _mm512_set1_epi32(0x7f800000);
   __m512 a[4];
   __mmask16 bad = 0;
 #pragma GCC unroll 4
@@ -418,7 +420,7 @@ LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, floa
 #pragma GCC unroll 4
     for (int r = 0; r < 4; ++r) {
       const __m512 v = _mm512_loadu_ps(s + r * W + j);
-      bad |= _mm512_mask_cmpeq_epi32_mask(valid, _mm512_and_si512(_mm512_castps_si512(v), ones), ones);
+      bad |= nonfinite_lanes16(v, valid);
       a[r] = _mm512_max_ps(v, a[r]);
     }
   }
