@@ -678,6 +678,69 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
     CHECK(vworst < 3e-7);
     CHECK(vbad == 0);
   }
+  // The AVX2 rows: the finite check and the rescale on odd lengths, a non-finite value at every
+  // position; the four-row step (finiteness of [0, nk) and maxima in one pass) against the per-row
+  // finite check and row_max, a non-finite value before nk (the step declines) or past it (filled
+  // -inf: ignored), and the AVX-512 step's answers where the CPU has it.
+  if (loom::detail::x86::avx2_cpu()) {
+    namespace ax = la::detail::x86;
+    constexpr index_t w = la::detail::tile_k;
+    auto g = loom::test::rng(78);
+    std::uniform_real_distribution<double> scores(-30.0, 30.0), values(-2.0, 2.0);
+    std::size_t wrong = 0;
+    for (index_t n = 1; n <= 41; ++n) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (auto& v : x) v = static_cast<float>(values(g));
+      wrong += !ax::finite_row8(x.data(), n);
+      for (index_t at = 0; at < n; ++at)
+        for (const float bad : {inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
+          std::vector<float> y(x);
+          y[static_cast<std::size_t>(at)] = bad;
+          wrong += ax::finite_row8(y.data(), n);
+        }
+      std::vector<float> a(x), want(x);
+      for (auto& v : want) v *= 0.75f;
+      ax::scale_row8(a.data(), n, 0.75f);
+      wrong += a != want;
+    }
+    for (int trial = 0; trial < 60; ++trial) {
+      const index_t nk = trial % 3 == 0 ? w : 1 + (trial * 13) % w;
+      std::vector<float> rows(static_cast<std::size_t>(4 * w));
+      for (auto& x : rows) x = static_cast<float>(scores(g));
+      const std::size_t at = static_cast<std::size_t>((trial * 29) % (4 * w));
+      const float bad = trial % 3 == 0 ? inf : trial % 3 == 1 ? -inf : std::numeric_limits<float>::quiet_NaN();
+      if (trial % 2) rows[at] = bad;
+      const float m[4] = {-inf, 12.5f, -3.0f, trial % 4 == 1 ? 40.0f : -inf};
+      std::vector<float> want(rows);
+      bool finite = true;
+      float want_mx[4];
+      for (index_t r = 0; r < 4; ++r) {
+        float* row = want.data() + r * w;
+        finite = finite && ax::finite_row8(row, nk);
+        for (index_t j = nk; j < w; ++j) row[j] = -inf;
+        want_mx[r] = ax::row_max(row, w, m[r]);
+      }
+      std::vector<float> got(rows);
+      float mx[4];
+      const bool ok = ax::rows_max4_avx2<w>(got.data(), nk, m, mx);
+      wrong += ok != finite;
+      for (std::size_t e = 0; e < got.size(); ++e)
+        wrong += la::detail::float_to_bits(got[e]) != la::detail::float_to_bits(want[e]);
+      if (ok)
+        for (int r = 0; r < 4; ++r) wrong += la::detail::float_to_bits(mx[r]) != la::detail::float_to_bits(want_mx[r]);
+      if (loom::detail::x86::avx512_cpu()) {
+        std::vector<float> got16(rows);
+        float mx16[4];
+        const bool ok16 = ax::rows_max4<w>(got16.data(), nk, m, mx16);
+        wrong += ok16 != finite;
+        for (std::size_t e = 0; e < got.size(); ++e)
+          wrong += la::detail::float_to_bits(got16[e]) != la::detail::float_to_bits(got[e]);
+        if (ok16)
+          for (int r = 0; r < 4; ++r) wrong += la::detail::float_to_bits(mx16[r]) != la::detail::float_to_bits(mx[r]);
+      }
+    }
+    CHECK(wrong == 0);
+  }
   // The 16-lane softmax rows (AVX-512) give the 8-lane ones' bits: max, probabilities and sum,
   // with and without the full-row poisoning, every nk, and the backward's rows of P and dS; the
   // finite check and the rescale on odd lengths, a non-finite value at every position.

@@ -192,21 +192,26 @@ LOOM_X86_AVX2 inline void decode_pv(const float* p, index_t ld_p, const TV* v, i
 
 //! max(init, row[0..width)) (width a multiple of 16), where a NaN element is passed over
 //! (local_kernels.hpp's row_max: each step keeps x > m ? x : m, which is what maxps computes).
+//! The max of row_max's two 8-lane partial maxima a (even vectors) and b (odd ones), in its order.
+LOOM_X86_AVX2 inline float reduce_max8(__m256 a, __m256 b) {
+  a = _mm256_max_ps(b, a);
+  __m128 h = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
+  h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+  return _mm_cvtss_f32(_mm_max_ss(_mm_shuffle_ps(h, h, 1), h));
+}
 LOOM_X86_AVX2 inline float row_max(const float* row, index_t width, float init) {
   __m256 a = _mm256_set1_ps(init), b = a;
   for (index_t j = 0; j < width; j += 16) {
     a = _mm256_max_ps(_mm256_loadu_ps(row + j), a);
     b = _mm256_max_ps(_mm256_loadu_ps(row + j + 8), b);
   }
-  a = _mm256_max_ps(b, a);
-  __m128 h = _mm_max_ps(_mm256_extractf128_ps(a, 1), _mm256_castps256_ps128(a));
-  h = _mm_max_ps(_mm_movehl_ps(h, h), h);
-  return _mm_cvtss_f32(_mm_max_ss(_mm_shuffle_ps(h, h, 1), h));
+  return reduce_max8(a, b);
 }
 
-//! e^x in 8 lanes: tile.hpp's fast_exp (the same range reduction and polynomial, relative error
-//! below 3e-7 on (-87, 88.37); 0 at and below -87, +inf above 88.37, NaN for NaN).
-LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {
+//! e^x in 8 lanes (exp8): tile.hpp's fast_exp (the same range reduction and polynomial, relative
+//! error below 3e-7 on (-87, 88.37); 0 at and below -87, +inf above 88.37, NaN for NaN), in parts:
+//! the reduction and polynomial times 2^k (exp8_unclamped), then the two range tests.
+LOOM_X86_AVX2 inline __m256 exp8_unclamped(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f);
   const __m256 z = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), magic);
   const __m256 kf = _mm256_sub_ps(z, magic);
@@ -221,12 +226,20 @@ LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256 e =
-      _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)));
-  const __m256 hi =
-      _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(x, _mm256_set1_ps(88.37f), _CMP_GT_OQ));
-  return _mm256_blendv_ps(hi, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23)));
 }
+//! e where x > -87 (or NaN), 0 where x <= -87.
+LOOM_X86_AVX2 inline __m256 exp8_underflow(__m256 x, __m256 e) {
+  return _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LE_OQ));
+}
+LOOM_X86_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 hi = _mm256_blendv_ps(exp8_unclamped(x), _mm256_set1_ps(__builtin_inff()),
+                                     _mm256_cmp_ps(x, _mm256_set1_ps(88.37f), _CMP_GT_OQ));
+  return exp8_underflow(x, hi);
+}
+//! exp8 of an x that is <= 0, -inf or NaN (a score minus its row's max): the same bits without the
+//! overflow test (nothing overflows).
+LOOM_X86_AVX2 inline __m256 exp8_nonpositive(__m256 x) { return exp8_underflow(x, exp8_unclamped(x)); }
 
 //! y[i] = exp8(x[i]) for i < n (a multiple of 8): the vector exp on an array (its tests).
 LOOM_X86_AVX2 inline void exp_array(const float* x, float* y, index_t n) {
@@ -254,7 +267,7 @@ LOOM_X86_AVX2 inline float exp_row(float* row, index_t width, index_t nk, bool f
   for (index_t j = 0; j < width; j += 8) {
     __m256 x = _mm256_loadu_ps(row + j);
     if (full) x = finite_or_nan8(x);
-    __m256 e = exp8(_mm256_sub_ps(x, m));
+    __m256 e = exp8_nonpositive(_mm256_sub_ps(x, m));  // x <= m, the row's max
     if (full) e = _mm256_and_ps(e, lanes_below(j, nk));
     _mm256_storeu_ps(row + j, e);
     sum = _mm256_add_ps(sum, e);
@@ -278,6 +291,72 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
     const __m256 ds = _mm256_and_ps(_mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(drow + j), dl)), seen);
     _mm256_storeu_ps(srow + j, p);
     _mm256_storeu_ps(drow + j, ds);
+  }
+}
+
+//! The lanes of v that are not finite (all exponent bits set: +-inf or NaN), as all-ones lanes.
+LOOM_X86_AVX2 inline __m256i nonfinite_lanes8(__m256 v) {
+  const __m256i ones = _mm256_set1_epi32(0x7f800000);
+  return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), ones), ones);
+}
+
+//! Whether row[0, n) holds only finite values (tile.hpp's all_finite of one row), 8 lanes a step.
+LOOM_X86_AVX2 inline bool finite_row8(const float* row, index_t n) {
+  __m256i bad = _mm256_setzero_si256();
+  index_t j = 0;
+  for (; j + 8 <= n; j += 8) bad = _mm256_or_si256(bad, nonfinite_lanes8(_mm256_loadu_ps(row + j)));
+  if (j < n) {  // masked lanes load as 0, a finite value
+    const __m256i tail = _mm256_castps_si256(lanes_below(j, n));
+    bad = _mm256_or_si256(bad, nonfinite_lanes8(_mm256_maskload_ps(row + j, tail)));
+  }
+  return _mm256_testz_si256(bad, bad) != 0;
+}
+
+//! rows_max4 (below) in 8 lanes: four rows' finiteness tests of [0, nk) and their maxima from m[r],
+//! each in row_max's order (two partial maxima, reduce_max8), in one pass over the four.
+template <int W>
+LOOM_X86_AVX2 inline bool rows_max4_avx2(float* s, index_t nk, const float* m, float* mx) {
+  static_assert(W % 16 == 0, "row_max's order takes 16 scores a step");
+  __m256 a[4], b[4];
+  __m256i bad = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) {
+    for (index_t j = nk; j < W; ++j) s[r * W + j] = -__builtin_inff();
+    a[r] = b[r] = _mm256_set1_ps(m[r]);
+  }
+  for (index_t j = 0; j < W; j += 16) {
+    const __m256i valid0 = _mm256_castps_si256(lanes_below(j, nk)),
+                  valid1 = _mm256_castps_si256(lanes_below(j + 8, nk));
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      const __m256 v0 = _mm256_loadu_ps(s + r * W + j), v1 = _mm256_loadu_ps(s + r * W + j + 8);
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_and_si256(nonfinite_lanes8(v0), valid0),
+                                                 _mm256_and_si256(nonfinite_lanes8(v1), valid1)));
+      a[r] = _mm256_max_ps(v0, a[r]);
+      b[r] = _mm256_max_ps(v1, b[r]);
+    }
+  }
+  if (_mm256_testz_si256(bad, bad) == 0) return false;
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) mx[r] = reduce_max8(a[r], b[r]);
+  return true;
+}
+
+//! rows_exp4 (below) in 8 lanes: exp_row of each of the four rows against its max mx[r].
+template <int W>
+LOOM_X86_AVX2 inline void rows_exp4_avx2(float* s, const float* mx, float* sum) {
+#pragma GCC unroll 4
+  for (int r = 0; r < 4; ++r) sum[r] = exp_row(s + r * W, W, W, false, mx[r]);
+}
+
+//! row[0, n) *= alpha, 8 lanes a step.
+LOOM_X86_AVX2 inline void scale_row8(float* row, index_t n, float alpha) {
+  const __m256 a = _mm256_set1_ps(alpha);
+  index_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), a));
+  if (j < n) {
+    const __m256i tail = _mm256_castps_si256(lanes_below(j, n));
+    _mm256_maskstore_ps(row + j, tail, _mm256_mul_ps(_mm256_maskload_ps(row + j, tail), a));
   }
 }
 

@@ -204,8 +204,10 @@ LOOM_HD Acc exp_row(Acc* row, index_t nk, bool full, Acc mx) {
 template <class Acc>
 LOOM_HD bool finite_row(const Acc* row, index_t n) {
 #if defined(LOOM_ATTENTION_X86_TILES)
-  if constexpr (std::is_same_v<Acc, float>)
+  if constexpr (std::is_same_v<Acc, float>) {
     if (loom::detail::x86::avx512_available()) return x86::finite_row16(row, n);
+    if (loom::detail::x86::avx2_available()) return x86::finite_row8(row, n);
+  }
 #endif
   return all_finite(row, 1, n, tile_k);
 }
@@ -214,8 +216,10 @@ LOOM_HD bool finite_row(const Acc* row, index_t n) {
 template <class Acc>
 LOOM_HD void scale_row(Acc* row, index_t n, Acc alpha) {
 #if defined(LOOM_ATTENTION_X86_TILES)
-  if constexpr (std::is_same_v<Acc, float>)
+  if constexpr (std::is_same_v<Acc, float>) {
     if (loom::detail::x86::avx512_available()) return x86::scale_row16(row, n, alpha);
+    if (loom::detail::x86::avx2_available()) return x86::scale_row8(row, n, alpha);
+  }
 #endif
   for (index_t c = 0; c < n; ++c) row[c] *= alpha;
 }
@@ -241,18 +245,25 @@ template <class Acc>
 LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, Acc* l, Acc* acc, index_t dv) {
   index_t i = 0;
 #if defined(LOOM_ATTENTION_X86_TILES)
-  // AVX-512, every key visible: four rows at a time while their scores are finite (the same
-  // operations per row as below, so the same bits; the rows' chains of dependent operations
+  // AVX-512 or AVX2, every key visible: four rows at a time while their scores are finite (the
+  // same operations per row as below, so the same bits; the rows' chains of dependent operations
   // overlap). A group with a score that is not finite, and the rows after it, take the loop below.
-  if constexpr (std::is_same_v<Acc, float>)
-    if (full && loom::detail::x86::avx512_available())
+  if constexpr (std::is_same_v<Acc, float>) {
+    const bool wide = loom::detail::x86::avx512_available();
+    if (full && (wide || loom::detail::x86::avx2_available()))
       for (; i + 4 <= nq; i += 4) {
         Acc mx[4], alpha[4], sum[4];
-        if (!x86::rows_max4<tile_k>(s + i * tile_k, nk, m + i, mx)) break;
+        Acc* rows = s + i * tile_k;
+        if (!(wide ? x86::rows_max4<tile_k>(rows, nk, m + i, mx) : x86::rows_max4_avx2<tile_k>(rows, nk, m + i, mx)))
+          break;
         for (index_t r = 0; r < 4; ++r) alpha[r] = fast_exp(m[i + r] - mx[r]);
-        x86::rows_exp4<tile_k>(s + i * tile_k, mx, sum);
+        if (wide)
+          x86::rows_exp4<tile_k>(rows, mx, sum);
+        else
+          x86::rows_exp4_avx2<tile_k>(rows, mx, sum);
         for (index_t r = 0; r < 4; ++r) commit_row(mx[r], alpha[r], sum[r], m[i + r], l[i + r], acc + (i + r) * dv, dv);
       }
+  }
 #endif
   for (; i < nq; ++i) {
     Acc* row = s + i * tile_k;
