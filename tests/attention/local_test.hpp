@@ -708,7 +708,8 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
       std::vector<float> rows(static_cast<std::size_t>(4 * w));
       for (auto& x : rows) x = static_cast<float>(scores(g));
       const std::size_t at = static_cast<std::size_t>((trial * 29) % (4 * w));
-      const float bad = trial % 3 == 0 ? inf : trial % 3 == 1 ? -inf : std::numeric_limits<float>::quiet_NaN();
+      const int kind = (trial / 3) % 3;  // every kind of bad value with nk = w and with nk < w
+      const float bad = kind == 0 ? inf : kind == 1 ? -inf : std::numeric_limits<float>::quiet_NaN();
       if (trial % 2) rows[at] = bad;
       const float m[4] = {-inf, 12.5f, -3.0f, trial % 4 == 1 ? 40.0f : -inf};
       std::vector<float> want(rows);

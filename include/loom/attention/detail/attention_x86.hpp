@@ -295,6 +295,9 @@ LOOM_X86_AVX2 inline void backward_row(float* srow, float* drow, index_t width, 
 }
 
 //! The lanes of v that are not finite (all exponent bits set: +-inf or NaN), as all-ones lanes.
+//! (The four-row steps test a whole row by the FMA test instead: z = v * 0 + z stays +0
+//! from z = +0 while every v is finite, since v * 0 is an exact +-0, and is NaN from the first
+//! +-inf or NaN on, since inf * 0 is NaN.)
 LOOM_X86_AVX2 inline __m256i nonfinite_lanes8(__m256 v) {
   const __m256i ones = _mm256_set1_epi32(0x7f800000);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(v), ones), ones);
@@ -318,25 +321,40 @@ template <int W>
 LOOM_X86_AVX2 inline bool rows_max4_avx2(float* s, index_t nk, const float* m, float* mx) {
   static_assert(W % 16 == 0, "row_max's order takes 16 scores a step");
   __m256 a[4], b[4];
-  __m256i bad = _mm256_setzero_si256();
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
     for (index_t j = nk; j < W; ++j) s[r * W + j] = -__builtin_inff();
     a[r] = b[r] = _mm256_set1_ps(m[r]);
   }
-  for (index_t j = 0; j < W; j += 16) {
-    const __m256i valid0 = _mm256_castps_si256(lanes_below(j, nk)),
-                  valid1 = _mm256_castps_si256(lanes_below(j + 8, nk));
+  if (nk == W) {  // every entry tested: one FMA a vector (the FMA test, nonfinite_lanes8) instead of a compare
+    const __m256 zero = _mm256_setzero_ps();
+    __m256 z[4] = {zero, zero, zero, zero};
+    for (index_t j = 0; j < W; j += 16)
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const __m256 v0 = _mm256_loadu_ps(s + r * W + j), v1 = _mm256_loadu_ps(s + r * W + j + 8);
-      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_and_si256(nonfinite_lanes8(v0), valid0),
-                                                 _mm256_and_si256(nonfinite_lanes8(v1), valid1)));
-      a[r] = _mm256_max_ps(v0, a[r]);
-      b[r] = _mm256_max_ps(v1, b[r]);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 v0 = _mm256_loadu_ps(s + r * W + j), v1 = _mm256_loadu_ps(s + r * W + j + 8);
+        z[r] = _mm256_fmadd_ps(v1, zero, _mm256_fmadd_ps(v0, zero, z[r]));
+        a[r] = _mm256_max_ps(v0, a[r]);
+        b[r] = _mm256_max_ps(v1, b[r]);
+      }
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(z[0], z[1]), _mm256_add_ps(z[2], z[3]));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(t, t, _CMP_UNORD_Q)) != 0) return false;
+  } else {
+    __m256i bad = _mm256_setzero_si256();
+    for (index_t j = 0; j < W; j += 16) {
+      const __m256i valid0 = _mm256_castps_si256(lanes_below(j, nk)),
+                    valid1 = _mm256_castps_si256(lanes_below(j + 8, nk));
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m256 v0 = _mm256_loadu_ps(s + r * W + j), v1 = _mm256_loadu_ps(s + r * W + j + 8);
+        bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_and_si256(nonfinite_lanes8(v0), valid0),
+                                                   _mm256_and_si256(nonfinite_lanes8(v1), valid1)));
+        a[r] = _mm256_max_ps(v0, a[r]);
+        b[r] = _mm256_max_ps(v1, b[r]);
+      }
     }
+    if (_mm256_testz_si256(bad, bad) == 0) return false;
   }
-  if (_mm256_testz_si256(bad, bad) == 0) return false;
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) mx[r] = reduce_max8(a[r], b[r]);
   return true;
@@ -488,22 +506,36 @@ LOOM_X86_AVX512 inline bool finite_row16(const float* row, index_t n) {
 template <int W>
 LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, float* mx) {
   __m512 a[4];
-  __mmask16 bad = 0;
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) {
     for (index_t j = nk; j < W; ++j) s[r * W + j] = -__builtin_inff();
     a[r] = _mm512_set1_ps(m[r]);
   }
-  for (index_t j = 0; j < W; j += 16) {
-    const __mmask16 valid = lanes_below16(j, nk);
+  if (nk == W) {  // every entry tested: one FMA a vector (the FMA test, nonfinite_lanes8) instead of a compare
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 z[4] = {zero, zero, zero, zero};
+    for (index_t j = 0; j < W; j += 16)
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
-      const __m512 v = _mm512_loadu_ps(s + r * W + j);
-      bad |= nonfinite_lanes16(v, valid);
-      a[r] = _mm512_max_ps(v, a[r]);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 v = _mm512_loadu_ps(s + r * W + j);
+        z[r] = _mm512_fmadd_ps(v, zero, z[r]);
+        a[r] = _mm512_max_ps(v, a[r]);
+      }
+    const __m512 t = _mm512_add_ps(_mm512_add_ps(z[0], z[1]), _mm512_add_ps(z[2], z[3]));
+    if (_mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q) != 0) return false;
+  } else {
+    __mmask16 bad = 0;
+    for (index_t j = 0; j < W; j += 16) {
+      const __mmask16 valid = lanes_below16(j, nk);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        const __m512 v = _mm512_loadu_ps(s + r * W + j);
+        bad |= nonfinite_lanes16(v, valid);
+        a[r] = _mm512_max_ps(v, a[r]);
+      }
     }
+    if (bad != 0) return false;
   }
-  if (bad != 0) return false;
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) mx[r] = _mm512_reduce_max_ps(a[r]);
   return true;
