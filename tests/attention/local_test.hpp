@@ -678,6 +678,28 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
     CHECK(vworst < 3e-7);
     CHECK(vbad == 0);
   }
+  // A row form's finite check and rescale on lengths 1 to 41 with random values, and the finite
+  // check with +-inf or NaN at every position: the number of wrong answers.
+  const auto finite_and_scale_errors = [&](auto finite, auto scale, auto& gen) {
+    std::uniform_real_distribution<double> values(-2.0, 2.0);
+    std::size_t wrong = 0;
+    for (index_t n = 1; n <= 41; ++n) {
+      std::vector<float> x(static_cast<std::size_t>(n));
+      for (auto& v : x) v = static_cast<float>(values(gen));
+      wrong += !finite(x.data(), n);
+      for (index_t at = 0; at < n; ++at)
+        for (const float bad : {inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
+          std::vector<float> y(x);
+          y[static_cast<std::size_t>(at)] = bad;
+          wrong += finite(y.data(), n);
+        }
+      std::vector<float> a(x), want(x);
+      for (auto& v : want) v *= 0.75f;
+      scale(a.data(), n, 0.75f);
+      wrong += a != want;
+    }
+    return wrong;
+  };
   // The AVX2 rows: the finite check and the rescale on odd lengths, a non-finite value at every
   // position; the four-row step (finiteness of [0, nk) and maxima in one pass) against the per-row
   // finite check and row_max, a non-finite value before nk (the step declines) or past it (filled
@@ -686,23 +708,8 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
     namespace ax = la::detail::x86;
     constexpr index_t w = la::detail::tile_k;
     auto g = loom::test::rng(78);
-    std::uniform_real_distribution<double> scores(-30.0, 30.0), values(-2.0, 2.0);
-    std::size_t wrong = 0;
-    for (index_t n = 1; n <= 41; ++n) {
-      std::vector<float> x(static_cast<std::size_t>(n));
-      for (auto& v : x) v = static_cast<float>(values(g));
-      wrong += !ax::finite_row8(x.data(), n);
-      for (index_t at = 0; at < n; ++at)
-        for (const float bad : {inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
-          std::vector<float> y(x);
-          y[static_cast<std::size_t>(at)] = bad;
-          wrong += ax::finite_row8(y.data(), n);
-        }
-      std::vector<float> a(x), want(x);
-      for (auto& v : want) v *= 0.75f;
-      ax::scale_row8(a.data(), n, 0.75f);
-      wrong += a != want;
-    }
+    std::uniform_real_distribution<double> scores(-30.0, 30.0);
+    std::size_t wrong = finite_and_scale_errors(ax::finite_row8, ax::scale_row8, g);
     for (int trial = 0; trial < 60; ++trial) {
       const index_t nk = trial % 3 == 0 ? w : 1 + (trial * 13) % w;
       std::vector<float> rows(static_cast<std::size_t>(4 * w));
@@ -786,22 +793,7 @@ TEST_CASE("attention: fast_exp against std::exp, and its non-finite cases" LOOM_
       }
     }
     CHECK(mismatches == 0);
-    std::size_t wrong = 0;
-    for (index_t n = 1; n <= 41; ++n) {
-      std::vector<float> x(static_cast<std::size_t>(n));
-      for (auto& v : x) v = static_cast<float>(values(g));
-      wrong += !ax::finite_row16(x.data(), n);
-      for (index_t at = 0; at < n; ++at)
-        for (const float bad : {inf, -inf, std::numeric_limits<float>::quiet_NaN()}) {
-          std::vector<float> y(x);
-          y[static_cast<std::size_t>(at)] = bad;
-          wrong += ax::finite_row16(y.data(), n);
-        }
-      std::vector<float> a(x), want(x);
-      for (auto& v : want) v *= 0.75f;
-      ax::scale_row16(a.data(), n, 0.75f);
-      wrong += a != want;
-    }
+    std::size_t wrong = finite_and_scale_errors(ax::finite_row16, ax::scale_row16, g);
     CHECK(wrong == 0);
   }
 #endif

@@ -360,13 +360,6 @@ LOOM_X86_AVX2 inline bool rows_max4_avx2(float* s, index_t nk, const float* m, f
   return true;
 }
 
-//! rows_exp4 (below) in 8 lanes: exp_row of each of the four rows against its max mx[r].
-template <int W>
-LOOM_X86_AVX2 inline void rows_exp4_avx2(float* s, const float* mx, float* sum) {
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) sum[r] = exp_row(s + r * W, W, W, false, mx[r]);
-}
-
 //! row[0, n) *= alpha, 8 lanes a step.
 LOOM_X86_AVX2 inline void scale_row8(float* row, index_t n, float alpha) {
   const __m256 a = _mm256_set1_ps(alpha);
@@ -539,14 +532,6 @@ LOOM_X86_AVX512 inline bool rows_max4(float* s, index_t nk, const float* m, floa
 #pragma GCC unroll 4
   for (int r = 0; r < 4; ++r) mx[r] = _mm512_reduce_max_ps(a[r]);
   return true;
-}
-
-//! The second step for the four rows of rows_max4 (which returned true): exp_row16 of each row
-//! against its max mx[r] (without `full`: the entries past nk are -inf), its sum in sum[r].
-template <int W>
-LOOM_X86_AVX512 inline void rows_exp4(float* s, const float* mx, float* sum) {
-#pragma GCC unroll 4
-  for (int r = 0; r < 4; ++r) sum[r] = exp_row16(s + r * W, W, W, false, mx[r]);
 }
 
 //! row[0, n) *= alpha, 16 lanes a step.

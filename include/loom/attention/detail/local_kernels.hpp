@@ -257,10 +257,7 @@ LOOM_HD void softmax_update(index_t nq, index_t nk, bool full, Acc* s, Acc* m, A
         if (!(wide ? x86::rows_max4<tile_k>(rows, nk, m + i, mx) : x86::rows_max4_avx2<tile_k>(rows, nk, m + i, mx)))
           break;
         for (index_t r = 0; r < 4; ++r) alpha[r] = fast_exp(m[i + r] - mx[r]);
-        if (wide)
-          x86::rows_exp4<tile_k>(rows, mx, sum);
-        else
-          x86::rows_exp4_avx2<tile_k>(rows, mx, sum);
+        for (index_t r = 0; r < 4; ++r) sum[r] = exp_row(rows + r * tile_k, tile_k, false, mx[r]);  // -inf past nk
         for (index_t r = 0; r < 4; ++r) commit_row(mx[r], alpha[r], sum[r], m[i + r], l[i + r], acc + (i + r) * dv, dv);
       }
   }
